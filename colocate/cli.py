@@ -1,0 +1,130 @@
+"""The `colocate` command line.
+
+    colocate launch [CONFIG] [key=value ...]     run an RL job (no arguments: the embedded CPU default)
+    colocate validate [CONFIG] [key=value ...]   print the resolved config and its placement; starts nothing
+    colocate submit [CONFIG] [key=value ...]     run the job on a Ray cluster through the Job Submission API
+    colocate bench {sync,switch} ...             sync / switch benchmarks
+    colocate config-docs                         print the table of every config key (docs/config.md)
+
+User mistakes (bad keys, values, paths, resources) print one line `colocate: error: ...` and exit with code 2
+before any actor starts; runtime failures print one line and exit 1; Ctrl-C exits 130 after cleaning up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from colocate.config import ConfigError, JobConfig, config_docs_markdown, load_config, to_dict
+
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+
+def _split(items: list[str]) -> tuple[str | None, list[str]]:
+    """`[CONFIG] [key=value ...]`: the config file is the one argument without '='."""
+    paths = [i for i in items if "=" not in i]
+    if len(paths) > 1:
+        raise ConfigError(f"expected at most one config file, got {paths}; overrides are key=value")
+    return (paths[0] if paths else None), [i for i in items if "=" in i]
+
+
+def resolve(args) -> JobConfig:
+    path, overrides = _split(args.items)
+    if getattr(args, "address", None):
+        overrides.append(f"placement.ray_address={args.address}")
+    elif os.environ.get("RAY_ADDRESS") and not any(o.startswith("placement.ray_address=") for o in overrides):
+        overrides.append(f"placement.ray_address={os.environ['RAY_ADDRESS']}")
+    return load_config(path, overrides)
+
+
+def local_preflight(cfg: JobConfig):
+    """Device checks that need no Ray: for a local run, the slots must fit this machine."""
+    from colocate.placement import local_device_count, plan_slots, resolve_device
+
+    device = resolve_device(cfg.placement.device)
+    if cfg.placement.ray_address:
+        return None  # the cluster's devices are checked once connected, before any actor starts
+    return plan_slots(cfg, device=device, num_devices=local_device_count(device))
+
+
+def cmd_validate(args) -> int:
+    from omegaconf import OmegaConf
+
+    cfg = resolve(args)
+    plan = local_preflight(cfg)
+    print(OmegaConf.to_yaml(to_dict(cfg)).rstrip())
+    print("# placement")
+    if plan is None:
+        print(f"# {cfg.placement.num_slots} slot(s) on the Ray cluster at {cfg.placement.ray_address}, "
+              f"{cfg.num_engines} engine(s) x TP={cfg.engine.tp} (devices are checked when the job connects)")
+    else:
+        for line in plan.describe():
+            print(f"# {line}")
+    return 0
+
+
+def cmd_launch(args) -> int:
+    cfg = resolve(args)
+    local_preflight(cfg)
+    from colocate.train import run_job
+
+    return run_job(cfg)
+
+
+def cmd_config_docs(args) -> int:
+    print(config_docs_markdown(), end="")
+    return 0
+
+
+def cmd_not_built(args) -> int:
+    print(f"colocate: error: `colocate {args.command}` is not built yet", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="colocate", description="Co-located RL training: FSDP2 trainers and "
+                                     "vLLM engines taking turns on the same devices.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    items_help = "optional YAML config file, then key=value overrides (e.g. engine.tp=2 algo.num_steps=10)"
+
+    launch = sub.add_parser("launch", help="run an RL job (no arguments: the embedded CPU default)",
+                            description="Run an RL job: rollout -> score -> train -> sync, repeated algo.num_steps "
+                            "times. Metrics go to <logging.output_dir>/metrics.jsonl.")
+    launch.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
+    launch.add_argument("--address", help="join an existing Ray cluster (default: $RAY_ADDRESS, else a local Ray)")
+    launch.set_defaults(func=cmd_launch)
+
+    validate = sub.add_parser("validate", help="print the resolved config and placement; starts nothing",
+                              description="Resolve and check a config (YAML + overrides) without starting anything.")
+    validate.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
+    validate.add_argument("--address", help="the Ray cluster the job will run on")
+    validate.set_defaults(func=cmd_validate)
+
+    submit = sub.add_parser("submit", help="submit a job to a Ray cluster (Job Submission API)")
+    submit.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
+    submit.set_defaults(func=cmd_not_built)
+
+    bench = sub.add_parser("bench", help="benchmarks: sync (weight sync) or switch (sleep/wake)")
+    bench.add_argument("which", choices=["sync", "switch"])
+    bench.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
+    bench.set_defaults(func=cmd_not_built, command="bench")
+
+    docs = sub.add_parser("config-docs", help="print the markdown table of every config key")
+    docs.set_defaults(func=cmd_config_docs)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"colocate: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""Typed job configuration.
+
+YAML files and `key=value` overrides are read with OmegaConf at the edge (`load_config`) and converted once
+into these dataclasses; library code only ever sees `JobConfig`. Every field carries a one-line docstring
+(the string literal under it), which `colocate config-docs` turns into the table in docs/config.md.
+
+    >>> cfg = load_config("configs/default.yaml", ["engine.tp=1", "placement.num_slots=1"])
+    >>> cfg.engine.tp
+    1
+
+Static validation (`JobConfig.validate`) checks everything that needs no machine; `preflight.check_resources`
+checks what needs one (device counts). Both raise `ConfigError`, a `ValueError` whose message names the key,
+the bad value and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A user mistake in the job configuration; the CLI prints it as one line and exits with code 2."""
+
+
+def _bad(key: str, value, valid: str) -> ConfigError:
+    return ConfigError(f"{key}={value!r} is invalid: {valid}")
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Hugging Face model directory or hub id; empty builds the embedded `preset` into `cache_dir`."""
+    preset: str = "tiny"
+    """Embedded model preset when `path` is empty: tiny (tests, default job), tiny-tied, bench (>= 0.4 GB bf16)."""
+    cache_dir: str = "~/.cache/colocate/models"
+    """Where embedded presets are built once and reused."""
+    seed: int = 0
+    """Seed of the embedded model's random initialisation."""
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient norm clip; 0 disables clipping."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward pass on each rank; gradients accumulate over micro-batches."""
+    mixed_precision: bool = False
+    """FSDP2 mixed precision (bf16 compute, fp32 reduce); CUDA only."""
+    offload: bool = True
+    """Release the trainer's parameters, gradients and optimizer state while the engine runs."""
+    num_threads: int = 1
+    """Torch intra-op threads per trainer rank (CPU)."""
+
+
+@dataclass
+class EngineConfig:
+    tp: int = 2
+    """Tensor-parallel size of each vLLM engine; must divide placement.num_slots."""
+    dtype: str = "bfloat16"
+    """Engine weight dtype: bfloat16, float16 or float32."""
+    max_model_len: int = 128
+    """Longest prompt + response the engine accepts."""
+    kv_cache_gib: float = 0.25
+    """CPU: KV cache size per engine worker in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.5
+    """CUDA: fraction of GPU memory vLLM may use for weights + KV cache."""
+    enforce_eager: bool = True
+    """Skip graph capture / compilation (fast start; the CPU tests want it)."""
+    sleep_level: int = 1
+    """Engine sleep level: 1 keeps a host copy of the weights, 2 discards them (sync restores them)."""
+    sleep_backend: str = "auto"
+    """auto (vllm on CUDA, portable on CPU), vllm (vLLM sleep mode, CUDA only), portable (release storages)."""
+    seed: int = 0
+    """Engine sampling seed."""
+
+
+@dataclass
+class SyncConfig:
+    bucket_mb: float = 0.0
+    """Size of one bucket slot in MiB; 0 sizes it to the largest layer."""
+    num_bucket_slots: int = 2
+    """Bucket slots in the ring: >= 2 lets the next layer be packed while the engine loads the previous."""
+    verify: str = "checksum"
+    """After each sync: checksum (per layer), full (compare every engine tensor), or none."""
+
+
+@dataclass
+class RolloutConfig:
+    task: str = "copy"
+    """Built-in toy task (copy, reverse, add) or a dotted path `module:function` returning a Task."""
+    reward_fn: str = ""
+    """Dotted path `module:function(prompt, response, answer) -> float`; empty uses the task's reward."""
+    num_prompts: int = 16
+    """Prompts per RL step."""
+    num_samples: int = 8
+    """Responses sampled per prompt (the GRPO group size)."""
+    max_tokens: int = 8
+    """Longest response in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling probability mass."""
+    task_length: int = 3
+    """Operand length (characters) of the toy tasks."""
+    seed: int = 0
+    """Seed of the prompt stream."""
+
+
+@dataclass
+class AlgoConfig:
+    num_steps: int = 40
+    """RL steps to run."""
+    clip_eps: float = 0.2
+    """PPO/GRPO ratio clip."""
+    normalize_advantages: bool = True
+    """Divide group-relative advantages by the group's standard deviation."""
+
+
+@dataclass
+class PlacementConfig:
+    device: str = "auto"
+    """auto, cpu or cuda."""
+    num_slots: int = 2
+    """Device slots (GPUs, or logical CPU slots); each holds one trainer rank and one engine worker."""
+    ray_address: str = ""
+    """Existing Ray cluster to join ('auto', or host:port); empty starts a local Ray."""
+
+
+@dataclass
+class LoggingConfig:
+    output_dir: str = "outputs/default"
+    """Directory for metrics.jsonl and the resolved config."""
+    progress: bool = True
+    """Print one compact line per step."""
+    level: str = "WARNING"
+    """Log level of colocate and its actors: DEBUG, INFO, WARNING, ERROR."""
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def num_engines(self) -> int:
+        return self.placement.num_slots // self.engine.tp
+
+    def validate(self) -> None:
+        """Checks that need no machine. Raises ConfigError naming the first bad key."""
+        from colocate import models  # local: models imports this module
+
+        _positive(self, "trainer.lr", "trainer.micro_batch_size", "trainer.num_threads", "engine.tp",
+                  "engine.max_model_len", "sync.num_bucket_slots", "rollout.num_prompts", "rollout.num_samples",
+                  "rollout.max_tokens", "rollout.task_length", "rollout.top_p", "algo.num_steps",
+                  "placement.num_slots")
+        _non_negative(self, "trainer.weight_decay", "trainer.grad_clip", "rollout.temperature", "sync.bucket_mb",
+                      "algo.clip_eps")
+        _one_of(self, "engine.dtype", ["bfloat16", "float16", "float32"])
+        _one_of(self, "engine.sleep_level", [1, 2])
+        _one_of(self, "engine.sleep_backend", ["auto", "vllm", "portable"])
+        _one_of(self, "sync.verify", ["checksum", "full", "none"])
+        _one_of(self, "placement.device", ["auto", "cpu", "cuda"])
+        _one_of(self, "logging.level", ["DEBUG", "INFO", "WARNING", "ERROR"])
+        if not self.model.path:
+            _one_of(self, "model.preset", sorted(models.PRESETS))
+        if self.rollout.top_p > 1:
+            raise _bad("rollout.top_p", self.rollout.top_p, "must be in (0, 1]")
+        if self.sync.num_bucket_slots < 2:
+            raise _bad("sync.num_bucket_slots", self.sync.num_bucket_slots,
+                       "must be >= 2 (one slot is packed while the engine loads the other)")
+        if self.placement.num_slots % self.engine.tp:
+            raise _bad("engine.tp", self.engine.tp,
+                       f"must divide placement.num_slots={self.placement.num_slots}")
+        if not 0 < self.engine.gpu_memory_utilization <= 1:
+            raise _bad("engine.gpu_memory_utilization", self.engine.gpu_memory_utilization, "must be in (0, 1]")
+        if self.engine.kv_cache_gib <= 0:
+            raise _bad("engine.kv_cache_gib", self.engine.kv_cache_gib, "must be > 0")
+        if self.rollout.max_tokens >= self.engine.max_model_len:
+            raise _bad("rollout.max_tokens", self.rollout.max_tokens,
+                       f"must be smaller than engine.max_model_len={self.engine.max_model_len}")
+        if self.model.path and "/" in self.model.path and not Path(self.model.path).exists() \
+                and (self.model.path.startswith((".", "/", "~")) or self.model.path.count("/") != 1):
+            # "org/name" may be a hub id; anything path-like must exist.
+            raise _bad("model.path", self.model.path, "no such directory (give a Hugging Face model directory "
+                       "or hub id, or leave empty for the embedded preset)")
+
+
+def _get(cfg: JobConfig, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _positive(cfg: JobConfig, *keys: str) -> None:
+    for key in keys:
+        if not _get(cfg, key) > 0:
+            raise _bad(key, _get(cfg, key), "must be > 0")
+
+
+def _non_negative(cfg: JobConfig, *keys: str) -> None:
+    for key in keys:
+        if _get(cfg, key) < 0:
+            raise _bad(key, _get(cfg, key), "must be >= 0")
+
+
+def _one_of(cfg: JobConfig, key: str, valid: list) -> None:
+    if _get(cfg, key) not in valid:
+        raise _bad(key, _get(cfg, key), "valid: " + ", ".join(map(str, valid)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The edge: YAML + key=value overrides -> JobConfig, once.
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Merge the YAML file (if any) and `key=value` overrides onto the defaults and validate statically."""
+    from omegaconf import OmegaConf
+
+    merged = OmegaConf.create({})
+    if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {path!r} does not exist")
+        try:
+            merged = OmegaConf.load(path)
+        except Exception as e:  # yaml.YAMLError and OmegaConf's own errors
+            raise ConfigError(f"config file {path!r} is not valid YAML: {_first_line(e)}") from None
+        if not isinstance(merged, typing.Mapping):
+            raise ConfigError(f"config file {path!r} must hold a mapping of sections (model:, engine:, ...)")
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is invalid: expected key=value, e.g. engine.tp=2")
+        key, _, raw = item.partition("=")
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}={raw}"]))
+    cfg = from_dict(OmegaConf.to_container(merged, resolve=True) or {})
+    cfg.validate()
+    return cfg
+
+
+def from_dict(data: dict) -> JobConfig:
+    """Build a JobConfig from plain nested dicts, rejecting unknown keys and values of the wrong type."""
+    return _build(JobConfig, data, prefix="")
+
+
+def _build(cls, data, *, prefix: str):
+    if not isinstance(data, dict):
+        raise _bad(prefix.rstrip(".") or "config", data, "expected a mapping")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            raise ConfigError(f"unknown key {key!r}; valid keys here: {', '.join(fields)}")
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, prefix=f"{key}.")
+        else:
+            kwargs[name] = _coerce(key, value, hint)
+    return cls(**kwargs)
+
+
+def _coerce(key: str, value, hint):
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise _bad(key, value, "expected true or false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _bad(key, value, "expected an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _bad(key, value, "expected a number")
+    if hint is str:
+        if value is None:
+            return ""
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise _bad(key, value, "expected a string")
+    raise AssertionError(f"unsupported config type {hint} for {key}")
+
+
+def to_dict(cfg: JobConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Documentation generated from the dataclasses, so docs/config.md cannot drift from the code.
+
+
+def field_docs() -> list[tuple[str, str, object, str]]:
+    """(key, type, default, doc) for every config key, docs taken from the string under each field."""
+    import ast
+    import inspect
+
+    rows = []
+    for section in dataclasses.fields(JobConfig):
+        cls = typing.get_type_hints(JobConfig)[section.name]
+        tree = ast.parse(inspect.getsource(cls))
+        docs, last = {}, None
+        for node in tree.body[0].body:
+            if isinstance(node, ast.AnnAssign):
+                last = node.target.id
+            elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and last:
+                docs[last] = node.value.value
+                last = None
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            rows.append((f"{section.name}.{f.name}", hints[f.name].__name__, f.default, docs.get(f.name, "")))
+    return rows
+
+
+def config_docs_markdown() -> str:
+    lines = ["# Configuration keys", "",
+             "Generated by `colocate config-docs` from `colocate/config.py`; a test keeps it in step.", "",
+             "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for key, type_name, default, doc in field_docs():
+        lines.append(f"| `{key}` | {type_name} | `{default!r}` | {doc} |")
+    return "\n".join(lines) + "\n"

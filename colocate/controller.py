@@ -1,0 +1,156 @@
+"""The controller: one RL step is rollout -> score -> train -> sync, with memory switched between phases.
+
+    prompts ──> rollout (engines, awake) ──> score (reward fn, group advantages)
+                                                  │
+                 engine.sleep(level) ; trainer.onload
+                                                  │
+                                              train (FSDP2 ranks, GRPO)
+                                                  │
+                 trainer.release_grads ; engine.wake(weights)
+                                                  │
+                                              sync (trainer shards -> ring -> engine workers)
+                                                  │
+                 trainer.offload ; engine.wake(kv_cache)  ──> next step
+
+The switching order is written down here and only here. It keeps each side's large state off the device while
+the other side runs: the engine's KV cache is never resident with the trainer's gradients and optimizer state,
+and the engine's weights come back (empty at level 2) only to receive the sync, never beside a second copy.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from colocate.config import JobConfig
+from colocate.metrics import MetricsWriter
+from colocate.rl.scoring import Rollout, Scored, score
+from colocate.rl.tasks import PromptStream, load_reward_fn, make_task
+from colocate.runtime import Runtime
+
+
+class Controller:
+    def __init__(self, cfg: JobConfig, runtime: Runtime, metrics: MetricsWriter | None = None):
+        self.cfg = cfg
+        self.rt = runtime
+        self.metrics = metrics
+        self.task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
+        self.reward_fn = load_reward_fn(cfg.rollout.reward_fn) if cfg.rollout.reward_fn else self.task.reward
+        self.prompts = PromptStream(self.task, seed=cfg.rollout.seed)
+        self.events: list[str] = []  # the switching order, as it happened (tests assert it)
+        self.history: list[dict] = []
+
+    def run(self) -> list[dict]:
+        self._call(self.rt.trainers, "offload")  # the engine runs first
+        for step in range(self.cfg.algo.num_steps):
+            self.step(step)
+        return self.history
+
+    def step(self, step: int) -> dict:
+        times: dict[str, float] = {}
+        with _timed(times, "rollout"):
+            groups = self.rollout(step)
+        with _timed(times, "score"):
+            scored = self.score(groups)
+        with _timed(times, "switch"):
+            self.switch_to_train()
+        with _timed(times, "train"):
+            train_stats = self.train(scored)
+        with _timed(times, "sync"):
+            sync_stats = self.sync()
+        record = self._record(step, times, scored, train_stats, sync_stats)
+        self.history.append(record)
+        if self.metrics:
+            self.metrics.step(record)
+        return record
+
+    # -------------------------------------------------------------------------------------------- phases
+
+    def rollout(self, step: int) -> list[Rollout]:
+        rollout = self.cfg.rollout
+        samples = self.prompts.next_batch(rollout.num_prompts)
+        prompt_ids = [self.rt.tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples]
+        num_engines = len(self.rt.engines)
+        futures = []
+        for e, engine in enumerate(self.rt.engines):
+            sampling = {"n": rollout.num_samples, "temperature": rollout.temperature, "top_p": rollout.top_p,
+                        "max_tokens": rollout.max_tokens, "seed": self.cfg.engine.seed * 1_000_003 + step}
+            futures.append(engine.generate.remote(prompt_ids[e::num_engines], sampling))
+        completions: list = [None] * len(samples)
+        for e, result in enumerate(ray.get(futures)):
+            completions[e::num_engines] = result
+        self.events.append("rollout")
+        return [Rollout(s, p, c) for s, p, c in zip(samples, prompt_ids, completions)]
+
+    def score(self, groups: list[Rollout]) -> Scored:
+        scored = score(groups, reward_fn=self.reward_fn, decode=self.rt.tokenizer.decode,
+                       eos_id=self.rt.tokenizer.eos_token_id, normalize=self.cfg.algo.normalize_advantages)
+        self.events.append("score")
+        return scored
+
+    def switch_to_train(self) -> None:
+        self._call(self.rt.engines, "sleep", self.cfg.engine.sleep_level)
+        self.events.append("engine.sleep")
+        self._call(self.rt.trainers, "onload")
+        self.events.append("trainer.onload")
+
+    def train(self, scored: Scored) -> dict:
+        world = len(self.rt.trainers)
+        seqs = scored.sequences
+        num_tokens = sum(len(s["response_ids"]) for s in seqs)
+        results = ray.get([t.train_step.remote(seqs[rank::world], num_tokens)
+                           for rank, t in enumerate(self.rt.trainers)])
+        self._call(self.rt.trainers, "release_grads")
+        self.events.extend(["train", "trainer.release_grads"])
+        tokens = sum(r["tokens"] for r in results) or 1.0
+        return {"loss": sum(r["loss_sum"] for r in results) / tokens,
+                "mismatch": sum(r["mismatch_abs_sum"] for r in results) / tokens,
+                "clip_fraction": sum(r["clipped_sum"] for r in results) / tokens,
+                "grad_norm": results[0].get("grad_norm", 0.0)}
+
+    def sync(self) -> dict:
+        self._call(self.rt.engines, "wake", ["weights"])
+        self.events.append("engine.wake.weights")
+        stats = self.rt.sync.run()
+        self.events.append("sync")
+        self._call(self.rt.trainers, "offload")
+        self.events.append("trainer.offload")
+        self._call(self.rt.engines, "wake", ["kv_cache"])
+        self.events.append("engine.wake.kv_cache")
+        return stats
+
+    # ------------------------------------------------------------------------------------------- helpers
+
+    @staticmethod
+    def _call(actors: list, method: str, *args):
+        return ray.get([getattr(a, method).remote(*args) for a in actors])
+
+    def _record(self, step: int, times: dict, scored: Scored, train_stats: dict, sync_stats: dict) -> dict:
+        stats = scored.stats()
+        return {
+            "step": step,
+            **stats,
+            **train_stats,
+            **sync_stats,
+            "rollout_tokens_per_s": stats["num_response_tokens"] / max(times["rollout"], 1e-9),
+            "times": times,
+            "memory": self.memory(),
+            "sample": {"response": scored.responses[0]},
+        }
+
+    def memory(self) -> dict:
+        engines = self._call(self.rt.engines, "memory")
+        return {"engine_rss_bytes": sum(w["rss_bytes"] for e in engines for w in e),
+                "trainer_rss_bytes": sum(self._call(self.rt.trainers, "rss_bytes"))}
+
+
+class _timed:
+    def __init__(self, times: dict, key: str):
+        self.times, self.key = times, key
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.times[self.key] = time.perf_counter() - self.start

@@ -1,0 +1,167 @@
+"""EngineActor: one vLLM engine (TP workers) inside a Ray actor, plus its side of the weight-sync ring.
+
+The actor runs vLLM in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); vLLM's own executor starts the TP workers
+(processes on the CPU, Ray workers in the slots' bundles on GPU). Everything the controller needs from the
+workers goes through `collective_rpc` to `ColocateWorkerExtension`.
+
+    engine = EngineActor.options(...).remote(engine_cfg, model_path, device="cpu")
+    ray.get(engine.start.remote())                       # raises EngineStartError with vLLM's reason
+    results = ray.get(engine.generate.remote(prompts, sampling))
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+EXTENSION = "colocate.engine.extension.ColocateWorkerExtension"
+
+
+class EngineStartError(RuntimeError):
+    """The engine did not come up (bad model, too little memory for the KV cache, ...)."""
+
+
+def engine_env(cfg, device: str) -> dict[str, str]:
+    """Environment for the engine actor; its TP worker processes inherit it."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+    if device == "cpu":
+        # 2-core machines: bind nothing (vLLM's auto binding wants a NUMA layout) and one OMP thread per worker.
+        env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
+    return env
+
+
+class EngineActor:
+    def __init__(self, cfg, model_path: str, *, device: str, sleep_backend: str, eos_token_id: int | None):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.device = device
+        self.sleep_backend = sleep_backend
+        self.eos_token_id = eos_token_id
+        self.llm = None
+        self._ring = None
+        self._sleep_level = 0
+
+    # ------------------------------------------------------------------------------------------------ life
+
+    def start(self) -> dict:
+        os.environ.update(engine_env(self.cfg, self.device))
+        from vllm import LLM
+
+        kwargs = dict(
+            model=self.model_path,
+            tensor_parallel_size=self.cfg.tp,
+            dtype=self.cfg.dtype,
+            max_model_len=self.cfg.max_model_len,
+            enforce_eager=self.cfg.enforce_eager,
+            seed=self.cfg.seed,
+            skip_tokenizer_init=True,
+            worker_extension_cls=EXTENSION,
+        )
+        if self.device == "cpu":
+            kwargs.update(distributed_executor_backend="mp",
+                          kv_cache_memory_bytes=int(self.cfg.kv_cache_gib * (1 << 30)))
+        else:
+            kwargs.update(distributed_executor_backend="ray" if self.cfg.tp > 1 else None,
+                          gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+                          enable_sleep_mode=self.sleep_backend == "vllm")
+        started = time.perf_counter()
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as e:  # vLLM raises many types; the controller needs one clear line
+            raise EngineStartError(f"vLLM engine failed to start for {self.model_path!r}: {_root_cause(e)}") from None
+        return {"start_s": time.perf_counter() - started, **self.memory()[0]}
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+    # ----------------------------------------------------------------------------------------- generation
+
+    def generate(self, prompts: list[list[int]], sampling: dict) -> list[list[dict]]:
+        """For each prompt, `n` samples of {token_ids, logprobs (of each sampled token), finish_reason}."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            n=sampling["n"], temperature=sampling["temperature"], top_p=sampling["top_p"],
+            max_tokens=sampling["max_tokens"], seed=sampling.get("seed"), logprobs=0, detokenize=False,
+            stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None else None,
+        )
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [
+            [
+                {
+                    "token_ids": list(c.token_ids),
+                    # logprobs=0 returns only the sampled token's logprob at each position
+                    "logprobs": [next(iter(lp.values())).logprob for lp in c.logprobs],
+                    "finish_reason": c.finish_reason,
+                }
+                for c in out.outputs
+            ]
+            for out in outputs
+        ]
+
+    # ----------------------------------------------------------------------------------------- weight sync
+
+    def open_ring(self, num_bytes: int):
+        """Allocate the bucket ring once and map it in every worker; returns the handle for the trainers."""
+        from colocate.sync.transport import ShmBuffer
+
+        assert self.device == "cpu", "CUDA rings are allocated per worker (tests/gpu covers the transport)"
+        self._ring = ShmBuffer.create(num_bytes, tag="ring")
+        self.llm.collective_rpc("colocate_attach", args=(self._ring.handle,))
+        return self._ring.handle
+
+    def seal_ring(self) -> None:
+        """Everyone has mapped the ring: drop its name so no crash can leak the segment."""
+        self._ring.unlink()
+
+    def load_bucket(self, bucket, *per_rank_checksums) -> float:
+        """Load one bucket into every worker. Ray passes the trainers' write results as arguments, so this runs
+        only after every rank has written its part of the bucket."""
+        started = time.perf_counter()
+        checksums = [c for rank in per_rank_checksums for c in rank]
+        self.llm.collective_rpc("colocate_load", args=(bucket, checksums))
+        return time.perf_counter() - started
+
+    def finish_sync(self) -> None:
+        # Hazard: cached prefixes were computed with the old weights.
+        self.llm.reset_prefix_cache()
+
+    def state_dicts(self) -> list[dict]:
+        return self.llm.collective_rpc("colocate_state_dict")
+
+    def param_layouts(self) -> list[dict]:
+        return self.llm.collective_rpc("colocate_param_layout")
+
+    # -------------------------------------------------------------------------------------- memory switch
+
+    def sleep(self, level: int) -> int:
+        """Free weights and KV cache (level 2: weights discarded, sync restores them). Returns bytes freed."""
+        self._sleep_level = level
+        if self.sleep_backend == "vllm":
+            self.llm.sleep(level=level)
+            return 0
+        return sum(self.llm.collective_rpc("colocate_sleep", args=(level,)))
+
+    def wake(self, tags: list[str]) -> int:
+        """Wake by tags: "weights" before the sync writes them, "kv_cache" after (never both copies at once)."""
+        if self.sleep_backend == "vllm":
+            self.llm.wake_up(tags=tags)
+            restored = 0
+        else:
+            restored = sum(self.llm.collective_rpc("colocate_wake", args=(tags,)))
+        if "kv_cache" in tags:
+            self.llm.reset_prefix_cache()  # the KV cache came back without its contents
+        return restored
+
+    def memory(self) -> list[dict]:
+        return self.llm.collective_rpc("colocate_memory")
+
+
+def _root_cause(e: BaseException) -> str:
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"

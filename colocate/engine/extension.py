@@ -1,0 +1,112 @@
+"""The worker extension: what the controller can ask of every vLLM worker (through `collective_rpc`).
+
+vLLM mixes this class into its worker class (`worker_extension_cls`), so `self` is the vLLM worker and
+`self.model_runner.model` its model. Method names carry a `colocate_` prefix: the worker class already has
+`sleep`, `wake_up`, `load_model`, ... and vLLM refuses an extension whose names collide.
+
+    llm = LLM(path, worker_extension_cls="colocate.engine.extension.ColocateWorkerExtension", ...)
+    llm.collective_rpc("colocate_attach", args=(handle,))
+    llm.collective_rpc("colocate_load", args=(bucket, checksums))
+
+Hazard (CPU weight layout): on CPUs with AVX-512 bf16 / AMX, vLLM's CPU backend repacks every linear weight
+into an opaque oneDNN/SGL kernel format after loading and empties the parameter (and keeps a packed copy of
+lm_head beside the live weight). A later `load_weights` then writes into an empty parameter, or the engine
+keeps computing with the stale packed copy. Importing this module in the worker (vLLM imports the extension
+before it loads the model) switches CPU linear layers to plain `F.linear` on the loaded weight, so weights stay
+where sync writes them, sleep can release their storages and verification can read them. The cost is vLLM's
+packed CPU GEMM; a later sync path that writes the packed format directly can lift it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from colocate.memory import process_rss_bytes
+from colocate.sync.buckets import Bucket
+from colocate.sync.transport import attach, range_checksum
+
+
+def _use_plain_cpu_linear() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    def plain(self, layer: torch.nn.Module) -> None:
+        layer.cpu_linear = torch.nn.functional.linear
+
+    UnquantizedLinearMethod.process_weights_after_loading = plain
+    UnquantizedEmbeddingMethod.process_weights_after_loading = plain
+
+
+_use_plain_cpu_linear()
+
+
+class ColocateWorkerExtension:
+    # ----------------------------------------------------------------------------------------- weight sync
+
+    def colocate_attach(self, handle) -> None:
+        """Map the engine's bucket ring (once per engine lifetime)."""
+        self._colocate_ring = attach(handle)
+
+    def colocate_load(self, bucket: Bucket, checksums: list[tuple[int, int, int]]) -> None:
+        """Load one bucket: verify the trainers' byte ranges, then hand the HF-named tensors to vLLM's loaders
+        (they slice for this worker's TP rank and fill the fused qkv / gate_up parameters)."""
+        ring = self._colocate_ring
+        for start, num_bytes, expected in checksums:
+            actual = range_checksum(ring[start:start + num_bytes])
+            if actual != expected:
+                raise RuntimeError(f"bucket {bucket.index} ({bucket.group}): checksum mismatch at bytes "
+                                   f"[{start}, {start + num_bytes}): the buffer was overwritten during load")
+        weights = [(t.spec.name, _view(ring, t.offset, t.spec.shape, t.spec.dtype)) for t in bucket.tensors]
+        # Hazard (buffer reuse): these views alias the ring slot the trainers refill two buckets later; vLLM's
+        # loaders copy into the parameters, so nothing here may keep a view beyond this call.
+        self.model_runner.model.load_weights(weights=weights)
+
+    def colocate_state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies of this worker's parameters (engine names, TP-local), for full verification in tests/bench."""
+        return {name: p.detach().to("cpu", copy=True) for name, p in self.model_runner.model.named_parameters()}
+
+    def colocate_param_layout(self) -> dict:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return {
+            "tp_rank": get_tensor_model_parallel_rank(),
+            "tp_size": get_tensor_model_parallel_world_size(),
+            "params": [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model_runner.model.named_parameters()],
+        }
+
+    # ------------------------------------------------------------------------------------- portable sleep
+
+    def colocate_sleep(self, level: int) -> int:
+        from colocate.engine.sleep import PortableSleep
+
+        if getattr(self, "_colocate_sleeper", None) is None:
+            self._colocate_sleeper = PortableSleep(self.model_runner.model, self.model_runner.kv_caches)
+        return self._colocate_sleeper.sleep(level)
+
+    def colocate_wake(self, tags: list[str]) -> int:
+        return self._colocate_sleeper.wake(tags)
+
+    def colocate_rss(self) -> int:
+        return process_rss_bytes()
+
+    def colocate_memory(self) -> dict:
+        model = self.model_runner.model
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        seen, kv = set(), 0
+        for t in self.model_runner.kv_caches:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                kv += storage.nbytes()
+        return {"weight_bytes": weights, "kv_cache_bytes": kv, "rss_bytes": process_rss_bytes()}
+
+
+def _view(ring: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return ring[offset:offset + numel * dtype.itemsize].view(dtype).view(shape)

@@ -1,0 +1,85 @@
+"""Portable engine sleep: really release the weights' and KV cache's memory, restore it on wake.
+
+vLLM's sleep mode (CUDA) frees physical memory and keeps virtual addresses. The CPU platform has no sleep mode,
+so this backend does the portable equivalent on the tensors' storages: `storage.resize_(0)` returns the bytes to
+the allocator (large blocks go straight back to the OS), and `resize_(nbytes)` brings a storage of the same size
+back. Tensors keep their identity, so the model, the attention layers and the KV cache bookkeeping that hold
+references to them stay valid; only the contents are gone.
+
+    sleeper = PortableSleep(model, kv_caches)
+    sleeper.sleep(level=2)          # weights discarded (sync restores them), KV cache freed
+    sleeper.wake(["weights"])       # storages back, ready for the weight sync to write into
+    ...                             # weight sync
+    sleeper.wake(["kv_cache"])      # then the KV cache: the two never need to coexist with a second copy
+
+Level 1 keeps a host copy of the weights and writes it back on wake; on the CPU the host *is* the device, so
+level 1 frees only the KV cache for real. Level 2 is the CPU's useful mode: sync overwrites the weights anyway.
+
+Hazards:
+- Several KV cache tensors (K and V of a layer, or layers in one group) share one storage: release each storage
+  once and remember its size first.
+- A restored storage is allocated lazily by the OS; RSS rises again only when it is written.
+- The KV cache comes back with garbage: the engine must reset its prefix cache after wake (EngineActor does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+WEIGHTS = "weights"
+KV_CACHE = "kv_cache"
+
+
+def _unique_storages(tensors) -> list[torch.UntypedStorage]:
+    seen, storages = set(), []
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key and key not in seen:  # data_ptr 0: an already empty storage (size 0)
+            seen.add(key)
+            storages.append(storage)
+    return storages
+
+
+class PortableSleep:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor]):
+        self._model = model
+        self._kv_caches = kv_caches
+        self._released: dict[str, list[tuple[torch.UntypedStorage, int]]] = {}
+        self._host_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def asleep(self) -> bool:
+        return bool(self._released)
+
+    def sleep(self, level: int) -> int:
+        """Release weights and KV cache; returns the bytes released."""
+        assert not self._released, "sleep() called twice without wake()"
+        if level == 1:
+            self._host_copies = [(p, p.detach().clone()) for p in self._model.parameters()]
+        self._released[WEIGHTS] = self._release(_unique_storages(self._model.parameters()))
+        self._released[KV_CACHE] = self._release(_unique_storages(self._kv_caches))
+        return sum(n for group in self._released.values() for _, n in group)
+
+    def wake(self, tags: list[str]) -> int:
+        """Restore the tagged memory (weights, kv_cache); returns the bytes restored."""
+        restored = 0
+        for tag in tags:
+            assert tag in (WEIGHTS, KV_CACHE), tag
+            for storage, num_bytes in self._released.pop(tag, []):
+                storage.resize_(num_bytes)
+                restored += num_bytes
+            if tag == WEIGHTS and self._host_copies:
+                with torch.no_grad():
+                    for param, copy in self._host_copies:
+                        param.copy_(copy)
+                self._host_copies = []
+        return restored
+
+    @staticmethod
+    def _release(storages: list[torch.UntypedStorage]) -> list[tuple[torch.UntypedStorage, int]]:
+        released = []
+        for storage in storages:
+            released.append((storage, storage.nbytes()))
+            storage.resize_(0)
+        return released

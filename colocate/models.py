@@ -1,0 +1,155 @@
+"""The embedded default models: small random-initialised Qwen2 causal LMs with a character tokenizer.
+
+No machine of ours can download weights, so the default job builds its own model once into a cache
+directory (safetensors + Hugging Face tokenizer files) and reuses it. The result is an ordinary Hugging
+Face model directory: `transformers`, vLLM and colocate's trainer all load it by path.
+
+    >>> path = ensure_model(ModelConfig(preset="tiny"))   # builds on the first call, reuses after
+    >>> tokenizer = load_tokenizer(path)
+
+Presets:
+- ``tiny``: 2 layers, hidden 128; for tests and the default CPU job (seconds to build, learns in minutes).
+- ``bench``: 24 layers, hidden 1024, vocab 32768; >= 0.4 GB of bf16 weights, for the sync/switch benchmarks.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from colocate.config import ModelConfig
+
+# The character vocabulary of the toy tasks. Ids 0..3 are special; the rest are single characters.
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+CHARACTERS = list("0123456789") + list("+-=*,:; ") + list("abcdefghijklmnopqrstuvwxyz")
+VOCAB = SPECIAL_TOKENS + CHARACTERS
+
+
+@dataclass(frozen=True)
+class Preset:
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int  # may exceed the tokenizer's vocabulary (rows beyond it are never sampled in tasks)
+    tie_word_embeddings: bool
+    max_position_embeddings: int = 512
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+# head_dim must be one the vLLM CPU attention backend supports (32, 64, 80, ...).
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        num_layers=2,
+        hidden_size=128,
+        intermediate_size=384,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(VOCAB),
+        tie_word_embeddings=False,
+    ),
+    "tiny-tied": Preset(
+        num_layers=2,
+        hidden_size=128,
+        intermediate_size=384,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(VOCAB),
+        tie_word_embeddings=True,
+    ),
+    "bench": Preset(
+        num_layers=24,
+        hidden_size=1024,
+        intermediate_size=2304,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=32768,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def preset_dir(config: ModelConfig) -> Path:
+    """Where a preset is cached: one directory per preset and seed, so presets never overwrite each other."""
+    return Path(config.cache_dir).expanduser() / f"qwen2-{config.preset}-seed{config.seed}"
+
+
+def ensure_model(config: ModelConfig) -> str:
+    """Return a loadable model directory: `config.path` as given, or the preset built into the cache."""
+    if config.path:
+        return config.path
+    target = preset_dir(config)
+    if (target / "config.json").exists():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # A file lock keeps two processes (two test workers, two jobs) from building the same preset at once;
+    # the build goes to a temporary directory and is renamed into place, so a crash leaves no half model.
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").exists():
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+            try:
+                build_model(PRESETS[config.preset], tmp, seed=config.seed)
+                os.rename(tmp, target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def build_model(preset: Preset, out_dir: Path, *, seed: int) -> None:
+    """Write a random-initialised Qwen2ForCausalLM (safetensors, float32) and the character tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hf_config = Qwen2Config(
+        vocab_size=preset.vocab_size,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        max_position_embeddings=preset.max_position_embeddings,
+        tie_word_embeddings=preset.tie_word_embeddings,
+        bos_token_id=VOCAB.index("<bos>"),
+        eos_token_id=VOCAB.index("<eos>"),
+        pad_token_id=VOCAB.index("<pad>"),
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(hf_config)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer().save_pretrained(out_dir)
+    (out_dir / "colocate_preset.json").write_text(json.dumps(asdict(preset), indent=2))
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer in Hugging Face format (one token per character)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,136 @@
+"""Runtime: bring the co-located actors up on Ray, and take every one of them down again.
+
+    with Runtime(cfg) as rt:        # Ray (local or cluster), placement group, trainers, engines, sync ring
+        rt.trainers, rt.engines, rt.sync, rt.tokenizer
+    # on exit (normal, exception, Ctrl-C): engines shut down (their TP worker processes exit with them),
+    # actors killed, placement group removed, Ray stopped if we started it; no /dev/shm segment stays behind.
+
+Start-up order matters for memory: trainers load and shard first, engines start after (each engine measures
+free memory for its KV cache at start), then the ring is opened and sealed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+from colocate.config import JobConfig
+from colocate.engine.actor import EngineActor, engine_env
+from colocate.models import ensure_model, load_tokenizer
+from colocate.placement import (ENGINE_SHARE, TRAINER_SHARE, actor_options, cluster_device_count,
+                                create_placement_group, local_device_count, plan_slots, resolve_device, sleep_backend)
+from colocate.sync.transport import remove_stale_segments
+from colocate.sync.weight_sync import WeightSync
+from colocate.trainer.actor import TrainerActor
+
+log = logging.getLogger("colocate")
+
+
+class Runtime:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.trainers: list = []
+        self.engines: list = []
+        self.group = None
+        self.sync: WeightSync | None = None
+        self._started_ray = False
+
+    def __enter__(self) -> Runtime:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        cfg = self.cfg
+        remove_stale_segments()
+        self.device = resolve_device(cfg.placement.device)
+        self.model_path = ensure_model(cfg.model)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self._init_ray()
+        num_devices = cluster_device_count(self.device) if cfg.placement.ray_address else \
+            local_device_count(self.device)
+        self.plan = plan_slots(cfg, device=self.device, num_devices=num_devices,
+                               where="the Ray cluster" if cfg.placement.ray_address else "this machine")
+        self.group = create_placement_group(self.plan)
+        self._start_trainers()
+        self._start_engines()
+        specs = ray.get(self.trainers[0].param_specs.remote(cfg.engine.dtype))
+        self.sync = WeightSync(self.trainers, self.engines, specs, cfg=cfg.sync)
+        self.sync.open()
+
+    def _init_ray(self) -> None:
+        if ray.is_initialized():
+            return
+        verbose = self.cfg.logging.level in ("DEBUG", "INFO")
+        common = dict(log_to_driver=verbose, logging_level=logging.WARNING,
+                      runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(_python_path())}})
+        if self.cfg.placement.ray_address:
+            ray.init(address=self.cfg.placement.ray_address, **common)
+        else:
+            # A logical CPU per core at least: a slot is a scheduling unit, the cores are shared by design.
+            ray.init(num_cpus=max(os.cpu_count() or 1, self.cfg.placement.num_slots), include_dashboard=False,
+                     **common)
+            self._started_ray = True
+
+    def _start_trainers(self) -> None:
+        cfg = self.cfg
+        world = self.plan.num_slots
+        eos = self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        env = {"OMP_NUM_THREADS": str(cfg.trainer.num_threads)}
+        actor = ray.remote(TrainerActor)
+        self.trainers = [
+            actor.options(**actor_options(self.group, rank, share=TRAINER_SHARE, device=self.device, env=env)).remote(
+                rank, world, cfg.trainer, self.model_path, device=self.device, clip_eps=cfg.algo.clip_eps, pad_id=pad)
+            for rank in range(world)
+        ]
+        addr, port = ray.get(self.trainers[0].rendezvous.remote())
+        self.trainer_info = ray.get([t.setup.remote(addr, port) for t in self.trainers])
+
+    def _start_engines(self) -> None:
+        cfg = self.cfg
+        backend = sleep_backend(cfg, self.device)
+        env = engine_env(cfg.engine, self.device)
+        actor = ray.remote(EngineActor)
+        self.engines = [
+            actor.options(**actor_options(self.group, self.plan.engine_slots(e)[0], share=ENGINE_SHARE,
+                                          device=self.device, env=env)).remote(
+                cfg.engine, self.model_path, device=self.device, sleep_backend=backend,
+                eos_token_id=self.tokenizer.eos_token_id)
+            for e in range(self.plan.num_engines)
+        ]
+        self.engine_info = ray.get([e.start.remote() for e in self.engines])
+
+    def close(self) -> None:
+        """Idempotent teardown; every step tolerates a half-started runtime."""
+        for engine in self.engines:
+            try:
+                ray.get(engine.shutdown.remote(), timeout=60)
+            except Exception as e:  # a dead engine is what we are cleaning up after
+                log.debug("engine shutdown: %s", e)
+        for actor in self.engines + self.trainers:
+            ray.kill(actor, no_restart=True)
+        self.engines, self.trainers = [], []
+        if self.group is not None:
+            ray.util.remove_placement_group(self.group)
+            self.group = None
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+            self._started_ray = False
+        remove_stale_segments()
+
+
+def _python_path() -> list[str]:
+    """Make the actors import this checkout's colocate (and the user's reward modules) like the driver does."""
+    import colocate
+
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(colocate.__file__)))
+    return [package_root, os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

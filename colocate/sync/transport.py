@@ -1,0 +1,166 @@
+"""Transport: one persistent byte buffer shared between trainer ranks and engine workers.
+
+The buffer is allocated once per engine (or per engine worker on CUDA) and mapped by every party; per bucket
+only small metadata moves over the control channel. Two implementations with one protocol:
+
+- `ShmBuffer` (CPU): a POSIX shared-memory segment in /dev/shm, mapped with mmap.
+- `CudaIpcBuffer` (GPU): a device allocation exported with a CUDA IPC handle (`reduce_tensor`).
+
+    owner = ShmBuffer.create(num_bytes, tag="e0")   # engine side, once
+    handle = owner.handle                           # small and picklable: send it to the other parties
+    view = attach(handle)                           # in a trainer rank / engine worker: a uint8 tensor
+    ...
+    owner.unlink()                                  # once everyone has attached: the name goes away,
+                                                    # the memory stays until the last mapping closes
+
+Hazard (leaks): a named segment outlives a crashed process. We unlink the name as soon as every party has
+attached, so from then on the kernel frees the memory when the last mapping process exits, whatever way it
+exits. Between create and unlink the name carries the owner's pid, and `remove_stale_segments` deletes
+segments whose owner is dead.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SHM_DIR = Path("/dev/shm")
+SEGMENT_PREFIX = "colocate-"
+_SEGMENT_RE = re.compile(rf"^{SEGMENT_PREFIX}(\d+)-")
+
+
+@dataclass(frozen=True)
+class ShmHandle:
+    name: str
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class CudaIpcHandle:
+    rebuild_args: tuple  # from torch.multiprocessing.reductions.reduce_tensor
+    device_uuid: str  # the physical GPU; device *indices* differ between actors (CUDA_VISIBLE_DEVICES)
+    num_bytes: int
+
+
+class ShmBuffer:
+    """Owner side of a shared-memory segment (CPU transport)."""
+
+    def __init__(self, name: str, num_bytes: int, mapping: mmap.mmap):
+        self.name = name
+        self.num_bytes = num_bytes
+        self._mapping = mapping
+        self.tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=num_bytes)
+
+    @classmethod
+    def create(cls, num_bytes: int, *, tag: str) -> ShmBuffer:
+        assert num_bytes > 0
+        name = f"{SEGMENT_PREFIX}{os.getpid()}-{tag}-{uuid.uuid4().hex[:8]}"
+        fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, num_bytes)
+            mapping = mmap.mmap(fd, num_bytes)
+        finally:
+            os.close(fd)
+        return cls(name, num_bytes, mapping)
+
+    @property
+    def handle(self) -> ShmHandle:
+        return ShmHandle(self.name, self.num_bytes)
+
+    def unlink(self) -> None:
+        (SHM_DIR / self.name).unlink(missing_ok=True)
+
+
+def attach(handle: ShmHandle | CudaIpcHandle) -> torch.Tensor:
+    """Map a buffer made elsewhere; returns a flat uint8 tensor over it (it keeps the mapping alive)."""
+    if isinstance(handle, ShmHandle):
+        fd = os.open(SHM_DIR / handle.name, os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, handle.num_bytes)
+        finally:
+            os.close(fd)
+        return torch.frombuffer(mapping, dtype=torch.uint8, count=handle.num_bytes)
+    return _attach_cuda(handle)
+
+
+def range_checksum(data: torch.Tensor) -> int:
+    """Cheap checksum of a byte range: crc32 on the CPU, a byte sum on CUDA (no host round trip of the data)."""
+    if data.device.type == "cpu":
+        return zlib.crc32(data.numpy())
+    return int(data.to(torch.int64).sum().item())
+
+
+def remove_stale_segments() -> list[str]:
+    """Delete colocate segments whose owner process is gone (a crash before the name was unlinked)."""
+    removed = []
+    for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*"):
+        match = _SEGMENT_RE.match(path.name)
+        if match and not _pid_alive(int(match.group(1))):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA: the same protocol with an IPC handle. Kept thin; covered by tests/gpu.
+
+
+class CudaIpcBuffer:
+    """Owner side of a device buffer shared by CUDA IPC (engine worker allocates, trainer rank writes)."""
+
+    def __init__(self, num_bytes: int, device: torch.device):
+        self.num_bytes = num_bytes
+        self.tensor = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+
+    @classmethod
+    def create(cls, num_bytes: int, *, device: torch.device) -> CudaIpcBuffer:
+        return cls(num_bytes, device)
+
+    @property
+    def handle(self) -> CudaIpcHandle:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        _, args = reduce_tensor(self.tensor)
+        return CudaIpcHandle(rebuild_args=args, device_uuid=device_uuid(self.tensor.device), num_bytes=self.num_bytes)
+
+    def unlink(self) -> None:
+        """Nothing to unlink: the allocation lives as long as `self.tensor` and the importers' references."""
+
+
+def device_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def local_device_index(uuid_str: str) -> int:
+    """This process's index of the physical GPU `uuid_str` (indices are remapped by CUDA_VISIBLE_DEVICES)."""
+    for index in range(torch.cuda.device_count()):
+        if device_uuid(torch.device("cuda", index)) == uuid_str:
+            return index
+    raise RuntimeError(f"GPU {uuid_str} is not visible in this process (CUDA_VISIBLE_DEVICES mismatch)")
+
+
+def _attach_cuda(handle: CudaIpcHandle) -> torch.Tensor:
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    args = list(handle.rebuild_args)
+    # Hazard (device remapping): argument 6 is the exporter's device index; rewrite it to ours for the same
+    # physical GPU, or the handle opens on the wrong device.
+    args[6] = local_device_index(handle.device_uuid)
+    return rebuild_cuda_tensor(*args)

@@ -1,0 +1,74 @@
+"""Run one RL job: build the runtime, run the controller's steps, always clean up.
+
+    from colocate.config import load_config
+    from colocate.train import run_job
+    run_job(load_config("configs/default.yaml", ["algo.num_steps=5"]))    # returns the process exit code
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from colocate.config import ConfigError, JobConfig, to_dict
+from colocate.controller import Controller
+from colocate.metrics import MetricsWriter
+from colocate.runtime import Runtime
+
+log = logging.getLogger("colocate")
+
+
+def run_job(cfg: JobConfig) -> int:
+    from omegaconf import OmegaConf
+
+    logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    out = Path(cfg.logging.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(OmegaConf.to_yaml(to_dict(cfg)))
+    metrics = MetricsWriter(cfg.logging.output_dir, progress=cfg.logging.progress, num_steps=cfg.algo.num_steps)
+    controller = None
+    try:
+        with Runtime(cfg) as runtime:
+            controller = Controller(cfg, runtime, metrics)
+            history = controller.run()
+        _summary(history, metrics.path)
+        return 0
+    except ConfigError as e:  # cluster-side resource checks raise before any actor starts
+        print(f"colocate: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"colocate: interrupted; {_num_steps(controller)} finished step(s) kept in {metrics.path}",
+              file=sys.stderr)
+        return 130
+    except Exception as e:
+        metrics.write({"event": "error", "step": _num_steps(controller), "error": one_line(e)})
+        print(f"colocate: error: {one_line(e)}\ncolocate: {_num_steps(controller)} finished step(s) kept in "
+              f"{metrics.path}", file=sys.stderr)
+        log.debug("job failed", exc_info=True)
+        return 1
+    finally:
+        metrics.close()
+
+
+def one_line(e: BaseException) -> str:
+    """The user-facing line of an error, unwrapping Ray's task errors to the exception the actor raised."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        e = cause
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def _num_steps(controller: Controller | None) -> int:
+    return len(controller.history) if controller else 0
+
+
+def _summary(history: list[dict], path: Path) -> None:
+    if not history:
+        return
+    first, last = history[0], history[-1]
+    window = history[-min(5, len(history)):]
+    mean_last = sum(r["reward_mean"] for r in window) / len(window)
+    print(f"colocate: done, {len(history)} steps | reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f} "
+          f"(last {len(window)} mean {mean_last:.3f}) | metrics: {path}", file=sys.stderr)

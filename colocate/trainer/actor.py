@@ -1,0 +1,176 @@
+"""TrainerActor: one FSDP2 rank (Ray actor) of a Hugging Face causal LM, with its side of the weight sync.
+
+Every slot holds one rank; the ranks form one process group (gloo on the CPU, NCCL on GPU) and shard each
+decoder layer, then the root, with `fully_shard` on dim 0.
+
+    trainers = [TrainerActor.options(...).remote(rank, world, cfg, path, device="cpu", ...) for rank ...]
+    addr, port = ray.get(trainers[0].rendezvous.remote())
+    ray.get([t.setup.remote(addr, port) for t in trainers])
+    ray.get([t.train_step.remote(seqs[rank::world], num_tokens) for rank, t in enumerate(trainers)])
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+
+from colocate.memory import process_rss_bytes
+from colocate.sync.buckets import Bucket, TensorSpec
+from colocate.sync.shards import write_local_shards
+from colocate.trainer.grpo import Sequence, collate, policy_loss, token_logprobs
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class TrainerActor:
+    def __init__(self, rank: int, world_size: int, cfg, model_path: str, *, device: str, clip_eps: float,
+                 pad_id: int):
+        self.rank, self.world_size = rank, world_size
+        self.cfg = cfg
+        self.model_path = model_path
+        self.clip_eps = clip_eps
+        self.pad_id = pad_id
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        self._rings = {}
+        self._offloaded = False
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(address, free port) on this rank's node, for rank 0 to host the process group's store."""
+        import socket
+
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int) -> dict:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from transformers import AutoModelForCausalLM
+
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.cfg.num_threads)
+        else:
+            torch.cuda.set_device(self.device)
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=10))
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        model.to(self.device)
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.cfg.mixed_precision else MixedPrecisionPolicy()
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self.params = dict(model.named_parameters())
+        return {"num_params": sum(p.numel() for p in model.parameters()),
+                "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters())}
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------------------------------- training
+
+    def train_step(self, seqs: list[dict], num_tokens_all_ranks: int) -> dict:
+        """One optimizer step over this rank's sequences, micro-batched; the loss is the mean over all ranks'
+        response tokens (FSDP averages gradients over ranks, hence the world-size factor)."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sequences = [Sequence(**s) for s in seqs]
+        scale = self.world_size / max(num_tokens_all_ranks, 1)
+        totals = {"loss_sum": 0.0, "tokens": 0.0, "mismatch_abs_sum": 0.0, "clipped_sum": 0.0}
+        size = self.cfg.micro_batch_size
+        # Every rank must run the same number of forward/backward passes (FSDP collectives); a rank with fewer
+        # sequences runs an empty-weight pass instead of skipping.
+        num_micro = -(-max(len(sequences), 1) // size)
+        for i in range(num_micro):
+            chunk = sequences[i * size:(i + 1) * size]
+            empty = not chunk
+            batch = collate(chunk or sequences[:1] or [_dummy_sequence(self.pad_id)], pad_id=self.pad_id,
+                            device=self.device)
+            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            loss, stats = policy_loss(token_logprobs(logits, batch.input_ids), batch, clip_eps=self.clip_eps)
+            (loss * (0.0 if empty else scale)).backward()
+            if not empty:
+                totals["loss_sum"] += float(loss)
+                for key in ("tokens", "mismatch_abs_sum", "clipped_sum"):
+                    totals[key] += stats[key]
+        if self.cfg.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            totals["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        self.optimizer.step()
+        return totals
+
+    # ---------------------------------------------------------------------------------------- weight sync
+
+    def param_specs(self, engine_dtype: str) -> list[TensorSpec]:
+        dtype = DTYPES[engine_dtype]
+        return [TensorSpec(name, tuple(p.shape), dtype) for name, p in self.params.items()]
+
+    def attach_ring(self, engine_index: int, handle) -> None:
+        from colocate.sync.transport import attach
+
+        self._rings[engine_index] = attach(handle)
+
+    def write_bucket(self, engine_index: int, bucket: Bucket, *after) -> list[tuple[int, int, int]]:
+        """Write this rank's shard of every tensor in `bucket`. `after`: the engine's load of the bucket that last
+        used this ring slot; Ray runs this call only once it finished, so a slot is never overwritten mid-load."""
+        return write_local_shards(bucket, self.params, self._rings[engine_index])
+
+    def full_state_dict(self, dtype: str) -> dict[str, torch.Tensor]:
+        """All-gathered full parameters cast to `dtype` (a collective: call it on every rank). For verification."""
+        target = DTYPES[dtype]
+        return {name: p.full_tensor().to(target).cpu() for name, p in self.params.items()}
+
+    # ------------------------------------------------------------------------------------- memory switch
+
+    def release_grads(self) -> int:
+        """Drop the gradients right after the optimizer step (the next step recomputes them)."""
+        released = 0
+        for p in self.model.parameters():
+            if p.grad is not None:
+                released += p.grad.to_local().numel() * p.grad.element_size()
+                p.grad = None
+        return released
+
+    def offload(self) -> None:
+        """Parameters and optimizer state to the host while the engine runs (CUDA). On the CPU the host is the
+        device: they stay where they are."""
+        if self.device.type != "cuda" or self._offloaded:
+            return
+        self.model.to("cpu")
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.is_cuda:
+                    state[key] = value.to("cpu")
+        torch.cuda.empty_cache()
+        self._offloaded = True
+
+    def onload(self) -> None:
+        if self.device.type == "cuda" and self._offloaded:
+            self.model.to(self.device)
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if torch.is_tensor(value):
+                        state[key] = value.to(self.device, non_blocking=True)
+            self.params = dict(self.model.named_parameters())
+        self._offloaded = False
+
+    def rss_bytes(self) -> int:
+        return process_rss_bytes()
+
+
+def _dummy_sequence(pad_id: int) -> Sequence:
+    return Sequence(prompt_ids=[pad_id], response_ids=[pad_id], logprobs=[0.0], advantage=0.0)
