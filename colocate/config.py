@@ -191,11 +191,43 @@ class JobConfig:
         if self.rollout.max_tokens >= self.engine.max_model_len:
             raise _bad("rollout.max_tokens", self.rollout.max_tokens,
                        f"must be smaller than engine.max_model_len={self.engine.max_model_len}")
+        from colocate.rl.tasks import load_reward_fn, make_task
+
+        make_task(self.rollout.task, length=self.rollout.task_length)
+        if self.rollout.reward_fn:
+            load_reward_fn(self.rollout.reward_fn)
+        if self.sync.bucket_mb > 0:
+            largest = largest_tensor_bytes(self)
+            if largest is not None and self.sync.bucket_mb * (1 << 20) < largest:
+                raise _bad("sync.bucket_mb", self.sync.bucket_mb,
+                           f"must hold the largest tensor ({largest / (1 << 20):.2f} MiB in {self.engine.dtype}), "
+                           "or 0 to size it automatically")
         if self.model.path and "/" in self.model.path and not Path(self.model.path).exists() \
                 and (self.model.path.startswith((".", "/", "~")) or self.model.path.count("/") != 1):
             # "org/name" may be a hub id; anything path-like must exist.
             raise _bad("model.path", self.model.path, "no such directory (give a Hugging Face model directory "
                        "or hub id, or leave empty for the embedded preset)")
+
+
+def largest_tensor_bytes(cfg: JobConfig) -> int | None:
+    """Bytes of the model's largest weight in the engine dtype, from the preset or the model's config.json
+    (None when the model is a hub id not on this machine)."""
+    import json
+
+    from colocate import models
+
+    if not cfg.model.path:
+        p = models.PRESETS[cfg.model.preset]
+        dims = dict(vocab_size=p.vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size)
+    else:
+        config_file = Path(cfg.model.path).expanduser() / "config.json"
+        if not config_file.is_file():
+            return None
+        dims = json.loads(config_file.read_text())
+        dims = dims.get("text_config", dims)
+    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[cfg.engine.dtype]
+    hidden = dims["hidden_size"]
+    return max(dims["vocab_size"], dims.get("intermediate_size", hidden), hidden) * hidden * itemsize
 
 
 def _get(cfg: JobConfig, key: str):

@@ -99,7 +99,10 @@ class Controller:
         world = len(self.rt.trainers)
         seqs = scored.sequences
         num_tokens = sum(len(s["response_ids"]) for s in seqs)
-        results = ray.get([t.train_step.remote(seqs[rank::world], num_tokens)
+        most_per_rank = -(-len(seqs) // world)
+        num_micro_batches = -(-most_per_rank // self.cfg.trainer.micro_batch_size)
+        results = ray.get([t.train_step.remote(seqs[rank::world], num_tokens_all_ranks=num_tokens,
+                                               num_micro_batches=num_micro_batches)
                            for rank, t in enumerate(self.rt.trainers)])
         self._call(self.rt.trainers, "release_grads")
         self.events.extend(["train", "trainer.release_grads"])

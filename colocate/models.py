@@ -150,6 +150,10 @@ def build_tokenizer():
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    """The model's tokenizer. For embedded presets, read tokenizer.json as written: AutoTokenizer would pick the
+    architecture's own tokenizer class (Qwen2's byte-level pre-tokenizer) and drop the character splitting."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    if (Path(path) / "colocate_preset.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(path)
     return AutoTokenizer.from_pretrained(path)

@@ -83,19 +83,21 @@ class TrainerActor:
 
     # ------------------------------------------------------------------------------------------- training
 
-    def train_step(self, seqs: list[dict], num_tokens_all_ranks: int) -> dict:
+    def train_step(self, seqs: list[dict], *, num_tokens_all_ranks: int, num_micro_batches: int) -> dict:
         """One optimizer step over this rank's sequences, micro-batched; the loss is the mean over all ranks'
-        response tokens (FSDP averages gradients over ranks, hence the world-size factor)."""
+        response tokens (FSDP averages gradients over ranks, hence the world-size factor).
+
+        Hazard: every rank must run the same number of forward/backward passes (each is a set of FSDP
+        collectives), so the caller passes the count for the rank with the most sequences and a rank with fewer
+        runs zero-weighted passes instead of skipping."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sequences = [Sequence(**s) for s in seqs]
         scale = self.world_size / max(num_tokens_all_ranks, 1)
         totals = {"loss_sum": 0.0, "tokens": 0.0, "mismatch_abs_sum": 0.0, "clipped_sum": 0.0}
         size = self.cfg.micro_batch_size
-        # Every rank must run the same number of forward/backward passes (FSDP collectives); a rank with fewer
-        # sequences runs an empty-weight pass instead of skipping.
-        num_micro = -(-max(len(sequences), 1) // size)
-        for i in range(num_micro):
+        assert num_micro_batches * size >= len(sequences)
+        for i in range(num_micro_batches):
             chunk = sequences[i * size:(i + 1) * size]
             empty = not chunk
             batch = collate(chunk or sequences[:1] or [_dummy_sequence(self.pad_id)], pad_id=self.pad_id,
@@ -103,8 +105,9 @@ class TrainerActor:
             logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             loss, stats = policy_loss(token_logprobs(logits, batch.input_ids), batch, clip_eps=self.clip_eps)
             (loss * (0.0 if empty else scale)).backward()
+            loss = loss.detach()
             if not empty:
-                totals["loss_sum"] += float(loss)
+                totals["loss_sum"] += loss.item()
                 for key in ("tokens", "mismatch_abs_sum", "clipped_sum"):
                     totals[key] += stats[key]
         if self.cfg.grad_clip > 0:

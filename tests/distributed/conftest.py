@@ -1,0 +1,44 @@
+"""Helpers for CPU tests of distributed code: run a function on a gloo group of `world_size` processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, init: bool, fn, args, errors):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if init:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args) if init else fn(rank, world_size, port, *args)
+    except BaseException:
+        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, *args, world_size: int = 2, init: bool = True) -> None:
+    """Run `fn(rank, world_size, *args)` on every rank of a gloo group; re-raise the first rank's failure.
+    With init=False the function gets the port and starts the group itself: `fn(rank, world_size, port, *args)`."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    mp.start_processes(_entry, args=(world_size, _free_port(), init, fn, args, errors), nprocs=world_size,
+                       join=False, start_method="spawn").join()
+    if not errors.empty():
+        raise AssertionError(errors.get())

@@ -1,0 +1,111 @@
+"""Config loading and validation through the CLI: each bad input exits 2 with one line naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from colocate.cli import main
+from colocate.config import ConfigError, config_docs_markdown, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT = str(ROOT / "configs" / "default.yaml")
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_validate_default_prints_config_and_placement(capsys):
+    code, out, err = run_cli(capsys, "validate", DEFAULT)
+    assert code == 0, err
+    assert "tp: 2" in out
+    assert "# 2 cpu slot(s), 1 engine(s) x TP=2, FSDP2 over 2 rank(s)" in out
+    assert "slot 1: trainer rank 1 | engine 0 tp worker 1" in out
+
+
+def test_overrides_apply_and_convert_types():
+    cfg = load_config(DEFAULT, ["engine.tp=1", "trainer.lr=5e-4", "logging.progress=false"])
+    assert cfg.engine.tp == 1 and cfg.trainer.lr == 5e-4 and cfg.logging.progress is False
+
+
+def test_defaults_without_a_file():
+    assert load_config(None, []).engine.tp == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        pytest.param(["engine.tpp=2"], "engine.tpp", id="unknown_key"),
+        pytest.param(["bogus.x=1"], "bogus", id="unknown_section"),
+        pytest.param(["engine.tp=two"], "engine.tp", id="wrong_type_int"),
+        pytest.param(["trainer.offload=maybe"], "trainer.offload", id="wrong_type_bool"),
+        pytest.param(["trainer.lr=fast"], "trainer.lr", id="wrong_type_float"),
+        pytest.param(["engine.tp=3"], "engine.tp", id="tp_not_dividing_slots"),
+        pytest.param(["placement.num_slots=64", "engine.tp=1"], "placement.num_slots", id="more_slots_than_devices"),
+        pytest.param(["sync.bucket_mb=-1"], "sync.bucket_mb", id="negative_bucket"),
+        pytest.param(["sync.bucket_mb=0.01"], "sync.bucket_mb", id="bucket_smaller_than_largest_tensor"),
+        pytest.param(["rollout.num_prompts=0"], "rollout.num_prompts", id="zero_prompts"),
+        pytest.param(["engine.kv_cache_gib=0"], "engine.kv_cache_gib", id="zero_kv_cache"),
+        pytest.param(["sync.num_bucket_slots=1"], "sync.num_bucket_slots", id="one_slot_ring"),
+        pytest.param(["model.path=/no/such/model"], "model.path", id="missing_model_path"),
+        pytest.param(["model.preset=huge"], "model.preset", id="unknown_preset"),
+        pytest.param(["engine.sleep_backend=vllm"], "engine.sleep_backend", id="cuda_only_sleep_on_cpu"),
+        pytest.param(["trainer.mixed_precision=true"], "trainer.mixed_precision", id="cuda_only_mp_on_cpu"),
+        pytest.param(["placement.device=cuda"], "placement.device", id="cuda_without_cuda"),
+        pytest.param(["engine.dtype=int8"], "engine.dtype", id="bad_dtype"),
+        pytest.param(["rollout.max_tokens=500"], "rollout.max_tokens", id="response_longer_than_context"),
+        pytest.param(["rollout.task=copx"], "rollout.task", id="unknown_task"),
+        pytest.param(["rollout.reward_fn=nowhere.mod:fn"], "rollout.reward_fn", id="unimportable_reward"),
+        pytest.param(["enginetp"], "enginetp", id="override_without_equals"),
+    ],
+)
+def test_bad_config_exits_2_naming_the_key(capsys, overrides, key):
+    code, out, err = run_cli(capsys, "validate", DEFAULT, *overrides)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err  # one line, no traceback
+    assert lines[0].startswith("colocate: error: ")
+    assert key in lines[0]
+
+
+def test_launch_rejects_bad_config_before_starting_anything(capsys, monkeypatch):
+    import colocate.train
+
+    monkeypatch.setattr(colocate.train, "run_job", lambda cfg: pytest.fail("a job started"))
+    code, _, err = run_cli(capsys, "launch", DEFAULT, "engine.tp=3")
+    assert code == 2 and "engine.tp" in err
+
+
+def test_missing_config_file(capsys):
+    code, _, err = run_cli(capsys, "validate", "configs/nope.yaml")
+    assert code == 2 and "nope.yaml" in err
+
+
+def test_yaml_that_is_not_a_mapping(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("- just\n- a list\n")
+    code, _, err = run_cli(capsys, "validate", str(path))
+    assert code == 2 and "mapping" in err
+
+
+def test_config_docs_are_generated_and_committed():
+    committed = (ROOT / "docs" / "config.md").read_text()
+    assert committed == config_docs_markdown(), "docs/config.md is stale: run `colocate config-docs > docs/config.md`"
+    assert "| `engine.tp` | int | `2` |" in committed
+
+
+def test_every_key_is_documented():
+    from colocate.config import field_docs
+
+    undocumented = [key for key, _, _, doc in field_docs() if not doc]
+    assert undocumented == []
+
+
+def test_config_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        load_config(None, ["engine.tp=0"])
+    assert issubclass(ConfigError, ValueError)

@@ -1,0 +1,42 @@
+"""The embedded model: builds once, loads in transformers, tokenizes characters, presets are well-formed."""
+
+from __future__ import annotations
+
+import torch
+
+from colocate.config import ModelConfig
+from colocate.models import PRESETS, VOCAB, ensure_model, load_tokenizer, preset_dir
+
+
+def test_tiny_builds_once_and_loads_in_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = ModelConfig(preset="tiny", cache_dir=str(tmp_path))
+    path = ensure_model(cfg)
+    mtime = (preset_dir(cfg) / "model.safetensors").stat().st_mtime
+    assert ensure_model(cfg) == path and (preset_dir(cfg) / "model.safetensors").stat().st_mtime == mtime
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.architectures == ["Qwen2ForCausalLM"]
+    out = model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert out.logits.shape == (1, 3, len(VOCAB))
+    assert not [p for p in tmp_path.glob(".qwen2-tiny-seed0.*") if p.is_dir()]  # no half-built model left
+
+
+def test_character_tokenizer_round_trips(tmp_path):
+    tokenizer = load_tokenizer(ensure_model(ModelConfig(preset="tiny", cache_dir=str(tmp_path))))
+    ids = tokenizer("12+3 =ab", add_special_tokens=False).input_ids
+    assert len(ids) == 8 and tokenizer.decode(ids) == "12+3 =ab"
+    assert tokenizer.eos_token_id == VOCAB.index("<eos>")
+
+
+def test_bench_preset_is_big_enough_for_benchmarks():
+    p = PRESETS["bench"]
+    per_layer = (p.hidden_size * p.hidden_size * 2 + 2 * p.hidden_size * p.num_key_value_heads * p.head_dim
+                 + 3 * p.hidden_size * p.intermediate_size)
+    total = p.num_layers * per_layer + 2 * p.vocab_size * p.hidden_size
+    assert p.num_layers >= 24 and total * 2 >= 0.4e9
+    assert all(pr.head_dim in (32, 64, 80, 96, 112, 128) for pr in PRESETS.values())  # vLLM CPU attention
+
+
+def test_explicit_path_is_used_as_is():
+    assert ensure_model(ModelConfig(path="/some/model")) == "/some/model"
