@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Dotted paths in the config (tasks, reward functions) name the user's modules, relative to where they run
+    # the command, as `python -m` would resolve them.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         return args.func(args)
     except ConfigError as e:

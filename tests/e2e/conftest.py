@@ -1,0 +1,66 @@
+"""End-to-end tests: the real stack (Ray, FSDP2 on gloo, vLLM CPU with TP=2, shared-memory sync)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from colocate.config import JobConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.e2e
+
+
+def small_job(tmp_path: Path, *overrides: str) -> JobConfig:
+    """The default job, shrunk so a step takes a fraction of a second."""
+    return load_config(str(ROOT / "configs" / "default.yaml"), [
+        "rollout.num_prompts=4", "rollout.num_samples=4", "rollout.max_tokens=4", "algo.num_steps=2",
+        "engine.kv_cache_gib=0.125", f"logging.output_dir={tmp_path / 'out'}", "logging.progress=false",
+        f"model.cache_dir={ROOT / '.cache' / 'models'}", *overrides])
+
+
+_OURS = ("raylet", "gcs_server", "ray::", "VLLM", "EngineCore", "dashboard", "log_monitor", "runtime_env")
+
+
+def colocate_processes() -> set[tuple[int, str]]:
+    """Processes a run of ours could leave behind (Ray daemons, actors, vLLM workers)."""
+    found = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(marker in cmdline for marker in _OURS):
+            found.add((int(pid), cmdline[:120]))
+    return found
+
+
+def shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("colocate-*")}
+
+
+def assert_nothing_left(before_procs: set, before_shm: set, timeout_s: float = 60) -> None:
+    deadline = time.time() + timeout_s
+    while True:
+        left = colocate_processes() - before_procs
+        shm = shm_segments() - before_shm
+        if (not left and not shm) or time.time() > deadline:
+            break
+        time.sleep(1)
+    assert not shm, f"shared-memory segments left behind: {shm}"
+    assert not left, f"processes left behind: {left}"
+
+
+def launch(tmp_path: Path, *overrides: str, timeout_s: float = 420) -> subprocess.CompletedProcess:
+    """`colocate launch` as a user runs it, with the small job's overrides."""
+    args = ["rollout.num_prompts=4", "rollout.num_samples=4", "rollout.max_tokens=4", "engine.kv_cache_gib=0.125",
+            f"logging.output_dir={tmp_path / 'out'}", f"model.cache_dir={ROOT / '.cache' / 'models'}", *overrides]
+    return subprocess.run([str(Path(os.sys.executable).parent / "colocate"), "launch", "configs/default.yaml", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
