@@ -202,6 +202,10 @@ class JobConfig:
                 raise _bad("sync.bucket_mb", self.sync.bucket_mb,
                            f"must hold the largest tensor ({largest / (1 << 20):.2f} MiB in {self.engine.dtype}), "
                            "or 0 to size it automatically")
+        if self.model.path and Path(self.model.path).expanduser().is_dir() \
+                and not (Path(self.model.path).expanduser() / "config.json").is_file():
+            raise _bad("model.path", self.model.path, "the directory has no config.json (not a Hugging Face model "
+                       "directory)")
         if self.model.path and "/" in self.model.path and not Path(self.model.path).exists() \
                 and (self.model.path.startswith((".", "/", "~")) or self.model.path.count("/") != 1):
             # "org/name" may be a hub id; anything path-like must exist.

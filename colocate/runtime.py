@@ -53,7 +53,10 @@ class Runtime:
         remove_stale_segments()
         self.device = resolve_device(cfg.placement.device)
         self.model_path = ensure_model(cfg.model)
-        self.tokenizer = load_tokenizer(self.model_path)
+        try:
+            self.tokenizer = load_tokenizer(self.model_path)
+        except Exception as e:  # transformers raises many types for a broken or partial model directory
+            raise RuntimeError(f"cannot load the tokenizer of model.path={self.model_path!r}: {e}") from None
         self._init_ray()
         num_devices = cluster_device_count(self.device) if cfg.placement.ray_address else \
             local_device_count(self.device)

@@ -1,0 +1,90 @@
+"""Bad runtime input and interruptions, as a user meets them through `colocate launch`: one clear line, the
+finished steps kept, and nothing left behind (no Ray process, vLLM worker or /dev/shm segment)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.e2e.conftest import ROOT, assert_nothing_left, colocate_processes, launch, shm_segments
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def baseline():
+    return colocate_processes(), shm_segments()
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("colocate:")]
+
+
+def test_a_full_run_ends_clean_and_writes_metrics(tmp_path, baseline):
+    result = launch(tmp_path, "algo.num_steps=2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    for key in ("reward_mean", "rollout_tokens_per_s", "sync_s", "mismatch", "memory", "times"):
+        assert key in records[0]
+    assert "Traceback" not in result.stderr
+    assert_nothing_left(*baseline)
+
+
+def test_model_directory_without_a_model(tmp_path, baseline):
+    empty = tmp_path / "not_a_model"
+    empty.mkdir()
+    result = launch(tmp_path, f"model.path={empty}", "algo.num_steps=1")
+    assert result.returncode == 2  # caught before any actor starts
+    lines = error_lines(result.stderr)
+    assert lines == [f"colocate: error: model.path={str(empty)!r} is invalid: the directory has no config.json "
+                     "(not a Hugging Face model directory)"]
+    assert "Traceback" not in result.stderr
+    assert_nothing_left(*baseline)
+
+
+def test_engine_that_cannot_get_its_kv_cache(tmp_path, baseline):
+    result = launch(tmp_path, "engine.kv_cache_gib=100000", "algo.num_steps=1")
+    assert result.returncode == 1
+    lines = error_lines(result.stderr)
+    assert lines and "engine failed to start" in lines[0] and "memory" in lines[0].lower(), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert_nothing_left(*baseline)
+
+
+def test_reward_function_that_raises_keeps_finished_steps(tmp_path, baseline):
+    result = launch(tmp_path, "rollout.reward_fn=tests.e2e.rewards:explode_in_second_step", "algo.num_steps=4")
+    assert result.returncode == 1
+    lines = error_lines(result.stderr)
+    assert "user reward bug" in lines[0] and "on prompt '" in lines[0], result.stderr[-2000:]
+    assert "1 finished step(s) kept" in result.stderr
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["step"] == 0 and records[-1]["event"] == "error" and records[-1]["step"] == 1
+    assert_nothing_left(*baseline)
+
+
+def test_ctrl_c_stops_cleanly(tmp_path, baseline):
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    proc = subprocess.Popen(
+        [os.path.join(os.path.dirname(os.sys.executable), "colocate"), "launch", "configs/default.yaml",
+         "algo.num_steps=1000", "rollout.num_prompts=4", "rollout.num_samples=4", "engine.kv_cache_gib=0.125",
+         f"logging.output_dir={tmp_path / 'out'}", f"model.cache_dir={ROOT / '.cache' / 'models'}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole foreground group
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "interrupted" in stderr and "finished step(s) kept" in stderr
+    assert_nothing_left(*baseline)
