@@ -74,6 +74,13 @@ def cmd_launch(args) -> int:
     return run_job(cfg)
 
 
+def cmd_submit(args) -> int:
+    from colocate.submit import submit_job
+
+    cfg = resolve(args)
+    return submit_job(cfg, address=args.dashboard, wait=not args.no_wait)
+
+
 def cmd_config_docs(args) -> int:
     print(config_docs_markdown(), end="")
     return 0
@@ -103,9 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--address", help="the Ray cluster the job will run on")
     validate.set_defaults(func=cmd_validate)
 
-    submit = sub.add_parser("submit", help="submit a job to a Ray cluster (Job Submission API)")
+    submit = sub.add_parser("submit", help="submit a job to a Ray cluster (Job Submission API)",
+                            description="Validate the config here, then submit `colocate launch` with the resolved "
+                            "config to a Ray cluster's job server and (by default) follow its logs.")
     submit.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
-    submit.set_defaults(func=cmd_not_built)
+    submit.add_argument("--dashboard", default=os.environ.get("RAY_API_SERVER_ADDRESS", "http://127.0.0.1:8265"),
+                        help="the cluster's job server (default: $RAY_API_SERVER_ADDRESS or http://127.0.0.1:8265)")
+    submit.add_argument("--no-wait", action="store_true", help="print the job id and return at once")
+    submit.set_defaults(func=cmd_submit, address=None)
 
     bench = sub.add_parser("bench", help="benchmarks: sync (weight sync) or switch (sleep/wake)")
     bench.add_argument("which", choices=["sync", "switch"])

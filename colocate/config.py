@@ -67,13 +67,13 @@ class EngineConfig:
     """Engine weight dtype: bfloat16, float16 or float32."""
     max_model_len: int = 128
     """Longest prompt + response the engine accepts."""
-    kv_cache_gib: float = 0.25
+    kv_cache_gib: float = 0.125
     """CPU: KV cache size per engine worker in GiB (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = 0.5
     """CUDA: fraction of GPU memory vLLM may use for weights + KV cache."""
     enforce_eager: bool = True
     """Skip graph capture / compilation (fast start; the CPU tests want it)."""
-    sleep_level: int = 1
+    sleep_level: int = 2
     """Engine sleep level: 1 keeps a host copy of the weights, 2 discards them (sync restores them)."""
     sleep_backend: str = "auto"
     """auto (vllm on CUDA, portable on CPU), vllm (vLLM sleep mode, CUDA only), portable (release storages)."""
@@ -101,7 +101,7 @@ class RolloutConfig:
     """Prompts per RL step."""
     num_samples: int = 8
     """Responses sampled per prompt (the GRPO group size)."""
-    max_tokens: int = 8
+    max_tokens: int = 4
     """Longest response in tokens."""
     temperature: float = 1.0
     """Sampling temperature."""
@@ -115,7 +115,7 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
-    num_steps: int = 40
+    num_steps: int = 150
     """RL steps to run."""
     clip_eps: float = 0.2
     """PPO/GRPO ratio clip."""

@@ -57,8 +57,12 @@ class Controller:
             self.switch_to_train()
         with _timed(times, "train"):
             train_stats = self.train(scored)
+        with _timed(times, "switch"):
+            self.switch_to_sync()
         with _timed(times, "sync"):
             sync_stats = self.sync()
+        with _timed(times, "switch"):
+            self.switch_to_rollout()
         record = self._record(step, times, scored, train_stats, sync_stats)
         self.history.append(record)
         if self.metrics:
@@ -104,24 +108,29 @@ class Controller:
         results = ray.get([t.train_step.remote(seqs[rank::world], num_tokens_all_ranks=num_tokens,
                                                num_micro_batches=num_micro_batches)
                            for rank, t in enumerate(self.rt.trainers)])
-        self._call(self.rt.trainers, "release_grads")
-        self.events.extend(["train", "trainer.release_grads"])
+        self.events.append("train")
         tokens = sum(r["tokens"] for r in results) or 1.0
         return {"loss": sum(r["loss_sum"] for r in results) / tokens,
                 "mismatch": sum(r["mismatch_abs_sum"] for r in results) / tokens,
                 "clip_fraction": sum(r["clipped_sum"] for r in results) / tokens,
                 "grad_norm": results[0].get("grad_norm", 0.0)}
 
-    def sync(self) -> dict:
+    def switch_to_sync(self) -> None:
+        self._call(self.rt.trainers, "release_grads")
+        self.events.append("trainer.release_grads")
         self._call(self.rt.engines, "wake", ["weights"])
         self.events.append("engine.wake.weights")
+
+    def sync(self) -> dict:
         stats = self.rt.sync.run()
         self.events.append("sync")
+        return stats
+
+    def switch_to_rollout(self) -> None:
         self._call(self.rt.trainers, "offload")
         self.events.append("trainer.offload")
         self._call(self.rt.engines, "wake", ["kv_cache"])
         self.events.append("engine.wake.kv_cache")
-        return stats
 
     # ------------------------------------------------------------------------------------------- helpers
 
@@ -149,6 +158,8 @@ class Controller:
 
 
 class _timed:
+    """Adds the block's wall time to times[key] (the three switches of a step add up)."""
+
     def __init__(self, times: dict, key: str):
         self.times, self.key = times, key
 
@@ -156,4 +167,4 @@ class _timed:
         self.start = time.perf_counter()
 
     def __exit__(self, *exc):
-        self.times[self.key] = time.perf_counter() - self.start
+        self.times[self.key] = self.times.get(self.key, 0.0) + time.perf_counter() - self.start

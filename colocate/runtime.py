@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import ray
 
@@ -21,7 +22,7 @@ from colocate.engine.actor import EngineActor, engine_env
 from colocate.models import ensure_model, load_tokenizer
 from colocate.placement import (ENGINE_SHARE, TRAINER_SHARE, actor_options, cluster_device_count,
                                 create_placement_group, local_device_count, plan_slots, resolve_device, sleep_backend)
-from colocate.sync.transport import remove_stale_segments
+from colocate.sync.transport import remove_orphaned_entries, remove_stale_segments, shm_entries
 from colocate.sync.weight_sync import WeightSync
 from colocate.trainer.actor import TrainerActor
 
@@ -51,6 +52,7 @@ class Runtime:
     def start(self) -> None:
         cfg = self.cfg
         remove_stale_segments()
+        self._shm_before = shm_entries()
         self.device = resolve_device(cfg.placement.device)
         self.model_path = ensure_model(cfg.model)
         try:
@@ -129,6 +131,16 @@ class Runtime:
             ray.shutdown()
             self._started_ray = False
         remove_stale_segments()
+        self._remove_orphaned_segments()
+
+    def _remove_orphaned_segments(self, timeout_s: float = 15) -> None:
+        """Killed workers take a moment to exit; until they have, their segments still look mapped."""
+        new = shm_entries() - getattr(self, "_shm_before", shm_entries())
+        deadline = time.monotonic() + timeout_s
+        while new and time.monotonic() < deadline:
+            new -= set(remove_orphaned_entries(new))
+            if new:
+                time.sleep(0.5)
 
 
 def _python_path() -> list[str]:

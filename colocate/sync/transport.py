@@ -108,6 +108,30 @@ def remove_stale_segments() -> list[str]:
     return removed
 
 
+def shm_entries() -> set[str]:
+    return {p.name for p in SHM_DIR.iterdir()}
+
+
+def remove_orphaned_entries(candidates: set[str]) -> list[str]:
+    """Unlink the entries among `candidates` that no living process maps.
+
+    vLLM's TP workers and message queues create their own segments (vllm_dist_*, psm_*, sem.mp-*); a worker
+    killed mid-start (an engine that fails to allocate its KV cache) leaves them behind. The runtime passes the
+    entries that appeared during its lifetime, and an entry nobody maps any more is garbage whoever made it."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process exited, or is not ours to read
+            continue
+        mapped.update(name for name in candidates if name in text)
+    removed = []
+    for name in candidates - mapped:
+        (SHM_DIR / name).unlink(missing_ok=True)
+        removed.append(name)
+    return removed
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

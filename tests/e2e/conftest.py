@@ -43,7 +43,8 @@ def colocate_processes() -> set[tuple[int, str]]:
 
 
 def shm_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("colocate-*")}
+    """Every shared-memory entry: ours (colocate-*), vLLM's (TP communicator, message queues), semaphores."""
+    return {p.name for p in Path("/dev/shm").iterdir()}
 
 
 def assert_nothing_left(before_procs: set, before_shm: set, timeout_s: float = 60) -> None:

@@ -109,3 +109,10 @@ def test_config_error_is_a_value_error():
     with pytest.raises(ValueError):
         load_config(None, ["engine.tp=0"])
     assert issubclass(ConfigError, ValueError)
+
+
+def test_default_yaml_is_the_dataclass_default():
+    """`colocate launch` with no arguments and with configs/default.yaml run the same job."""
+    from colocate.config import JobConfig
+
+    assert load_config(DEFAULT, []) == JobConfig()

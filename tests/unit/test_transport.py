@@ -62,3 +62,18 @@ def test_checksum_sees_a_single_byte_change():
     before = range_checksum(data)
     data[500] = 1
     assert range_checksum(data) != before
+
+
+def test_only_entries_nobody_maps_are_removed_as_orphans():
+    from colocate.sync.transport import remove_orphaned_entries
+
+    orphan = SHM_DIR / "psm_colocate_test_orphan"
+    orphan.write_bytes(b"\0" * 4096)
+    live = ShmBuffer.create(4096, tag="live")  # mapped by this process
+    try:
+        removed = remove_orphaned_entries({orphan.name, live.name})
+        assert removed == [orphan.name] and not orphan.exists()
+        assert (SHM_DIR / live.name).exists()
+    finally:
+        orphan.unlink(missing_ok=True)
+        live.unlink()

@@ -1,0 +1,20 @@
+"""`colocate submit` runs exactly the validated config: every resolved key becomes an override."""
+
+from __future__ import annotations
+
+import shlex
+
+from colocate.config import load_config
+from colocate.submit import entrypoint
+
+
+def test_entrypoint_round_trips_the_resolved_config():
+    cfg = load_config(None, ["engine.tp=1", "placement.num_slots=1", "logging.output_dir=out dir/x",
+                             "rollout.reward_fn=tests.e2e.rewards:explode_in_second_step",
+                             "placement.ray_address=auto"])
+    argv = shlex.split(entrypoint(cfg))
+    assert argv[:4] == ["colocate", "launch", "--address", "auto"]
+    assert "logging.output_dir=out dir/x" in argv
+    assert not any(a.startswith("placement.ray_address") for a in argv)
+    resolved = load_config(None, argv[4:] + ["placement.ray_address=auto"])
+    assert resolved == cfg
