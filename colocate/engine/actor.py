@@ -104,29 +104,40 @@ class EngineActor:
 
     # ----------------------------------------------------------------------------------------- weight sync
 
-    def open_ring(self, num_bytes: int):
-        """Allocate the bucket ring once and map it in every worker; returns the handle for the trainers."""
+    def open_ring(self, plan):
+        """Allocate the bucket ring for `plan` and map it in every worker; returns the handle for the trainers.
+        A new plan (another layout, a restarted engine) gets a new ring: nothing stale is reused."""
         from colocate.sync.transport import ShmBuffer
 
         assert self.device == "cpu", "CUDA rings are allocated per worker (tests/gpu covers the transport)"
-        self._ring = ShmBuffer.create(num_bytes, tag="ring")
-        self.llm.collective_rpc("colocate_attach", args=(self._ring.handle,))
+        self._ring = ShmBuffer.create(plan.ring_bytes, tag="ring")
+        self.llm.collective_rpc("colocate_attach", args=(self._ring.handle, plan))
         return self._ring.handle
 
     def seal_ring(self) -> None:
         """Everyone has mapped the ring: drop its name so no crash can leak the segment."""
         self._ring.unlink()
 
-    def load_bucket(self, bucket, *per_rank_checksums) -> float:
-        """Load one bucket into every worker. Ray passes the trainers' write results as arguments, so this runs
-        only after every rank has written its part of the bucket."""
+    def load_bucket(self, index: int, *per_rank_checksums) -> dict:
+        """Load bucket `index` into every worker. Ray passes the trainers' write results as arguments, so this
+        runs only after every rank has written its part of the bucket."""
         started = time.perf_counter()
         checksums = [c for rank in per_rank_checksums for c in rank]
-        self.llm.collective_rpc("colocate_load", args=(bucket, checksums))
+        per_worker = self.llm.collective_rpc("colocate_load", args=(index, checksums))
+        # the workers run in parallel: a bucket costs what its slowest worker took
+        return {"verify_s": max(v for v, _ in per_worker), "load_s": max(lo for _, lo in per_worker),
+                "wall_s": time.perf_counter() - started}
+
+    def finish_sync(self) -> float:
+        """Post-load processing, once per sync. Returns its seconds."""
+        started = time.perf_counter()
+        # Hazard: cached prefixes were computed with the old weights.
+        self.llm.reset_prefix_cache()
         return time.perf_counter() - started
 
-    def finish_sync(self) -> None:
-        # Hazard: cached prefixes were computed with the old weights.
+    def load_state(self, state: dict) -> None:
+        """Naive baseline: a whole state dict (arrived through Ray's object store) into every worker."""
+        self.llm.collective_rpc("colocate_load_state", args=(state,))
         self.llm.reset_prefix_cache()
 
     def state_dicts(self) -> list[dict]:

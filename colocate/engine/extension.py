@@ -5,8 +5,8 @@ vLLM mixes this class into its worker class (`worker_extension_cls`), so `self` 
 `sleep`, `wake_up`, `load_model`, ... and vLLM refuses an extension whose names collide.
 
     llm = LLM(path, worker_extension_cls="colocate.engine.extension.ColocateWorkerExtension", ...)
-    llm.collective_rpc("colocate_attach", args=(handle,))
-    llm.collective_rpc("colocate_load", args=(bucket, checksums))
+    llm.collective_rpc("colocate_attach", args=(handle, plan))
+    llm.collective_rpc("colocate_load", args=(bucket_index, checksums))
 
 Hazard (CPU weight layout): on CPUs with AVX-512 bf16 / AMX, vLLM's CPU backend repacks every linear weight
 into an opaque oneDNN/SGL kernel format after loading and empties the parameter (and keeps a packed copy of
@@ -19,10 +19,13 @@ packed CPU GEMM; a later sync path that writes the packed format directly can li
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 
 from colocate.memory import process_rss_bytes
-from colocate.sync.buckets import Bucket
+from colocate.sync.reshard import SyncPlan
 from colocate.sync.transport import attach, range_checksum
 
 
@@ -47,23 +50,42 @@ _use_plain_cpu_linear()
 class ColocateWorkerExtension:
     # ----------------------------------------------------------------------------------------- weight sync
 
-    def colocate_attach(self, handle) -> None:
-        """Map the engine's bucket ring (once per engine lifetime)."""
-        self._colocate_ring = attach(handle)
+    def colocate_attach(self, handle, plan: SyncPlan) -> None:
+        """Map the engine's bucket ring and keep the sync plan (once per engine lifetime / plan)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
 
-    def colocate_load(self, bucket: Bucket, checksums: list[tuple[int, int, int]]) -> None:
-        """Load one bucket: verify the trainers' byte ranges, then hand the HF-named tensors to vLLM's loaders
-        (they slice for this worker's TP rank and fill the fused qkv / gate_up parameters)."""
-        ring = self._colocate_ring
+        self._colocate_ring = attach(handle)
+        self._colocate_plan = plan
+        self._colocate_tp_rank = get_tensor_model_parallel_rank()
+        self._colocate_params = dict(self.model_runner.model.named_parameters())
+
+    def colocate_load(self, index: int, checksums: list[tuple[int, int, int]]) -> tuple[float, float]:
+        """Load bucket `index`: verify the trainers' byte ranges that concern this worker, then copy.
+        Returns (verify seconds, load seconds)."""
+        started = time.perf_counter()
+        plan, ring = self._colocate_plan, self._colocate_ring
+        bucket = plan.buckets[index]
+        if plan.mode == "sliced":
+            region_start = (bucket.slot * plan.num_regions + self._colocate_tp_rank) * plan.slot_bytes
+            checksums = [c for c in checksums if region_start <= c[0] < region_start + plan.slot_bytes]
         for start, num_bytes, expected in checksums:
-            actual = range_checksum(ring[start:start + num_bytes])
-            if actual != expected:
+            if range_checksum(ring[start:start + num_bytes]) != expected:
                 raise RuntimeError(f"bucket {bucket.index} ({bucket.group}): checksum mismatch at bytes "
-                                   f"[{start}, {start + num_bytes}): the buffer was overwritten during load")
-        weights = [(t.spec.name, _view(ring, t.offset, t.spec.shape, t.spec.dtype)) for t in bucket.tensors]
-        # Hazard (buffer reuse): these views alias the ring slot the trainers refill two buckets later; vLLM's
-        # loaders copy into the parameters, so nothing here may keep a view beyond this call.
-        self.model_runner.model.load_weights(weights=weights)
+                                   f"[{start}, {start + num_bytes}): the buffer changed between write and load")
+        verified = time.perf_counter()
+        # Hazard (buffer reuse): the views below alias a ring slot the trainers refill `num_slots` buckets later;
+        # both paths copy out of it, and nothing may keep a view beyond this call.
+        if plan.mode == "sliced":
+            with torch.no_grad():
+                for region in bucket.regions[self._colocate_tp_rank]:
+                    param = self._colocate_params[region.engine_name]
+                    target = param.view(param.shape[0], -1) if param.dim() > 1 else param.view(-1, 1)
+                    source = _view(ring, region.offset, (region.num_rows, region.num_cols), region.dtype)
+                    target[region.row_start:region.row_start + region.num_rows].copy_(source)
+        else:
+            weights = [(t.spec.name, _view(ring, t.offset, t.spec.shape, t.spec.dtype)) for t in bucket.tensors]
+            self.model_runner.model.load_weights(weights=weights)
+        return verified - started, time.perf_counter() - verified
 
     def colocate_state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of this worker's parameters (engine names, TP-local), for full verification in tests/bench."""
@@ -102,7 +124,11 @@ class ColocateWorkerExtension:
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 kv += storage.nbytes()
-        return {"weight_bytes": weights, "kv_cache_bytes": kv, "rss_bytes": process_rss_bytes()}
+        return {"weight_bytes": weights, "kv_cache_bytes": kv, "rss_bytes": process_rss_bytes(), "pid": os.getpid()}
+
+    def colocate_load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a whole HF state dict through vLLM's loaders (the benchmark's naive baseline)."""
+        self.model_runner.model.load_weights(weights=list(state.items()))
 
 
 def _view(ring: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -66,15 +66,16 @@ def group_by_layer(specs: list[TensorSpec]) -> list[tuple[str, list[TensorSpec]]
     groups: dict[str, list[TensorSpec]] = {}
     for spec in specs:
         groups.setdefault(layer_group(spec.name), []).append(spec)
+    return [(key, groups[key]) for key in sorted(groups, key=group_order)]
 
-    def order(key: str) -> tuple[int, int]:
-        if key == "pre":
-            return (0, 0)
-        if key == "post":
-            return (2, 0)
-        return (1, int(key.split(".")[1]))
 
-    return [(key, groups[key]) for key in sorted(groups, key=order)]
+def group_order(group: str) -> tuple[int, int]:
+    """pre, then layers by number (layer.10 after layer.2), then post."""
+    if group == "pre":
+        return (0, 0)
+    if group == "post":
+        return (2, 0)
+    return (1, int(group.split(".")[1]))
 
 
 def _aligned(num_bytes: int) -> int:
@@ -115,4 +116,114 @@ def plan_buckets(groups: list[tuple[str, list[TensorSpec]]], *, slot_bytes: int,
             used += size
         if current:
             close(group, current)
+    return buckets
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sliced buckets: each engine worker's slot holds only its own TP slice, in its parameters' layout.
+
+
+@dataclass(frozen=True)
+class Region:
+    """Rows [row_start, row_start + num_rows) of one engine parameter (viewed 2-D), at `offset` in the ring."""
+
+    engine_name: str
+    row_start: int
+    num_rows: int
+    num_cols: int
+    dtype: torch.dtype
+    offset: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.num_cols * self.dtype.itemsize
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_rows * self.row_bytes
+
+
+@dataclass(frozen=True)
+class SlicedBucket:
+    index: int
+    slot: int
+    group: str
+    regions: tuple[tuple[Region, ...], ...]  # one tuple per engine worker (by TP rank)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(r.num_bytes for worker in self.regions for r in worker)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Rows of an engine parameter that the trainer writes (padding rows are never part of a run)."""
+
+    engine_name: str
+    row_start: int
+    num_rows: int
+    num_cols: int
+    dtype: torch.dtype
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_rows * self.num_cols * self.dtype.itemsize
+
+
+def _chunk(runs: list[Run], slot_bytes: int) -> list[list[Run]]:
+    """Greedy packing of runs into slots, splitting a run by rows where it does not fit (never asserting)."""
+    chunks: list[list[Run]] = [[]]
+    used = 0
+    for run in runs:
+        row_bytes = _aligned(run.num_cols * run.dtype.itemsize)
+        if row_bytes > slot_bytes:
+            raise ValueError(f"one row of {run.engine_name} ({row_bytes} bytes) is larger than a bucket slot "
+                             f"({slot_bytes} bytes): raise sync.bucket_mb")
+        start, left = run.row_start, run.num_rows
+        while left:
+            fit = min(left, (slot_bytes - used) // row_bytes)
+            if fit == 0:
+                chunks.append([])
+                used = 0
+                continue
+            chunks[-1].append(Run(run.engine_name, start, fit, run.num_cols, run.dtype))
+            used += _aligned(fit * run.num_cols * run.dtype.itemsize)
+            start, left = start + fit, left - fit
+    return [c for c in chunks if c]
+
+
+def group_runs(runs: list[Run]) -> list[tuple[str, list[Run]]]:
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(layer_group(run.engine_name), []).append(run)
+    return [(g, groups[g]) for g in sorted(groups, key=group_order)]
+
+
+def largest_group_bytes(worker_runs: list[list[Run]]) -> int:
+    return max(sum(_aligned(r.num_bytes) for r in runs) for worker in worker_runs for _, runs in group_runs(worker))
+
+
+def plan_sliced_buckets(worker_runs: list[list[Run]], *, slot_bytes: int, num_slots: int) -> list[SlicedBucket]:
+    """Buckets over all workers at once: bucket i holds the same layer's slices for every worker, each worker's
+    part in its own region of slot i % num_slots (worker w's region starts at (slot * num_workers + w) *
+    slot_bytes)."""
+    num_workers = len(worker_runs)
+    per_worker = [dict(group_runs(runs)) for runs in worker_runs]
+    groups = [g for g, _ in group_runs([r for runs in worker_runs for r in runs])]
+    buckets: list[SlicedBucket] = []
+    for group in groups:
+        chunked = [_chunk(per_worker[w].get(group, []), slot_bytes) for w in range(num_workers)]
+        for k in range(max(len(c) for c in chunked)):
+            index = len(buckets)
+            slot = index % num_slots
+            regions = []
+            for w in range(num_workers):
+                offset = (slot * num_workers + w) * slot_bytes
+                worker_regions = []
+                for run in chunked[w][k] if k < len(chunked[w]) else []:
+                    worker_regions.append(Region(run.engine_name, run.row_start, run.num_rows, run.num_cols,
+                                                 run.dtype, offset))
+                    offset += _aligned(run.num_bytes)
+                regions.append(tuple(worker_regions))
+            buckets.append(SlicedBucket(index, slot, group, tuple(regions)))
     return buckets

@@ -5,7 +5,11 @@ in row-major memory rank r's shard is one contiguous byte range of the full tens
 therefore write its rows at their offset in the bucket and the bucket then holds the full tensor: a gather with
 no collective and every byte written once (gloo's all-gather moves ~0.6 GB/s here; a memcpy ~9 GB/s).
 
-    checksums = write_local_shards(bucket, params, ring)   # every rank, concurrently, disjoint byte ranges
+    checksums = write_bucket(plan, index, params, ring)   # every rank, concurrently, disjoint byte ranges
+
+Two layouts (see reshard.SyncPlan): "sliced" writes, for every engine worker, only that worker's TP slice in
+its parameters' layout (each byte of the engine's weights written once, no loader on the other side); "full"
+writes whole HF tensors for vLLM's `load_weights` to slice.
 
 Ranks on other nodes cannot map the bucket; they would all-gather (`DTensor.full_tensor()`) to a rank that
 can. Not needed while trainers and engines share one node.
@@ -16,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from colocate.sync.buckets import Bucket
+from colocate.sync.buckets import Bucket, SlicedBucket
+from colocate.sync.reshard import Piece, SyncPlan
 from colocate.sync.transport import range_checksum
 
 
@@ -33,9 +38,9 @@ def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     return (param if is_rank0 else param[:0]), 0
 
 
-def write_local_shards(bucket: Bucket, params: dict[str, torch.Tensor], ring: torch.Tensor) -> list[tuple[int, int, int]]:
+def write_local_shards(bucket: Bucket, params: dict[str, torch.Tensor], ring: torch.Tensor) -> list[tuple[int, int]]:
     """Write this rank's rows of every tensor in `bucket` (cast to the bucket dtype); returns the
-    (start, num_bytes, checksum) of each byte range written, for the engine to verify before it loads."""
+    (start, num_bytes) of each byte range written."""
     written = []
     with torch.no_grad():
         for packed in bucket.tensors:
@@ -48,5 +53,51 @@ def write_local_shards(bucket: Bucket, params: dict[str, torch.Tensor], ring: to
             num_bytes = local.numel() * dtype.itemsize
             destination = ring[start:start + num_bytes].view(dtype).view(local.shape)
             destination.copy_(local.detach())  # the cast to the engine dtype happens in this copy
-            written.append((start, num_bytes, range_checksum(ring[start:start + num_bytes])))
+            written.append((start, num_bytes))
+    return written
+
+
+def write_bucket(plan: SyncPlan, index: int, params: dict[str, torch.Tensor], ring: torch.Tensor,
+                 *, checksum: bool = True) -> list[tuple[int, int, int]]:
+    """Write this rank's part of bucket `index`; returns (start, num_bytes, checksum) of every byte range
+    written, for the engine to verify before it loads (none when `checksum` is off)."""
+    bucket = plan.buckets[index]
+    if plan.mode == "full":
+        ranges = write_local_shards(bucket, params, ring)
+    else:
+        ranges = write_sliced(bucket, plan.pieces, params, ring)
+    if not checksum:
+        return []
+    return [(start, n, range_checksum(ring[start:start + n])) for start, n in ranges]
+
+
+def write_sliced(bucket: SlicedBucket, pieces: tuple[dict[str, list[Piece]], ...], params: dict[str, torch.Tensor],
+                 ring: torch.Tensor) -> list[tuple[int, int]]:
+    """For every worker's regions in `bucket`, write the rows this rank owns of every piece that lands there:
+    engine rows [lo, hi) of a region <- HF rows of the piece, restricted to this rank's FSDP2 rows."""
+    written = []
+    local_cache: dict[str, tuple[torch.Tensor, int]] = {}
+    with torch.no_grad():
+        for worker, regions in enumerate(bucket.regions):
+            for region in regions:
+                for piece in pieces[worker].get(region.engine_name, ()):
+                    lo = max(region.row_start, piece.dst_row)
+                    hi = min(region.row_start + region.num_rows, piece.dst_row + piece.num_rows)
+                    if lo >= hi:
+                        continue
+                    if piece.hf_name not in local_cache:
+                        local, first = local_rows(params[piece.hf_name])
+                        local_cache[piece.hf_name] = (local.reshape(local.shape[0], -1) if local.dim() else
+                                                      local.reshape(1, 1), first)
+                    local, first = local_cache[piece.hf_name]
+                    src_lo = piece.src_row + (lo - piece.dst_row)
+                    a, b = max(src_lo, first), min(src_lo + (hi - lo), first + local.shape[0])
+                    if a >= b:
+                        continue  # another rank owns these rows
+                    dst_row = lo + (a - src_lo)
+                    start = region.offset + (dst_row - region.row_start) * region.row_bytes
+                    num_bytes = (b - a) * region.row_bytes
+                    destination = ring[start:start + num_bytes].view(region.dtype).view(b - a, region.num_cols)
+                    destination.copy_(local[a - first:b - first, piece.src_col:piece.src_col + piece.num_cols])
+                    written.append((start, num_bytes))
     return written

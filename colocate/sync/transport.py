@@ -25,7 +25,6 @@ import mmap
 import os
 import re
 import uuid
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,10 +90,11 @@ def attach(handle: ShmHandle | CudaIpcHandle) -> torch.Tensor:
 
 
 def range_checksum(data: torch.Tensor) -> int:
-    """Cheap checksum of a byte range: crc32 on the CPU, a byte sum on CUDA (no host round trip of the data)."""
-    if data.device.type == "cpu":
-        return zlib.crc32(data.numpy())
-    return int(data.to(torch.int64).sum().item())
+    """Cheap checksum of a byte range, at memory bandwidth on either device: the wrapping int64 sum of its
+    16-bit words (every tensor the sync moves is 2- or 4-byte aligned and sized). It catches torn, stale or
+    misplaced writes; it is not a cryptographic hash. (zlib.crc32 runs at ~1 GB/s here: slower than the sync.)"""
+    words = data.view(torch.int16) if data.numel() % 2 == 0 else data
+    return int(words.sum(dtype=torch.int64).item())
 
 
 def remove_stale_segments() -> list[str]:

@@ -18,56 +18,80 @@ metadata and checksums cross Ray; the bytes go through the shared ring.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import ray
 
 from colocate.config import SyncConfig
-from colocate.sync.buckets import Bucket, TensorSpec, group_by_layer, largest_layer_bytes, plan_buckets
+from colocate.sync.buckets import TensorSpec
+from colocate.sync.plan import TPLayout
+from colocate.sync.reshard import SyncPlan, build_sync_plan
 
 MIB = 1 << 20
-
-
-def slot_bytes_for(specs: list[TensorSpec], cfg: SyncConfig) -> int:
-    """The configured slot size, or (0) the largest layer so each layer is exactly one bucket."""
-    if cfg.bucket_mb > 0:
-        return int(cfg.bucket_mb * MIB)
-    return largest_layer_bytes(specs)
+log = logging.getLogger("colocate")
 
 
 class WeightSync:
-    def __init__(self, trainers: list, engines: list, specs: list[TensorSpec], *, cfg: SyncConfig):
+    def __init__(self, trainers: list, engines: list, specs: list[TensorSpec], *, cfg: SyncConfig, hf_config,
+                 sliced: bool = True):
         self.trainers = trainers
         self.engines = engines
+        self.specs = specs
         self.cfg = cfg
-        self.slot_bytes = slot_bytes_for(specs, cfg)
-        self.buckets: list[Bucket] = plan_buckets(group_by_layer(specs), slot_bytes=self.slot_bytes,
-                                                  num_slots=cfg.num_bucket_slots)
-        self.num_bytes = sum(b.num_bytes for b in self.buckets)
+        self.hf_config = hf_config
+        self.sliced = sliced
+        self.plan: SyncPlan | None = None
 
-    @property
-    def ring_bytes(self) -> int:
-        return self.slot_bytes * self.cfg.num_bucket_slots
-
-    def open(self) -> None:
+    def open(self) -> SyncPlan:
+        """Build the plan from the engines' real parameter layout (ask the workers) and share the rings. Call it
+        again after an engine restarts: the plan and rings are rebuilt, never reused stale."""
+        layouts = ray.get(self.engines[0].param_layouts.remote())
+        self.plan = build_sync_plan(
+            self.specs, layouts,
+            lambda rank, size: TPLayout.from_hf_config(self.hf_config, tp_rank=rank, tp_size=size),
+            bucket_bytes=int(self.cfg.bucket_mb * MIB), num_slots=self.cfg.num_bucket_slots, sliced=self.sliced)
+        if self.plan.mode == "full" and self.sliced:
+            log.warning("no reshard plan for %s: syncing full tensors through vLLM's load_weights",
+                        getattr(self.hf_config, "architectures", None))
+        checksum = self.cfg.verify != "none"
         for engine_index, engine in enumerate(self.engines):
-            handle = ray.get(engine.open_ring.remote(self.ring_bytes))
-            ray.get([t.attach_ring.remote(engine_index, handle) for t in self.trainers])
+            handle = ray.get(engine.open_ring.remote(self.plan))
+            ray.get([t.attach_ring.remote(engine_index, handle, self.plan, checksum=checksum) for t in self.trainers])
             ray.get(engine.seal_ring.remote())
+        return self.plan
 
     def run(self) -> dict:
         """One full sync into every engine; returns wall time and the summed per-bucket load time."""
+        plan = self.plan
         started = time.perf_counter()
         loads_by_engine = []
         for engine_index, engine in enumerate(self.engines):
             loads: list = []
-            for bucket in self.buckets:
-                after = [loads[bucket.index - self.cfg.num_bucket_slots]] \
-                    if bucket.index >= self.cfg.num_bucket_slots else []
-                writes = [t.write_bucket.remote(engine_index, bucket, *after) for t in self.trainers]
-                loads.append(engine.load_bucket.remote(bucket, *writes))
+            for index in range(len(plan.buckets)):
+                after = [loads[index - plan.num_slots]] if index >= plan.num_slots else []
+                writes = [t.write_bucket.remote(engine_index, index, *after) for t in self.trainers]
+                loads.append(engine.load_bucket.remote(index, *writes))
             loads_by_engine.append(loads)
-        load_s = sum(sum(ray.get(loads)) for loads in loads_by_engine)
-        ray.get([engine.finish_sync.remote() for engine in self.engines])
-        return {"sync_s": time.perf_counter() - started, "sync_load_s": load_s, "sync_bytes": self.num_bytes,
-                "sync_buckets": len(self.buckets)}
+        per_bucket = [ray.get(loads) for loads in loads_by_engine]
+        post_s = max(ray.get([engine.finish_sync.remote() for engine in self.engines]))
+        self.last_buckets = per_bucket[0]  # engine 0's per-bucket verify/load times (benchmark breakdown)
+        return {"sync_s": time.perf_counter() - started,
+                "sync_load_s": sum(b["load_s"] for e in per_bucket for b in e),
+                "sync_verify_s": sum(b["verify_s"] for e in per_bucket for b in e),
+                "sync_post_s": post_s, "sync_bytes": plan.num_bytes, "sync_buckets": len(plan.buckets),
+                "sync_mode": plan.mode}
+
+    def verify_full(self, engine_dtype: str) -> list[str]:
+        """Compare every engine worker's parameters with the trainer's, cast to the engine dtype, through the
+        independent layout oracle (plan.engine_tensor). Returns the mismatched "engine/worker/param" names."""
+        from colocate.sync.plan import compare_engine_state
+
+        trainer_state = ray.get([t.full_state_dict.remote(engine_dtype) for t in self.trainers])[0]
+        mismatched = []
+        for e, engine in enumerate(self.engines):
+            layouts = ray.get(engine.param_layouts.remote())
+            for layout, state in zip(layouts, ray.get(engine.state_dicts.remote())):
+                tp = TPLayout.from_hf_config(self.hf_config, tp_rank=layout["tp_rank"], tp_size=layout["tp_size"])
+                mismatched += [f"engine{e}/tp{layout['tp_rank']}/{n}" for n in compare_engine_state(state, trainer_state, tp)]
+        return mismatched

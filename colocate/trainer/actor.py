@@ -12,13 +12,16 @@ decoder layer, then the root, with `fully_shard` on dim 0.
 from __future__ import annotations
 
 import os
+import time
+from collections import deque
 from datetime import timedelta
 
 import torch
 
 from colocate.memory import process_rss_bytes
-from colocate.sync.buckets import Bucket, TensorSpec
-from colocate.sync.shards import write_local_shards
+from colocate.sync.buckets import TensorSpec
+from colocate.sync.reshard import SyncPlan
+from colocate.sync.shards import write_bucket
 from colocate.trainer.grpo import Sequence, collate, policy_loss, token_logprobs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -34,6 +37,8 @@ class TrainerActor:
         self.pad_id = pad_id
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self._rings = {}
+        # bounded: a long run never asks for them (only the sync benchmark does)
+        self.write_times: deque[tuple[int, float]] = deque(maxlen=4096)
         self._offloaded = False
 
     def rendezvous(self) -> tuple[str, int]:
@@ -122,20 +127,33 @@ class TrainerActor:
         dtype = DTYPES[engine_dtype]
         return [TensorSpec(name, tuple(p.shape), dtype) for name, p in self.params.items()]
 
-    def attach_ring(self, engine_index: int, handle) -> None:
+    def attach_ring(self, engine_index: int, handle, plan: SyncPlan, *, checksum: bool) -> None:
         from colocate.sync.transport import attach
 
-        self._rings[engine_index] = attach(handle)
+        self._rings[engine_index] = (attach(handle), plan)
+        self._checksum = checksum
 
-    def write_bucket(self, engine_index: int, bucket: Bucket, *after) -> list[tuple[int, int, int]]:
-        """Write this rank's shard of every tensor in `bucket`. `after`: the engine's load of the bucket that last
-        used this ring slot; Ray runs this call only once it finished, so a slot is never overwritten mid-load."""
-        return write_local_shards(bucket, self.params, self._rings[engine_index])
+    def write_bucket(self, engine_index: int, index: int, *after) -> list[tuple[int, int, int]]:
+        """Write this rank's part of bucket `index`. `after`: the engine's load of the bucket that last used this
+        ring slot; Ray runs this call only once it finished, so a slot is never overwritten mid-load."""
+        ring, plan = self._rings[engine_index]
+        started = time.perf_counter()
+        written = write_bucket(plan, index, self.params, ring, checksum=self._checksum)
+        self.write_times.append((index, time.perf_counter() - started))
+        return written
 
-    def full_state_dict(self, dtype: str) -> dict[str, torch.Tensor]:
-        """All-gathered full parameters cast to `dtype` (a collective: call it on every rank). For verification."""
+    def take_write_times(self) -> list[tuple[int, float]]:
+        """(bucket index, seconds) of every write since the last call (benchmark breakdown)."""
+        times = list(self.write_times)
+        self.write_times.clear()
+        return times
+
+    def full_state_dict(self, dtype: str, *, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
+        """All-gathered full parameters cast to `dtype` (a collective: call it on every rank). For verification,
+        and for the benchmark's naive baseline (rank 0 ships the whole model through Ray's object store)."""
         target = DTYPES[dtype]
-        return {name: p.full_tensor().to(target).cpu() for name, p in self.params.items()}
+        state = {name: p.full_tensor().to(target).cpu() for name, p in self.params.items()}
+        return None if rank0_only and self.rank else state
 
     # ------------------------------------------------------------------------------------- memory switch
 
@@ -170,6 +188,9 @@ class TrainerActor:
                         state[key] = value.to(self.device, non_blocking=True)
             self.params = dict(self.model.named_parameters())
         self._offloaded = False
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def rss_bytes(self) -> int:
         return process_rss_bytes()

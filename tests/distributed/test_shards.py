@@ -44,7 +44,7 @@ def _write_and_check(rank: int, world_size: int, handle: ShmHandle, slot_bytes: 
     for bucket in buckets:
         written = write_local_shards(bucket, params, ring)
         dist.barrier()  # in the runtime, the engine's load waits for every rank's write
-        assert all(start + n <= ring.numel() for start, n, _ in written)
+        assert all(start + n <= ring.numel() for start, n in written)
         for packed in bucket.tensors:
             n = packed.spec.num_bytes
             got = ring[packed.offset:packed.offset + n].view(torch.bfloat16).view(packed.spec.shape)

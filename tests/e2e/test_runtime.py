@@ -9,7 +9,7 @@ import torch
 
 from colocate.controller import Controller
 from colocate.runtime import Runtime
-from colocate.sync.plan import TPLayout, compare_engine_state, engine_tensor
+from colocate.sync.plan import TPLayout, engine_tensor
 from tests.e2e.conftest import assert_nothing_left, colocate_processes, shm_segments, small_job
 
 pytestmark = pytest.mark.e2e
@@ -33,12 +33,7 @@ def hf_config(rt):
 
 
 def assert_engine_equals_trainer(rt) -> None:
-    trainer_state = ray.get([t.full_state_dict.remote(rt.cfg.engine.dtype) for t in rt.trainers])[0]
-    for engine in rt.engines:
-        layouts = ray.get(engine.param_layouts.remote())
-        for layout, worker_state in zip(layouts, ray.get(engine.state_dicts.remote())):
-            tp = TPLayout.from_hf_config(hf_config(rt), tp_rank=layout["tp_rank"], tp_size=layout["tp_size"])
-            assert compare_engine_state(worker_state, trainer_state, tp) == []
+    assert rt.sync.verify_full(rt.cfg.engine.dtype) == []
 
 
 def test_generation_returns_sampled_token_logprobs(runtime):
@@ -111,3 +106,24 @@ def test_level1_sleep_keeps_weights_without_a_sync(runtime):
     ray.get(engine.sleep.remote(1))
     ray.get(engine.wake.remote(["weights", "kv_cache"]))
     assert ray.get(engine.generate.remote(PROMPTS, SAMPLING)) == before
+
+
+def test_sync_uses_the_reshard_plan_and_the_full_tensor_path_stays_correct(runtime):
+    from colocate.sync.weight_sync import WeightSync
+
+    assert runtime.sync.plan.mode == "sliced"
+    specs = ray.get(runtime.trainers[0].param_specs.remote(runtime.cfg.engine.dtype))
+    full = WeightSync(runtime.trainers, runtime.engines, specs, cfg=runtime.cfg.sync, hf_config=hf_config(runtime),
+                      sliced=False)
+    assert full.open().mode == "full"
+    full.run()
+    assert full.verify_full(runtime.cfg.engine.dtype) == []
+    runtime.sync.open()  # back to the sliced plan for the tests after this one
+
+
+def test_restarted_engine_gets_a_fresh_plan(runtime):
+    old_plan = runtime.sync.plan
+    runtime.restart_engines()
+    assert runtime.sync.plan is not old_plan
+    Controller(runtime.cfg, runtime).step(0)
+    assert_engine_equals_trainer(runtime)

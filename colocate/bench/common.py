@@ -1,0 +1,79 @@
+"""What every benchmark result carries: the floor measured in the same run, versions, machine, command."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# The bench preset on the CPU: 24 layers, >= 0.4 GB of bf16 weights, engine TP=2 (see colocate.models).
+BENCH_DEFAULTS = ["model.preset=bench", "engine.kv_cache_gib=0.25", "engine.max_model_len=128",
+                  "logging.progress=false"]
+
+
+def memcpy_floor_s(num_bytes: int, *, device: str = "cpu", repeats: int = 5) -> float:
+    """Median time of one single-process copy of `num_bytes` (the physical floor of moving those bytes once)."""
+    src = torch.ones(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in: the floor is the copy, not the first touch
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def summary(times: list[float]) -> dict:
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "runs": len(times)}
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("vllm", "ray", "transformers"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:  # an optional component missing is recorded, not fatal
+            out[name] = None
+    try:
+        root = Path(__file__).resolve().parents[2]
+        out["colocate_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                                                capture_output=True, text=True).stdout.strip() or None
+    except OSError:
+        out["colocate_commit"] = None
+    return out
+
+
+def machine() -> dict:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"cpu": model, "cores": len(os.sched_getaffinity(0)), "memory_gib": round(mem / 2**30, 1),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def write_result(result: dict, out_dir: str, name: str) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"command": " ".join(["colocate", *sys.argv[1:]]) if sys.argv else "", "versions": versions(),
+              "machine": machine(), **result}
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return path

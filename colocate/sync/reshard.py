@@ -1,0 +1,194 @@
+"""Reshard plan: which rows and columns of which trainer (HF) tensor land where in each engine worker's params.
+
+vLLM's TP layout (Qwen2/Qwen3/Llama families), expressed as copy pieces between 2-D views (a 1-D tensor is a
+column [n, 1]):
+
+    engine param rows [dst_row, dst_row + num_rows)  <-  HF tensor rows [src_row, ...), cols [src_col, +num_cols)
+
+- qkv_proj = [q rows of this rank | k rows | v rows] (KV heads replicated when fewer than TP ranks)
+- gate_up_proj = [gate rows of this rank | up rows]
+- o_proj, down_proj (row-parallel): all rows, this rank's column block
+- embed_tokens, lm_head: this rank's block of the vocabulary padded to a multiple of 64; padding rows have no
+  piece (nobody writes them); a tied lm_head reads the embeddings
+- everything else (norms, row-parallel biases): replicated
+
+    pieces = plan_pieces(engine_params, hf_shapes, layout)   # None: unknown architecture -> load_weights path
+
+`engine_tensor` in plan.py computes the same layout independently, from full tensors; the tests hold the two
+against each other and against vLLM's real parameter shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from colocate.sync.buckets import (Run, TensorSpec, group_by_layer, largest_group_bytes, largest_layer_bytes,
+                                   plan_buckets, plan_sliced_buckets)
+from colocate.sync.plan import VOCAB_PADDING, TPLayout
+
+
+@dataclass(frozen=True)
+class Piece:
+    engine_name: str
+    dst_row: int
+    hf_name: str
+    src_row: int
+    num_rows: int
+    src_col: int
+    num_cols: int
+
+
+def as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
+    if len(shape) == 1:
+        return shape[0], 1
+    rows = shape[0]
+    cols = 1
+    for size in shape[1:]:
+        cols *= size
+    return rows, cols
+
+
+def plan_pieces(engine_params: list[tuple[str, tuple[int, ...]]], hf_shapes: dict[str, tuple[int, ...]],
+                layout: TPLayout) -> list[Piece] | None:
+    """Pieces for one TP worker, or None when a parameter has no rule (the caller falls back to load_weights)."""
+    pieces: list[Piece] = []
+    for name, shape in engine_params:
+        made = _pieces_for(name, hf_shapes, layout)
+        if made is None:
+            return None
+        rows, cols = as_2d(shape)
+        if any(p.num_cols != cols or p.dst_row + p.num_rows > rows for p in made):
+            return None  # the rule does not describe what this engine holds: do not guess
+        pieces.extend(made)
+    return pieces
+
+
+def _pieces_for(name: str, hf: dict[str, tuple[int, ...]], layout: TPLayout) -> list[Piece] | None:
+    prefix, _, leaf = name.rpartition(".")
+    rank, size = layout.tp_rank, layout.tp_size
+
+    def rows_block(engine: str, hf_name: str, dst: int, index: int, count: int) -> Piece:
+        rows, cols = as_2d(hf[hf_name])
+        block = rows // count
+        return Piece(engine, dst, hf_name, index * block, block, 0, cols)
+
+    if prefix.endswith("qkv_proj"):
+        base = prefix[: -len("qkv_proj")]
+        names = [f"{base}{p}_proj.{leaf}" for p in "qkv"]
+        if not all(n in hf for n in names):
+            return None
+        q = rows_block(name, names[0], 0, rank, size)
+        if layout.num_kv_heads >= size:
+            kv_index, kv_count = rank, size
+        else:  # each KV head replicated on size / num_kv_heads ranks
+            kv_index, kv_count = rank * layout.num_kv_heads // size, layout.num_kv_heads
+        k = rows_block(name, names[1], q.num_rows, kv_index, kv_count)
+        v = rows_block(name, names[2], q.num_rows + k.num_rows, kv_index, kv_count)
+        return [q, k, v]
+    if prefix.endswith("gate_up_proj"):
+        base = prefix[: -len("gate_up_proj")]
+        names = [f"{base}{p}_proj.{leaf}" for p in ("gate", "up")]
+        if not all(n in hf for n in names):
+            return None
+        gate = rows_block(name, names[0], 0, rank, size)
+        return [gate, rows_block(name, names[1], gate.num_rows, rank, size)]
+    if prefix.endswith(("o_proj", "down_proj")) and leaf == "weight":
+        if name not in hf:
+            return None
+        rows, cols = as_2d(hf[name])
+        block = cols // size
+        return [Piece(name, 0, name, 0, rows, rank * block, block)]
+    if prefix.endswith(("embed_tokens", "lm_head")):
+        source = name if name in hf else "model.embed_tokens.weight"  # tied lm_head
+        if source not in hf:
+            return None
+        rows, cols = as_2d(hf[source])
+        per_rank = -(-layout.vocab_size // VOCAB_PADDING) * VOCAB_PADDING // size
+        first = rank * per_rank
+        valid = max(0, min(per_rank, rows - first))
+        return [Piece(name, 0, source, first, valid, 0, cols)] if valid else []
+    if name in hf:
+        rows, cols = as_2d(hf[name])
+        return [Piece(name, 0, name, 0, rows, 0, cols)]
+    return None
+
+
+def runs_for_worker(engine_params: list[tuple[str, tuple[int, ...], torch.dtype]], pieces: list[Piece]) -> list[Run]:
+    """The rows of each engine parameter that pieces cover, merged into contiguous runs (model order)."""
+    by_name: dict[str, list[tuple[int, int]]] = {}
+    for p in pieces:
+        by_name.setdefault(p.engine_name, []).append((p.dst_row, p.dst_row + p.num_rows))
+    runs = []
+    for name, shape, dtype in engine_params:
+        _, cols = as_2d(shape)
+        start = end = None
+        for lo, hi in sorted(by_name.get(name, [])):
+            if start is not None and lo <= end:
+                end = max(end, hi)
+                continue
+            if start is not None:
+                runs.append(Run(name, start, end - start, cols, dtype))
+            start, end = lo, hi
+        if start is not None:
+            runs.append(Run(name, start, end - start, cols, dtype))
+    return runs
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """Everything trainers and engine workers need to agree on, built once per engine layout and sent once;
+    per bucket only its index (and checksums) cross Ray.
+
+    mode "sliced": each worker's slot region holds its TP slice in its parameters' layout (reshard plan).
+    mode "full": one region per slot shared by the engine's workers, holding full HF tensors that vLLM's
+    `load_weights` slices (the fallback for architectures without a reshard plan)."""
+
+    mode: str
+    slot_bytes: int
+    num_slots: int
+    num_regions: int  # regions per slot: the engine's workers (sliced) or 1 (full)
+    buckets: tuple
+    pieces: tuple[dict[str, list[Piece]], ...] = ()  # sliced: per worker (TP rank), engine name -> pieces
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.slot_bytes * self.num_slots * self.num_regions
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.num_bytes for b in self.buckets)
+
+
+def build_sync_plan(specs: list[TensorSpec], worker_layouts: list[dict], layout_of, *, bucket_bytes: int,
+                    num_slots: int, sliced: bool = True) -> SyncPlan:
+    """The sliced plan when every worker's parameters have a rule, else the full-tensor plan.
+
+    worker_layouts: per worker {"tp_rank", "tp_size", "params": [(name, shape, dtype_str)]};
+    layout_of(tp_rank, tp_size) -> TPLayout; bucket_bytes: the slot size, 0 to fit the largest layer;
+    sliced=False forces the full-tensor plan (the benchmark's baseline)."""
+    hf_shapes = {s.name: s.shape for s in specs}
+    dtype = specs[0].dtype
+    workers = sorted(worker_layouts, key=lambda w: w["tp_rank"])
+    per_worker_pieces, per_worker_runs = [], []
+    for worker in workers:
+        params = [(name, tuple(shape), dtype) for name, shape, _ in worker["params"]]
+        pieces = plan_pieces([(n, s) for n, s, _ in params], hf_shapes, layout_of(worker["tp_rank"], worker["tp_size"]))
+        if pieces is None or not sliced:
+            groups = group_by_layer(specs)
+            slot = bucket_bytes or largest_layer_bytes(specs)
+            return SyncPlan("full", slot, num_slots, 1, tuple(plan_buckets(groups, slot_bytes=slot, num_slots=num_slots)))
+        per_worker_pieces.append(pieces)
+        per_worker_runs.append(runs_for_worker(params, pieces))
+    slot = bucket_bytes or largest_group_bytes(per_worker_runs)
+    buckets = plan_sliced_buckets(per_worker_runs, slot_bytes=slot, num_slots=num_slots)
+    pieces_by_name = tuple(_by_engine_name(p) for p in per_worker_pieces)
+    return SyncPlan("sliced", slot, num_slots, len(workers), tuple(buckets), pieces_by_name)
+
+
+def _by_engine_name(pieces: list[Piece]) -> dict[str, list[Piece]]:
+    out: dict[str, list[Piece]] = {}
+    for p in pieces:
+        out.setdefault(p.engine_name, []).append(p)
+    return out
