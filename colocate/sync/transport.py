@@ -90,11 +90,19 @@ def attach(handle: ShmHandle | CudaIpcHandle) -> torch.Tensor:
 
 
 def range_checksum(data: torch.Tensor) -> int:
-    """Cheap checksum of a byte range, at memory bandwidth on either device: the wrapping int64 sum of its
-    16-bit words (every tensor the sync moves is 2- or 4-byte aligned and sized). It catches torn, stale or
-    misplaced writes; it is not a cryptographic hash. (zlib.crc32 runs at ~1 GB/s here: slower than the sync.)"""
-    words = data.view(torch.int16) if data.numel() % 2 == 0 else data
-    return int(words.sum(dtype=torch.int64).item())
+    """Cheap checksum of a byte range at memory bandwidth on either device: the wrapping int64 sum of its 8-byte
+    words (the unaligned head and tail bytes summed one by one). It catches torn, stale or misplaced writes; it is
+    no cryptographic hash. Both sides of the sync checksum the same ring offsets, so they split words alike.
+    (zlib.crc32 runs at ~4 GB/s here and an int16 sum at ~0.4 GB/s: both would cost more than the copy.)"""
+    num_bytes = data.numel()
+    head = min((-data.storage_offset()) % 8, num_bytes)
+    body = (num_bytes - head) // 8 * 8
+    total = data[head:head + body].view(torch.int64).sum() if body else torch.zeros((), dtype=torch.int64)
+    if head:
+        total = total + data[:head].sum(dtype=torch.int64)
+    if head + body < num_bytes:
+        total = total + data[head + body:].sum(dtype=torch.int64)
+    return int(total.item())
 
 
 def remove_stale_segments() -> list[str]:
