@@ -60,3 +60,63 @@ def test_ranks_write_their_rows_into_the_bucket():
         run_distributed(_write_and_check, owner.handle, slot_bytes)
     finally:
         owner.unlink()
+
+
+def _sliced_write(rank: int, world_size: int, handle: ShmHandle, vocab: int, bucket_bytes: int):
+    """FSDP2 over 2 ranks (rows split 25/24 for a 49-row vocabulary), engine TP=2 (vocabulary padded to 64, so
+    TP rank 0's rows span both FSDP shards); small slots split tensors by rows. After all ranks wrote a bucket,
+    each worker's regions hold exactly its slice of the full tensors."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from colocate.sync.plan import TPLayout, engine_tensor
+    from colocate.sync.reshard import build_sync_plan
+    from colocate.sync.shards import write_bucket
+    from tests.unit.test_reshard import HD, NKV, NQ, engine_shapes, hf_state
+
+    full = hf_state(vocab, tied=False, num_layers=1)
+
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.ParameterDict({n.replace(".", "__"): torch.nn.Parameter(t.clone())
+                                             for n, t in full.items()})
+
+    model = Flat()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    params = {n.replace("__", "."): p for n, p in model.p.items()}
+    specs = [TensorSpec(n, tuple(t.shape), torch.bfloat16) for n, t in full.items()]
+    layouts = [{"tp_rank": r, "tp_size": 2, "params": [(n, s, "bf16") for n, s in
+                                                         engine_shapes(full, TPLayout(r, 2, NQ, NKV, HD, vocab), False)]}
+               for r in range(2)]
+    plan = build_sync_plan(specs, layouts, lambda r, s: TPLayout(r, s, NQ, NKV, HD, vocab), bucket_bytes=bucket_bytes,
+                           num_slots=2)
+    assert plan.mode == "sliced" and len(plan.buckets) > 4  # split by rows into many buckets
+    ring = attach(handle)
+    engines = [{n: torch.zeros(s, dtype=torch.bfloat16) for n, s, _ in layout["params"]} for layout in layouts]
+    for index, bucket in enumerate(plan.buckets):
+        write_bucket(plan, index, params, ring)
+        dist.barrier()
+        for worker, regions in enumerate(bucket.regions):  # what colocate_load does, on every rank
+            for region in regions:
+                target = engines[worker][region.engine_name]
+                target = target.view(target.shape[0], -1)
+                start = region.offset
+                source = ring[start:start + region.num_bytes].view(torch.bfloat16).view(region.num_rows, region.num_cols)
+                target[region.row_start:region.row_start + region.num_rows] = source
+        dist.barrier()
+    for r in range(2):
+        layout = TPLayout(r, 2, NQ, NKV, HD, vocab)
+        for name, tensor in engines[r].items():
+            expected = engine_tensor(name, {n: t.to(torch.bfloat16) for n, t in full.items()}, layout)
+            assert torch.equal(tensor[: expected.shape[0]], expected), (r, name)
+
+
+def test_ranks_write_each_workers_tp_slice_across_uneven_shards_and_split_tensors():
+    bucket_bytes = 2048
+    owner = ShmBuffer.create(2 * 2 * bucket_bytes, tag="test")
+    try:
+        run_distributed(_sliced_write, owner.handle, 49, bucket_bytes)
+    finally:
+        owner.unlink()
