@@ -44,10 +44,14 @@ def local_preflight(cfg: JobConfig):
     """Device checks that need no Ray: for a local run, the slots must fit this machine."""
     from colocate.placement import local_device_count, plan_slots, resolve_device
 
+    from colocate.preflight import preflight
+
     device = resolve_device(cfg.placement.device)
     if cfg.placement.ray_address:
         return None  # the cluster's devices are checked once connected, before any actor starts
-    return plan_slots(cfg, device=device, num_devices=local_device_count(device))
+    plan = plan_slots(cfg, device=device, num_devices=local_device_count(device))
+    preflight(cfg, device=device)
+    return plan
 
 
 def cmd_validate(args) -> int:
@@ -61,8 +65,14 @@ def cmd_validate(args) -> int:
         print(f"# {cfg.placement.num_slots} slot(s) on the Ray cluster at {cfg.placement.ray_address}, "
               f"{cfg.num_engines} engine(s) x TP={cfg.engine.tp} (devices are checked when the job connects)")
     else:
+        from colocate.preflight import preflight
+
         for line in plan.describe():
             print(f"# {line}")
+        print("# predicted memory per phase (the preflight's estimate)")
+        for phase in preflight(cfg, device=plan.device):
+            parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in phase.parts.items() if v)
+            print(f"#   {phase.name:<8} {phase.total / 2**30:6.2f} GiB  ({parts})")
     return 0
 
 

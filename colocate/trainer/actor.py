@@ -71,7 +71,7 @@ class TrainerActor:
         model.to(self.device)
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if self.cfg.mixed_precision else MixedPrecisionPolicy()
-        for layer in model.model.layers:
+        for layer in decoder_layers(model):
             fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         self.model = model
@@ -194,6 +194,15 @@ class TrainerActor:
 
     def rss_bytes(self) -> int:
         return process_rss_bytes()
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks to shard one by one: the classes the model declares unsplittable (`_no_split_modules`, what
+    Hugging Face's own FSDP wrapping uses), e.g. Qwen2DecoderLayer, LlamaDecoderLayer, GPT2Block."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    assert layers, f"{type(model).__name__} declares no decoder layer class (_no_split_modules)"
+    return layers
 
 
 def _dummy_sequence(pad_id: int) -> Sequence:

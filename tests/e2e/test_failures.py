@@ -48,11 +48,20 @@ def test_model_directory_without_a_model(tmp_path, baseline):
     assert_nothing_left(*baseline)
 
 
-def test_engine_that_cannot_get_its_kv_cache(tmp_path, baseline):
+def test_kv_cache_larger_than_the_machine_is_stopped_by_the_preflight(tmp_path, baseline):
     result = launch(tmp_path, "engine.kv_cache_gib=100000", "algo.num_steps=1")
+    assert result.returncode == 2  # before any actor starts
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and "memory preflight: phase 'rollout'" in lines[0] and "engine.kv_cache_gib" in lines[0]
+    assert_nothing_left(*baseline)
+
+
+def test_engine_that_fails_to_start(tmp_path, baseline):
+    # the tiny model has 512 positions: vLLM refuses a longer context when the engine starts
+    result = launch(tmp_path, "engine.max_model_len=100000", "algo.num_steps=1")
     assert result.returncode == 1
     lines = error_lines(result.stderr)
-    assert lines and "engine failed to start" in lines[0] and "memory" in lines[0].lower(), result.stderr[-2000:]
+    assert lines and "engine failed to start" in lines[0] and "max_model_len" in lines[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert_nothing_left(*baseline)
 
