@@ -101,7 +101,7 @@ class RolloutConfig:
     """Prompts per RL step."""
     num_samples: int = 8
     """Responses sampled per prompt (the GRPO group size)."""
-    max_tokens: int = 4
+    max_tokens: int = 3
     """Longest response in tokens."""
     temperature: float = 1.0
     """Sampling temperature."""

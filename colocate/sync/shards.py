@@ -5,7 +5,7 @@ in row-major memory rank r's shard is one contiguous byte range of the full tens
 therefore write its rows at their offset in the bucket and the bucket then holds the full tensor: a gather with
 no collective and every byte written once (gloo's all-gather moves ~0.6 GB/s here; a memcpy ~9 GB/s).
 
-    checksums = write_bucket(plan, index, params, ring)   # every rank, concurrently, disjoint byte ranges
+    checksums = write_bucket(plan, index, local_shards(params), ring)   # every rank, concurrently, disjoint byte ranges
 
 Two layouts (see reshard.SyncPlan): "sliced" writes, for every engine worker, only that worker's TP slice in
 its parameters' layout (each byte of the engine's weights written once, no loader on the other side); "full"
@@ -16,6 +16,8 @@ can. Not needed while trainers and engines share one node.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -38,17 +40,29 @@ def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     return (param if is_rank0 else param[:0]), 0
 
 
-def write_local_shards(bucket: Bucket, params: dict[str, torch.Tensor], ring: torch.Tensor) -> list[tuple[int, int]]:
+def local_shards(params: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, int]]:
+    """name -> (this rank's rows as a 2-D view, first row). Views of the live parameters: build once, reuse
+    every sync (the optimizer updates them in place); rebuild after the parameters move (CUDA offload)."""
+    shards = {}
+    for name, param in params.items():
+        local, first = local_rows(param)
+        num_cols = math.prod(param.shape[1:])  # of the full tensor: a rank may hold zero rows
+        shards[name] = (local.reshape(local.shape[0] if local.dim() else 1, num_cols), first)
+    return shards
+
+
+def write_local_shards(bucket: Bucket, shards: dict[str, tuple[torch.Tensor, int]],
+                       ring: torch.Tensor) -> list[tuple[int, int]]:
     """Write this rank's rows of every tensor in `bucket` (cast to the bucket dtype); returns the
     (start, num_bytes) of each byte range written."""
     written = []
     with torch.no_grad():
         for packed in bucket.tensors:
-            local, first_row = local_rows(params[packed.spec.name])
+            local, first_row = shards[packed.spec.name]
             if local.numel() == 0:  # more ranks than rows: this rank holds nothing of it
                 continue
             dtype = packed.spec.dtype
-            row_bytes = local[0].numel() * dtype.itemsize if local.dim() > 0 else dtype.itemsize
+            row_bytes = local.shape[1] * dtype.itemsize
             start = packed.offset + first_row * row_bytes
             num_bytes = local.numel() * dtype.itemsize
             destination = ring[start:start + num_bytes].view(dtype).view(local.shape)
@@ -57,26 +71,25 @@ def write_local_shards(bucket: Bucket, params: dict[str, torch.Tensor], ring: to
     return written
 
 
-def write_bucket(plan: SyncPlan, index: int, params: dict[str, torch.Tensor], ring: torch.Tensor,
+def write_bucket(plan: SyncPlan, index: int, shards: dict[str, tuple[torch.Tensor, int]], ring: torch.Tensor,
                  *, checksum: bool = True) -> list[tuple[int, int, int]]:
     """Write this rank's part of bucket `index`; returns (start, num_bytes, checksum) of every byte range
     written, for the engine to verify before it loads (none when `checksum` is off)."""
     bucket = plan.buckets[index]
     if plan.mode == "full":
-        ranges = write_local_shards(bucket, params, ring)
+        ranges = write_local_shards(bucket, shards, ring)
     else:
-        ranges = write_sliced(bucket, plan.pieces, params, ring)
+        ranges = write_sliced(bucket, plan.pieces, shards, ring)
     if not checksum:
         return []
     return [(start, n, range_checksum(ring[start:start + n])) for start, n in ranges]
 
 
-def write_sliced(bucket: SlicedBucket, pieces: tuple[dict[str, list[Piece]], ...], params: dict[str, torch.Tensor],
-                 ring: torch.Tensor) -> list[tuple[int, int]]:
+def write_sliced(bucket: SlicedBucket, pieces: tuple[dict[str, list[Piece]], ...],
+                 shards: dict[str, tuple[torch.Tensor, int]], ring: torch.Tensor) -> list[tuple[int, int]]:
     """For every worker's regions in `bucket`, write the rows this rank owns of every piece that lands there:
     engine rows [lo, hi) of a region <- HF rows of the piece, restricted to this rank's FSDP2 rows."""
     written = []
-    local_cache: dict[str, tuple[torch.Tensor, int]] = {}
     with torch.no_grad():
         for worker, regions in enumerate(bucket.regions):
             for region in regions:
@@ -85,11 +98,7 @@ def write_sliced(bucket: SlicedBucket, pieces: tuple[dict[str, list[Piece]], ...
                     hi = min(region.row_start + region.num_rows, piece.dst_row + piece.num_rows)
                     if lo >= hi:
                         continue
-                    if piece.hf_name not in local_cache:
-                        local, first = local_rows(params[piece.hf_name])
-                        local_cache[piece.hf_name] = (local.reshape(local.shape[0], -1) if local.dim() else
-                                                      local.reshape(1, 1), first)
-                    local, first = local_cache[piece.hf_name]
+                    local, first = shards[piece.hf_name]
                     src_lo = piece.src_row + (lo - piece.dst_row)
                     a, b = max(src_lo, first), min(src_lo + (hi - lo), first + local.shape[0])
                     if a >= b:

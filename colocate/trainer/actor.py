@@ -21,7 +21,7 @@ import torch
 from colocate.memory import process_rss_bytes
 from colocate.sync.buckets import TensorSpec
 from colocate.sync.reshard import SyncPlan
-from colocate.sync.shards import write_bucket
+from colocate.sync.shards import local_shards, write_bucket
 from colocate.trainer.grpo import Sequence, collate, policy_loss, token_logprobs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -77,6 +77,7 @@ class TrainerActor:
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.params = dict(model.named_parameters())
+        self.shards = local_shards(self.params)
         return {"num_params": sum(p.numel() for p in model.parameters()),
                 "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters())}
 
@@ -138,7 +139,7 @@ class TrainerActor:
         ring slot; Ray runs this call only once it finished, so a slot is never overwritten mid-load."""
         ring, plan = self._rings[engine_index]
         started = time.perf_counter()
-        written = write_bucket(plan, index, self.params, ring, checksum=self._checksum)
+        written = write_bucket(plan, index, self.shards, ring, checksum=self._checksum)
         self.write_times.append((index, time.perf_counter() - started))
         return written
 
@@ -187,6 +188,7 @@ class TrainerActor:
                     if torch.is_tensor(value):
                         state[key] = value.to(self.device, non_blocking=True)
             self.params = dict(self.model.named_parameters())
+            self.shards = local_shards(self.params)  # Hazard: the old views point at host copies
         self._offloaded = False
 
     def pid(self) -> int:

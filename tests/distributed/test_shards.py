@@ -29,7 +29,7 @@ def _write_and_check(rank: int, world_size: int, handle: ShmHandle, slot_bytes: 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from colocate.sync.shards import write_local_shards
+    from colocate.sync.shards import local_shards, write_local_shards
 
     torch.manual_seed(0)
     model = Model()
@@ -42,7 +42,7 @@ def _write_and_check(rank: int, world_size: int, handle: ShmHandle, slot_bytes: 
     buckets = plan_buckets(group_by_layer(specs), slot_bytes=slot_bytes, num_slots=2)
     ring = attach(handle)
     for bucket in buckets:
-        written = write_local_shards(bucket, params, ring)
+        written = write_local_shards(bucket, local_shards(params), ring)
         dist.barrier()  # in the runtime, the engine's load waits for every rank's write
         assert all(start + n <= ring.numel() for start, n in written)
         for packed in bucket.tensors:
@@ -72,7 +72,7 @@ def _sliced_write(rank: int, world_size: int, handle: ShmHandle, vocab: int, buc
 
     from colocate.sync.plan import TPLayout, engine_tensor
     from colocate.sync.reshard import build_sync_plan
-    from colocate.sync.shards import write_bucket
+    from colocate.sync.shards import local_shards, write_bucket
     from tests.unit.test_reshard import HD, NKV, NQ, engine_shapes, hf_state
 
     full = hf_state(vocab, tied=False, num_layers=1)
@@ -96,7 +96,7 @@ def _sliced_write(rank: int, world_size: int, handle: ShmHandle, vocab: int, buc
     ring = attach(handle)
     engines = [{n: torch.zeros(s, dtype=torch.bfloat16) for n, s, _ in layout["params"]} for layout in layouts]
     for index, bucket in enumerate(plan.buckets):
-        write_bucket(plan, index, params, ring)
+        write_bucket(plan, index, local_shards(params), ring)
         dist.barrier()
         for worker, regions in enumerate(bucket.regions):  # what colocate_load does, on every rank
             for region in regions:
