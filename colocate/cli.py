@@ -100,20 +100,18 @@ def cmd_bench(args) -> int:
     if args.which == "sync":
         from colocate.bench.sync import run_sync_bench
 
-        run_sync_bench(cfg, num_syncs=args.num_syncs, num_warmup=args.warmup, out_dir=args.out,
+        run_sync_bench(cfg, num_syncs=args.repeats, num_warmup=args.warmup, out_dir=args.out,
                        name=args.name or "sync")
-        return 0
-    return cmd_not_built(args)
+    else:
+        from colocate.bench.switch import run_switch_bench
+
+        run_switch_bench(cfg, num_cycles=args.repeats, out_dir=args.out, name=args.name or "switch")
+    return 0
 
 
 def cmd_config_docs(args) -> int:
     print(config_docs_markdown(), end="")
     return 0
-
-
-def cmd_not_built(args) -> int:
-    print(f"colocate: error: `colocate {args.command}` is not built yet", file=sys.stderr)
-    return EXIT_USAGE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "plot. Without a CONFIG, the bench preset (24 layers, >= 0.4 GB bf16, TP=2).")
     bench.add_argument("which", choices=["sync", "switch"])
     bench.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
-    bench.add_argument("--num-syncs", type=int, default=5, help="timed syncs per method (default 5)")
-    bench.add_argument("--warmup", type=int, default=1, help="untimed syncs first (default 1)")
+    bench.add_argument("--repeats", type=int, default=5, help="timed syncs per method / switch cycles (default 5)")
+    bench.add_argument("--warmup", type=int, default=1, help="untimed syncs first (sync; default 1)")
     bench.add_argument("--out", default="benchmarks/results", help="output directory (default benchmarks/results)")
     bench.add_argument("--name", default="", help="result file name without extension (default: the benchmark)")
     bench.set_defaults(func=cmd_bench, command="bench")

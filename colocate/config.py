@@ -54,7 +54,9 @@ class TrainerConfig:
     mixed_precision: bool = False
     """FSDP2 mixed precision (bf16 compute, fp32 reduce); CUDA only."""
     offload: bool = True
-    """Release the trainer's parameters, gradients and optimizer state while the engine runs."""
+    """Move parameters and optimizer state out while the engine runs (pinned host on CUDA, a file on the CPU)."""
+    offload_dir: str = ""
+    """CPU: directory of the offload file (on disk, not tmpfs); empty: the system's temporary directory."""
     num_threads: int = 1
     """Torch intra-op threads per trainer rank (CPU)."""
 

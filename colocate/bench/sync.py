@@ -1,7 +1,7 @@
 """`colocate bench sync`: weight sync time against the memcpy floor and two baselines, in one run.
 
     colocate bench sync                                   # bench preset: 24 layers, >= 0.4 GB bf16, TP=2, CPU
-    colocate bench sync configs/default.yaml --num-syncs 10
+    colocate bench sync configs/default.yaml --repeats 10
 
 Measured side by side on the same trainers and engine:
 - colocate: the sliced, pipelined sync (each FSDP2 rank writes its rows of each worker's TP slice straight into

@@ -12,6 +12,7 @@ workers goes through `collective_rpc` to `ColocateWorkerExtension`.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 EXTENSION = "colocate.engine.extension.ColocateWorkerExtension"
@@ -172,7 +173,11 @@ class EngineActor:
 
 
 def _root_cause(e: BaseException) -> str:
+    """The informative line of vLLM's error: for pydantic's "1 validation error for X", the error under it."""
     while e.__cause__ is not None:
         e = e.__cause__
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and re.match(r"^\d+ validation errors? for ", lines[0]):
+        detail = lines[1].removeprefix("Value error, ").split(" [type=")[0]
+        return detail.split(". ")[0].rstrip(".") + "."
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from colocate.memory import return_free_memory_to_os
+
 WEIGHTS = "weights"
 KV_CACHE = "kv_cache"
 
@@ -61,6 +63,7 @@ class PortableSleep:
             self._host_copies = [(p, p.detach().clone()) for p in self._model.parameters()]
         self._released[WEIGHTS] = self._release(_unique_storages(self._model.parameters()))
         self._released[KV_CACHE] = self._release(_unique_storages(self._kv_caches))
+        return_free_memory_to_os()
         return sum(n for group in self._released.values() for _, n in group)
 
     def wake(self, tags: list[str]) -> int:

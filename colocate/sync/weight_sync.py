@@ -65,6 +65,9 @@ class WeightSync:
         """One full sync into every engine; returns wall time and the summed per-bucket load time."""
         plan = self.plan
         started = time.perf_counter()
+        # The sync reads the trainers' parameters: a no-op in the controller's order (sync comes before the
+        # trainer offloads), needed when a caller syncs from an offloaded trainer (benchmarks, tests, tools).
+        ray.get([t.onload.remote() for t in self.trainers])
         loads_by_engine = []
         for engine_index, engine in enumerate(self.engines):
             loads: list = []

@@ -22,6 +22,7 @@ from colocate.memory import process_rss_bytes
 from colocate.sync.buckets import TensorSpec
 from colocate.sync.reshard import SyncPlan
 from colocate.sync.shards import local_shards, write_bucket
+from colocate.trainer.offload import make_offloader
 from colocate.trainer.grpo import Sequence, collate, policy_loss, token_logprobs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -78,12 +79,15 @@ class TrainerActor:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.params = dict(model.named_parameters())
         self.shards = local_shards(self.params)
+        self._offloader = make_offloader(self.device, self.cfg.offload_dir or None)
         return {"num_params": sum(p.numel() for p in model.parameters()),
                 "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters())}
 
     def shutdown(self) -> None:
         import torch.distributed as dist
 
+        if getattr(self, "_offloader", None) is not None:
+            self._offloader.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -137,6 +141,8 @@ class TrainerActor:
     def write_bucket(self, engine_index: int, index: int, *after) -> list[tuple[int, int, int]]:
         """Write this rank's part of bucket `index`. `after`: the engine's load of the bucket that last used this
         ring slot; Ray runs this call only once it finished, so a slot is never overwritten mid-load."""
+        # Hazard: offloaded storages have size 0; reading them through the shard views would crash the process.
+        assert not self._offloaded, "write_bucket on an offloaded trainer: the controller syncs before offload"
         ring, plan = self._rings[engine_index]
         started = time.perf_counter()
         written = write_bucket(plan, index, self.shards, ring, checksum=self._checksum)
@@ -153,7 +159,12 @@ class TrainerActor:
         """All-gathered full parameters cast to `dtype` (a collective: call it on every rank). For verification,
         and for the benchmark's naive baseline (rank 0 ships the whole model through Ray's object store)."""
         target = DTYPES[dtype]
-        state = {name: p.full_tensor().to(target).cpu() for name, p in self.params.items()}
+        offloaded = self._offloaded
+        self.onload()  # a verification may come while the engine runs: bring the state back for the gather
+        # copy=True: with one rank, full_tensor() is a view of the live shard, which offload() releases
+        state = {name: p.full_tensor().detach().to("cpu", dtype=target, copy=True) for name, p in self.params.items()}
+        if offloaded:
+            self.offload()
         return None if rank0_only and self.rank else state
 
     # ------------------------------------------------------------------------------------- memory switch
@@ -167,29 +178,25 @@ class TrainerActor:
                 p.grad = None
         return released
 
-    def offload(self) -> None:
-        """Parameters and optimizer state to the host while the engine runs (CUDA). On the CPU the host is the
-        device: they stay where they are."""
-        if self.device.type != "cuda" or self._offloaded:
-            return
-        self.model.to("cpu")
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.is_cuda:
-                    state[key] = value.to("cpu")
-        torch.cuda.empty_cache()
+    def offload(self) -> int:
+        """Parameters and optimizer state out of the device's memory while the engine runs (to pinned host
+        buffers on CUDA, to a file-backed tier on the CPU). Returns the bytes moved."""
+        if not self.cfg.offload or self._offloaded:
+            return 0
         self._offloaded = True
+        return self._offloader.offload(self._state_tensors())
 
-    def onload(self) -> None:
-        if self.device.type == "cuda" and self._offloaded:
-            self.model.to(self.device)
-            for state in self.optimizer.state.values():
-                for key, value in state.items():
-                    if torch.is_tensor(value):
-                        state[key] = value.to(self.device, non_blocking=True)
-            self.params = dict(self.model.named_parameters())
-            self.shards = local_shards(self.params)  # Hazard: the old views point at host copies
+    def onload(self) -> int:
+        if not self._offloaded:
+            return 0
         self._offloaded = False
+        return self._offloader.onload()
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        tensors = [p.to_local() for p in self.model.parameters()]
+        for state in self.optimizer.state.values():
+            tensors += [v.to_local() if hasattr(v, "to_local") else v for v in state.values() if torch.is_tensor(v)]
+        return tensors
 
     def pid(self) -> int:
         return os.getpid()

@@ -87,6 +87,7 @@ def test_sleep_frees_weights_and_kv_cache_and_wake_generates_identically(runtime
     # A fresh engine holds its whole KV cache resident (vLLM zero-fills it); after a wake, pages come back only as
     # rollouts touch them, so only a first sleep shows the full drop.
     runtime.restart_engines()
+    runtime.sync.run()  # the fresh engine loaded the checkpoint; give it the trainer's current weights
     engine = runtime.engines[0]
     before = ray.get(engine.generate.remote(PROMPTS, SAMPLING))
     awake = ray.get(engine.memory.remote())
