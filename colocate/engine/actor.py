@@ -39,7 +39,7 @@ class EngineActor:
         self.sleep_backend = sleep_backend
         self.eos_token_id = eos_token_id
         self.llm = None
-        self._ring = None
+        self._shared_ring = None
         self._sleep_level = 0
 
     # ------------------------------------------------------------------------------------------------ life
@@ -105,19 +105,23 @@ class EngineActor:
 
     # ----------------------------------------------------------------------------------------- weight sync
 
-    def open_ring(self, plan):
-        """Allocate the bucket ring for `plan` and map it in every worker; returns the handle for the trainers.
-        A new plan (another layout, a restarted engine) gets a new ring: nothing stale is reused."""
+    def open_ring(self, plan) -> list:
+        """Give every worker a ring for `plan`; returns their handles (by TP rank) for the trainers. Each worker
+        owns a ring on its own device; on the CPU the full-tensor plan shares one segment, since every worker
+        reads the same full tensors. A new plan (another layout, a restarted engine) gets new rings."""
         from colocate.sync.transport import ShmBuffer
 
-        assert self.device == "cpu", "CUDA rings are allocated per worker (tests/gpu covers the transport)"
-        self._ring = ShmBuffer.create(plan.ring_bytes, tag="ring")
-        self.llm.collective_rpc("colocate_attach", args=(self._ring.handle, plan))
-        return self._ring.handle
+        self._shared_ring = None
+        if self.device == "cpu" and plan.mode == "full":
+            self._shared_ring = ShmBuffer.create(plan.ring_bytes, tag="ring")
+            return self.llm.collective_rpc("colocate_open_ring", args=(plan, self._shared_ring.handle))
+        return self.llm.collective_rpc("colocate_open_ring", args=(plan,))
 
     def seal_ring(self) -> None:
-        """Everyone has mapped the ring: drop its name so no crash can leak the segment."""
-        self._ring.unlink()
+        """Everyone has mapped the rings: drop their names so no crash can leak a segment."""
+        if self._shared_ring is not None:
+            self._shared_ring.unlink()
+        self.llm.collective_rpc("colocate_seal_ring")
 
     def load_bucket(self, index: int, *per_rank_checksums) -> dict:
         """Load bucket `index` into every worker. Ray passes the trainers' write results as arguments, so this

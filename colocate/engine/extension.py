@@ -5,7 +5,7 @@ vLLM mixes this class into its worker class (`worker_extension_cls`), so `self` 
 `sleep`, `wake_up`, `load_model`, ... and vLLM refuses an extension whose names collide.
 
     llm = LLM(path, worker_extension_cls="colocate.engine.extension.ColocateWorkerExtension", ...)
-    llm.collective_rpc("colocate_attach", args=(handle, plan))
+    handles = llm.collective_rpc("colocate_open_ring", args=(plan,))
     llm.collective_rpc("colocate_load", args=(bucket_index, checksums))
 
 Hazard (CPU weight layout): on CPUs with AVX-512 bf16 / AMX, vLLM's CPU backend repacks every linear weight
@@ -26,7 +26,7 @@ import torch
 
 from colocate.memory import process_rss_bytes
 from colocate.sync.reshard import SyncPlan
-from colocate.sync.transport import attach, range_checksum
+from colocate.sync.transport import attach, create_buffer, range_checksum
 
 
 def _use_plain_cpu_linear() -> None:
@@ -50,25 +50,36 @@ _use_plain_cpu_linear()
 class ColocateWorkerExtension:
     # ----------------------------------------------------------------------------------------- weight sync
 
-    def colocate_attach(self, handle, plan: SyncPlan) -> None:
-        """Map the engine's bucket ring and keep the sync plan (once per engine lifetime / plan)."""
+    def colocate_open_ring(self, plan: SyncPlan, shared_handle=None):
+        """This worker's ring for `plan`: its own buffer (on its GPU, or a shared-memory segment), or, given a
+        handle, a ring it shares with the engine's other workers. Returns the handle the trainers map."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        self._colocate_ring = attach(handle)
+        if shared_handle is None:
+            device = self.model_runner.device
+            self._colocate_owner = create_buffer(plan.ring_bytes, device=torch.device(device), tag="ring")
+            self._colocate_ring, handle = self._colocate_owner.tensor, self._colocate_owner.handle
+        else:
+            self._colocate_owner = None
+            self._colocate_ring, handle = attach(shared_handle), shared_handle
         self._colocate_plan = plan
         self._colocate_tp_rank = get_tensor_model_parallel_rank()
         self._colocate_params = dict(self.model_runner.model.named_parameters())
+        return handle
 
-    def colocate_load(self, index: int, checksums: list[tuple[int, int, int]]) -> tuple[float, float]:
-        """Load bucket `index`: verify the trainers' byte ranges that concern this worker, then copy.
+    def colocate_seal_ring(self) -> None:
+        """Every party has mapped the ring: drop its name (shared memory), so no crash can leak it."""
+        if self._colocate_owner is not None:
+            self._colocate_owner.unlink()
+
+    def colocate_load(self, index: int, checksums: list[tuple[int, int, int, int]]) -> tuple[float, float]:
+        """Load bucket `index`: verify the trainers' byte ranges written into this worker's ring, then copy.
         Returns (verify seconds, load seconds)."""
         started = time.perf_counter()
         plan, ring = self._colocate_plan, self._colocate_ring
         bucket = plan.buckets[index]
-        if plan.mode == "sliced":
-            region_start = (bucket.slot * plan.num_regions + self._colocate_tp_rank) * plan.slot_bytes
-            checksums = [c for c in checksums if region_start <= c[0] < region_start + plan.slot_bytes]
-        for start, num_bytes, expected in checksums:
+        mine = [(s, n, c) for w, s, n, c in checksums if w == self._colocate_tp_rank or self._colocate_owner is None]
+        for start, num_bytes, expected in mine:
             if range_checksum(ring[start:start + num_bytes]) != expected:
                 raise RuntimeError(f"bucket {bucket.index} ({bucket.group}): checksum mismatch at bytes "
                                    f"[{start}, {start + num_bytes}): the buffer changed between write and load")

@@ -205,8 +205,7 @@ def largest_group_bytes(worker_runs: list[list[Run]]) -> int:
 
 def plan_sliced_buckets(worker_runs: list[list[Run]], *, slot_bytes: int, num_slots: int) -> list[SlicedBucket]:
     """Buckets over all workers at once: bucket i holds the same layer's slices for every worker, each worker's
-    part in its own region of slot i % num_slots (worker w's region starts at (slot * num_workers + w) *
-    slot_bytes)."""
+    part in slot i % num_slots of that worker's own ring (offsets are within the worker's ring)."""
     num_workers = len(worker_runs)
     per_worker = [dict(group_runs(runs)) for runs in worker_runs]
     groups = [g for g, _ in group_runs([r for runs in worker_runs for r in runs])]
@@ -218,7 +217,7 @@ def plan_sliced_buckets(worker_runs: list[list[Run]], *, slot_bytes: int, num_sl
             slot = index % num_slots
             regions = []
             for w in range(num_workers):
-                offset = (slot * num_workers + w) * slot_bytes
+                offset = slot * slot_bytes
                 worker_regions = []
                 for run in chunked[w][k] if k < len(chunked[w]) else []:
                     worker_regions.append(Region(run.engine_name, run.row_start, run.num_rows, run.num_cols,

@@ -141,20 +141,22 @@ class SyncPlan:
     """Everything trainers and engine workers need to agree on, built once per engine layout and sent once;
     per bucket only its index (and checksums) cross Ray.
 
-    mode "sliced": each worker's slot region holds its TP slice in its parameters' layout (reshard plan).
-    mode "full": one region per slot shared by the engine's workers, holding full HF tensors that vLLM's
-    `load_weights` slices (the fallback for architectures without a reshard plan)."""
+    Every engine worker has its own ring of `num_slots` slots (on CUDA a buffer on its GPU; on the CPU a
+    shared-memory segment, one for all workers in full mode, where they read the same tensors).
+    mode "sliced": a worker's slot holds its TP slice in its parameters' layout (reshard plan).
+    mode "full": a slot holds full HF tensors that vLLM's `load_weights` slices (the fallback for architectures
+    without a reshard plan)."""
 
     mode: str
     slot_bytes: int
     num_slots: int
-    num_regions: int  # regions per slot: the engine's workers (sliced) or 1 (full)
     buckets: tuple
     pieces: tuple[dict[str, list[Piece]], ...] = ()  # sliced: per worker (TP rank), engine name -> pieces
 
     @property
     def ring_bytes(self) -> int:
-        return self.slot_bytes * self.num_slots * self.num_regions
+        """Bytes of one worker's ring."""
+        return self.slot_bytes * self.num_slots
 
     @property
     def num_bytes(self) -> int:
@@ -178,13 +180,13 @@ def build_sync_plan(specs: list[TensorSpec], worker_layouts: list[dict], layout_
         if pieces is None or not sliced:
             groups = group_by_layer(specs)
             slot = bucket_bytes or largest_layer_bytes(specs)
-            return SyncPlan("full", slot, num_slots, 1, tuple(plan_buckets(groups, slot_bytes=slot, num_slots=num_slots)))
+            return SyncPlan("full", slot, num_slots, tuple(plan_buckets(groups, slot_bytes=slot, num_slots=num_slots)))
         per_worker_pieces.append(pieces)
         per_worker_runs.append(runs_for_worker(params, pieces))
     slot = bucket_bytes or largest_group_bytes(per_worker_runs)
     buckets = plan_sliced_buckets(per_worker_runs, slot_bytes=slot, num_slots=num_slots)
     pieces_by_name = tuple(_by_engine_name(p) for p in per_worker_pieces)
-    return SyncPlan("sliced", slot, num_slots, len(workers), tuple(buckets), pieces_by_name)
+    return SyncPlan("sliced", slot, num_slots, tuple(buckets), pieces_by_name)
 
 
 def _by_engine_name(pieces: list[Piece]) -> dict[str, list[Piece]]:

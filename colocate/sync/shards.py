@@ -22,7 +22,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from colocate.sync.buckets import Bucket, SlicedBucket
+from colocate.sync.buckets import Bucket, Region
 from colocate.sync.reshard import Piece, SyncPlan
 from colocate.sync.transport import range_checksum
 
@@ -71,42 +71,51 @@ def write_local_shards(bucket: Bucket, shards: dict[str, tuple[torch.Tensor, int
     return written
 
 
-def write_bucket(plan: SyncPlan, index: int, shards: dict[str, tuple[torch.Tensor, int]], ring: torch.Tensor,
-                 *, checksum: bool = True) -> list[tuple[int, int, int]]:
-    """Write this rank's part of bucket `index`; returns (start, num_bytes, checksum) of every byte range
-    written, for the engine to verify before it loads (none when `checksum` is off)."""
+def write_bucket(plan: SyncPlan, index: int, shards: dict[str, tuple[torch.Tensor, int]],
+                 rings: list[torch.Tensor], *, checksum: bool = True) -> list[tuple[int, int, int, int]]:
+    """Write this rank's part of bucket `index` into the engine workers' rings (`rings[w]`: worker w's; several
+    workers may share one ring, which is then written once). Returns (worker, start, num_bytes, checksum) of
+    every byte range written, for the workers to verify before they load (none when `checksum` is off)."""
     bucket = plan.buckets[index]
+    written = []  # (worker, ring, ranges)
     if plan.mode == "full":
-        ranges = write_local_shards(bucket, shards, ring)
+        seen = set()
+        for worker, ring in enumerate(rings):
+            if ring.data_ptr() not in seen:  # a shared ring (CPU): one copy serves every worker
+                seen.add(ring.data_ptr())
+                written.append((worker, ring, write_local_shards(bucket, shards, ring)))
     else:
-        ranges = write_sliced(bucket, plan.pieces, shards, ring)
+        for worker, ring in enumerate(rings):
+            written.append((worker, ring, write_sliced(bucket.regions[worker], plan.pieces[worker], shards, ring)))
+    if rings[0].is_cuda:
+        torch.cuda.synchronize()  # the engine workers read these bytes from other processes
     if not checksum:
         return []
-    return [(start, n, range_checksum(ring[start:start + n])) for start, n in ranges]
+    return [(worker, start, n, range_checksum(ring[start:start + n]))
+            for worker, ring, ranges in written for start, n in ranges]
 
 
-def write_sliced(bucket: SlicedBucket, pieces: tuple[dict[str, list[Piece]], ...],
+def write_sliced(regions: tuple[Region, ...], pieces: dict[str, list[Piece]],
                  shards: dict[str, tuple[torch.Tensor, int]], ring: torch.Tensor) -> list[tuple[int, int]]:
-    """For every worker's regions in `bucket`, write the rows this rank owns of every piece that lands there:
+    """For one worker's regions of a bucket, write the rows this rank owns of every piece that lands there:
     engine rows [lo, hi) of a region <- HF rows of the piece, restricted to this rank's FSDP2 rows."""
     written = []
     with torch.no_grad():
-        for worker, regions in enumerate(bucket.regions):
-            for region in regions:
-                for piece in pieces[worker].get(region.engine_name, ()):
-                    lo = max(region.row_start, piece.dst_row)
-                    hi = min(region.row_start + region.num_rows, piece.dst_row + piece.num_rows)
-                    if lo >= hi:
-                        continue
-                    local, first = shards[piece.hf_name]
-                    src_lo = piece.src_row + (lo - piece.dst_row)
-                    a, b = max(src_lo, first), min(src_lo + (hi - lo), first + local.shape[0])
-                    if a >= b:
-                        continue  # another rank owns these rows
-                    dst_row = lo + (a - src_lo)
-                    start = region.offset + (dst_row - region.row_start) * region.row_bytes
-                    num_bytes = (b - a) * region.row_bytes
-                    destination = ring[start:start + num_bytes].view(region.dtype).view(b - a, region.num_cols)
-                    destination.copy_(local[a - first:b - first, piece.src_col:piece.src_col + piece.num_cols])
-                    written.append((start, num_bytes))
+        for region in regions:
+            for piece in pieces.get(region.engine_name, ()):
+                lo = max(region.row_start, piece.dst_row)
+                hi = min(region.row_start + region.num_rows, piece.dst_row + piece.num_rows)
+                if lo >= hi:
+                    continue
+                local, first = shards[piece.hf_name]
+                src_lo = piece.src_row + (lo - piece.dst_row)
+                a, b = max(src_lo, first), min(src_lo + (hi - lo), first + local.shape[0])
+                if a >= b:
+                    continue  # another rank owns these rows
+                dst_row = lo + (a - src_lo)
+                start = region.offset + (dst_row - region.row_start) * region.row_bytes
+                num_bytes = (b - a) * region.row_bytes
+                destination = ring[start:start + num_bytes].view(region.dtype).view(b - a, region.num_cols)
+                destination.copy_(local[a - first:b - first, piece.src_col:piece.src_col + piece.num_cols])
+                written.append((start, num_bytes))
     return written

@@ -77,6 +77,13 @@ class ShmBuffer:
         (SHM_DIR / self.name).unlink(missing_ok=True)
 
 
+def create_buffer(num_bytes: int, *, device: torch.device, tag: str) -> ShmBuffer | CudaIpcBuffer:
+    """The owner side of a ring: POSIX shared memory on the CPU, a device allocation shared by IPC on CUDA."""
+    if device.type == "cuda":
+        return CudaIpcBuffer.create(num_bytes, device=device)
+    return ShmBuffer.create(num_bytes, tag=tag)
+
+
 def attach(handle: ShmHandle | CudaIpcHandle) -> torch.Tensor:
     """Map a buffer made elsewhere; returns a flat uint8 tensor over it (it keeps the mapping alive)."""
     if isinstance(handle, ShmHandle):

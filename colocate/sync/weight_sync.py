@@ -56,8 +56,9 @@ class WeightSync:
                         getattr(self.hf_config, "architectures", None))
         checksum = self.cfg.verify != "none"
         for engine_index, engine in enumerate(self.engines):
-            handle = ray.get(engine.open_ring.remote(self.plan))
-            ray.get([t.attach_ring.remote(engine_index, handle, self.plan, checksum=checksum) for t in self.trainers])
+            handles = ray.get(engine.open_ring.remote(self.plan))
+            ray.get([t.attach_ring.remote(engine_index, handles, self.plan, checksum=checksum)
+                     for t in self.trainers])
             ray.get(engine.seal_ring.remote())
         return self.plan
 

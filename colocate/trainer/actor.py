@@ -132,10 +132,18 @@ class TrainerActor:
         dtype = DTYPES[engine_dtype]
         return [TensorSpec(name, tuple(p.shape), dtype) for name, p in self.params.items()]
 
-    def attach_ring(self, engine_index: int, handle, plan: SyncPlan, *, checksum: bool) -> None:
+    def attach_ring(self, engine_index: int, handles: list, plan: SyncPlan, *, checksum: bool) -> None:
+        """Map the rings of one engine's workers (`handles` by TP rank; a shared ring is mapped once)."""
         from colocate.sync.transport import attach
 
-        self._rings[engine_index] = (attach(handle), plan)
+        mapped: dict = {}
+        rings = []
+        for handle in handles:
+            key = getattr(handle, "name", None) or id(handle)  # a shared segment arrives once per worker
+            if key not in mapped:
+                mapped[key] = attach(handle)
+            rings.append(mapped[key])
+        self._rings[engine_index] = (rings, plan)
         self._checksum = checksum
 
     def write_bucket(self, engine_index: int, index: int, *after) -> list[tuple[int, int, int]]:
@@ -143,9 +151,9 @@ class TrainerActor:
         ring slot; Ray runs this call only once it finished, so a slot is never overwritten mid-load."""
         # Hazard: offloaded storages have size 0; reading them through the shard views would crash the process.
         assert not self._offloaded, "write_bucket on an offloaded trainer: the controller syncs before offload"
-        ring, plan = self._rings[engine_index]
+        rings, plan = self._rings[engine_index]
         started = time.perf_counter()
-        written = write_bucket(plan, index, self.shards, ring, checksum=self._checksum)
+        written = write_bucket(plan, index, self.shards, rings, checksum=self._checksum)
         self.write_times.append((index, time.perf_counter() - started))
         return written
 

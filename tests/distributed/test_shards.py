@@ -93,12 +93,15 @@ def _sliced_write(rank: int, world_size: int, handle: ShmHandle, vocab: int, buc
     plan = build_sync_plan(specs, layouts, lambda r, s: TPLayout(r, s, NQ, NKV, HD, vocab), bucket_bytes=bucket_bytes,
                            num_slots=2)
     assert plan.mode == "sliced" and len(plan.buckets) > 4  # split by rows into many buckets
-    ring = attach(handle)
+    whole = attach(handle)
+    rings = [whole[:plan.ring_bytes], whole[plan.ring_bytes:2 * plan.ring_bytes]]  # one ring per worker
     engines = [{n: torch.zeros(s, dtype=torch.bfloat16) for n, s, _ in layout["params"]} for layout in layouts]
     for index, bucket in enumerate(plan.buckets):
-        write_bucket(plan, index, local_shards(params), ring)
+        written = write_bucket(plan, index, local_shards(params), rings)
+        assert {w for w, *_ in written} <= {0, 1}
         dist.barrier()
         for worker, regions in enumerate(bucket.regions):  # what colocate_load does, on every rank
+            ring = rings[worker]
             for region in regions:
                 target = engines[worker][region.engine_name]
                 target = target.view(target.shape[0], -1)
