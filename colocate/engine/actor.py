@@ -161,13 +161,13 @@ class EngineActor:
             return 0
         return sum(self.llm.collective_rpc("colocate_sleep", args=(level,)))
 
-    def wake(self, tags: list[str]) -> int:
+    def wake(self, tags: list[str], commit: bool = False) -> int:
         """Wake by tags: "weights" before the sync writes them, "kv_cache" after (never both copies at once)."""
         if self.sleep_backend == "vllm":
             self.llm.wake_up(tags=tags)
             restored = 0
         else:
-            restored = sum(self.llm.collective_rpc("colocate_wake", args=(tags,)))
+            restored = sum(self.llm.collective_rpc("colocate_wake", args=(tags, commit)))
         if "kv_cache" in tags:
             self.llm.reset_prefix_cache()  # the KV cache came back without its contents
         return restored

@@ -120,8 +120,8 @@ class ColocateWorkerExtension:
             self._colocate_sleeper = PortableSleep(self.model_runner.model, self.model_runner.kv_caches)
         return self._colocate_sleeper.sleep(level)
 
-    def colocate_wake(self, tags: list[str]) -> int:
-        return self._colocate_sleeper.wake(tags)
+    def colocate_wake(self, tags: list[str], commit: bool = False) -> int:
+        return self._colocate_sleeper.wake(tags, commit=commit)
 
     def colocate_rss(self) -> int:
         return process_rss_bytes()

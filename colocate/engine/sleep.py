@@ -66,13 +66,17 @@ class PortableSleep:
         return_free_memory_to_os()
         return sum(n for group in self._released.values() for _, n in group)
 
-    def wake(self, tags: list[str]) -> int:
-        """Restore the tagged memory (weights, kv_cache); returns the bytes restored."""
+    def wake(self, tags: list[str], *, commit: bool = False) -> int:
+        """Restore the tagged memory (weights, kv_cache); returns the bytes restored. `commit` writes the KV
+        cache at once (zeros), so its pages are resident as after a CUDA wake: the switch benchmark measures
+        sleep on a fully resident engine; the RL loop leaves pages to come back as rollouts touch them."""
         restored = 0
         for tag in tags:
             assert tag in (WEIGHTS, KV_CACHE), tag
             for storage, num_bytes in self._released.pop(tag, []):
                 storage.resize_(num_bytes)
+                if commit and tag == KV_CACHE:
+                    torch.empty(0, dtype=torch.uint8).set_(storage).zero_()
                 restored += num_bytes
             if tag == WEIGHTS and self._host_copies:
                 with torch.no_grad():
