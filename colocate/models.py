@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from colocate.config import ModelConfig
@@ -47,6 +47,7 @@ class Preset:
 
 
 # head_dim must be one the vLLM CPU attention backend supports (32, 64, 80, ...).
+# tiny-tied (below) is tiny with lm_head tied to the embeddings, the layout small Qwen/Llama models ship.
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         num_layers=2,
@@ -56,15 +57,6 @@ PRESETS: dict[str, Preset] = {
         num_key_value_heads=2,
         vocab_size=len(VOCAB),
         tie_word_embeddings=False,
-    ),
-    "tiny-tied": Preset(
-        num_layers=2,
-        hidden_size=128,
-        intermediate_size=384,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(VOCAB),
-        tie_word_embeddings=True,
     ),
     "bench": Preset(
         num_layers=24,
@@ -76,6 +68,9 @@ PRESETS: dict[str, Preset] = {
         tie_word_embeddings=False,
     ),
 }
+
+
+PRESETS["tiny-tied"] = replace(PRESETS["tiny"], tie_word_embeddings=True)
 
 
 def preset_dir(config: ModelConfig) -> Path:

@@ -79,8 +79,13 @@ def _random_digits(rng: random.Random, length: int) -> str:
     return "".join(rng.choice(DIGITS) for _ in range(length))
 
 
+class _CharMatchReward:
+    def reward(self, prompt: str, response: str, answer: str) -> float:
+        return char_match_reward(prompt, response, answer)
+
+
 @dataclass(frozen=True)
-class CopyTask:
+class CopyTask(_CharMatchReward):
     """Prompt "<digits>=", answer the same digits."""
 
     length: int
@@ -88,29 +93,24 @@ class CopyTask:
 
     def sample(self, rng: random.Random) -> Sample:
         digits = _random_digits(rng, self.length)
-        return Sample(prompt=f"{digits}=", answer=digits)
+        return Sample(prompt=f"{digits}=", answer=self.answer_for(digits))
 
-    def reward(self, prompt: str, response: str, answer: str) -> float:
-        return char_match_reward(prompt, response, answer)
+    def answer_for(self, digits: str) -> str:
+        return digits
 
 
 @dataclass(frozen=True)
-class ReverseTask:
+class ReverseTask(CopyTask):
     """Prompt "<digits>=", answer the digits reversed."""
 
-    length: int
     name: str = "reverse"
 
-    def sample(self, rng: random.Random) -> Sample:
-        digits = _random_digits(rng, self.length)
-        return Sample(prompt=f"{digits}=", answer=digits[::-1])
-
-    def reward(self, prompt: str, response: str, answer: str) -> float:
-        return char_match_reward(prompt, response, answer)
+    def answer_for(self, digits: str) -> str:
+        return digits[::-1]
 
 
 @dataclass(frozen=True)
-class AddTask:
+class AddTask(_CharMatchReward):
     """Prompt "<a>+<b>=", answer str(a + b); a and b have exactly `length` digits (no leading zeros)."""
 
     length: int
@@ -123,9 +123,6 @@ class AddTask:
         high = 10**self.length - 1
         a, b = rng.randint(low, high), rng.randint(low, high)
         return Sample(prompt=f"{a}+{b}=", answer=str(a + b))
-
-    def reward(self, prompt: str, response: str, answer: str) -> float:
-        return char_match_reward(prompt, response, answer)
 
 
 BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"copy": CopyTask, "reverse": ReverseTask, "add": AddTask}
