@@ -33,22 +33,22 @@ def run_sync_bench(cfg: JobConfig, *, num_syncs: int, num_warmup: int, out_dir: 
         floor_s = memcpy_floor_s(engine_bytes)
         pids = ray.get([t.pid.remote() for t in rt.trainers]) + [w["pid"] for w in worker_memory]
 
-        colocate = _time_syncs(rt.sync, num_syncs, num_warmup, pids)
-        colocate["breakdown"] = _breakdown(rt)
-        colocate["verified_equal"] = rt.sync.verify_full(cfg.engine.dtype) == []
-
         specs = ray.get(rt.trainers[0].param_specs.remote(cfg.engine.dtype))
         first = WeightSync(rt.trainers, rt.engines, specs, cfg=cfg.sync, hf_config=rt.sync.hf_config, sliced=False)
         first.open()
-        first_version = _time_syncs(first, num_syncs, num_warmup, pids)
+        # Interleaved (colocate, first version, colocate, ...): drift on a shared machine hits both alike.
+        colocate, first_version = _time_syncs([rt.sync, first], num_syncs, num_warmup, pids)
         first_version["verified_equal"] = first.verify_full(cfg.engine.dtype) == []
+        rt.sync.run()  # the breakdown comes from colocate's own last sync
+        colocate["breakdown"] = _breakdown(rt)
+        colocate["verified_equal"] = rt.sync.verify_full(cfg.engine.dtype) == []
 
         naive = _time_naive(rt, num_syncs, num_warmup, cfg.engine.dtype)
         naive["verified_equal"] = rt.sync.verify_full(cfg.engine.dtype) == []
+        plan = rt.sync.plan
+        # one ring per engine worker (sliced plan); the CPU full-tensor plan shares one ring per engine
+        ring_bytes = plan.ring_bytes * len(rt.engines) * (cfg.engine.tp if plan.mode == "sliced" else 1)
 
-    plan = rt.sync.plan
-    # one ring per engine worker (sliced plan); the CPU full-tensor plan shares one ring per engine
-    ring_bytes = plan.ring_bytes * len(rt.engines) * (cfg.engine.tp if plan.mode == "sliced" else 1)
     result = {
         "config": {"model": cfg.model.preset or cfg.model.path, "engine_dtype": cfg.engine.dtype,
                    "engine_tp": cfg.engine.tp, "num_slots": cfg.placement.num_slots,
@@ -77,21 +77,27 @@ def run_sync_bench(cfg: JobConfig, *, num_syncs: int, num_warmup: int, out_dir: 
     return result
 
 
-def _time_syncs(sync: WeightSync, num_syncs: int, num_warmup: int, pids: list[int]) -> dict:
+def _time_syncs(syncs: list[WeightSync], num_syncs: int, num_warmup: int, pids: list[int]) -> list[dict]:
+    """Time each sync method `num_syncs` times, interleaved, after `num_warmup` untimed runs of each."""
     for _ in range(num_warmup):
-        sync.run()
+        for sync in syncs:
+            sync.run()
     _reset_peak_rss(pids)
     before = {pid: _status_kib(pid, "VmRSS") for pid in pids}
-    times, stats = [], []
+    stats: list[list[dict]] = [[] for _ in syncs]
     for _ in range(num_syncs):
-        stats.append(sync.run())
-        times.append(stats[-1]["sync_s"])
+        for sync, collected in zip(syncs, stats):
+            collected.append(sync.run())
     peak = {pid: _status_kib(pid, "VmHWM") - before[pid] for pid in pids}
-    phases = {k: sum(s[k] for s in stats) / len(stats) for k in ("sync_load_s", "sync_verify_s", "sync_post_s")}
-    return {**summary(times), "phases_mean_s": phases,
-            # Per process, what its RSS peaked at above its steady state during the syncs. Pages of the shared
-            # ring count in every process that touched them, so the sum over-counts the ring.
-            "peak_rss_over_steady_bytes": {str(pid): kib * 1024 for pid, kib in peak.items()}}
+    results = []
+    for collected in stats:
+        phases = {k: sum(s[k] for s in collected) / len(collected)
+                  for k in ("sync_load_s", "sync_verify_s", "sync_post_s")}
+        results.append({**summary([s["sync_s"] for s in collected]), "phases_mean_s": phases})
+    # Per process, what its RSS peaked at above its steady state during all the timed syncs. Pages of a shared
+    # ring count in every process that touched them, so the sum over-counts the rings.
+    results[0]["peak_rss_over_steady_bytes"] = {str(pid): kib * 1024 for pid, kib in peak.items()}
+    return results
 
 
 def _time_naive(rt: Runtime, num_syncs: int, num_warmup: int, dtype: str) -> dict:
