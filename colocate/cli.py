@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--name", default="", help="result file name without extension (default: the benchmark)")
     bench.set_defaults(func=cmd_bench, command="bench")
 
-    docs = sub.add_parser("config-docs", help="print the markdown table of every config key")
+    docs = sub.add_parser("config-docs", help="print the table of every config key (docs/config.md)")
     docs.set_defaults(func=cmd_config_docs)
     return parser
 
