@@ -15,6 +15,8 @@ if [ ! -s "$RAY_AUTH_TOKEN_PATH" ]; then
   mkdir -p "$(dirname "$RAY_AUTH_TOKEN_PATH")"
   (umask 077 && "$VENV/bin/python" -c "import secrets; print(secrets.token_hex(32))" > "$RAY_AUTH_TOKEN_PATH")
 fi
+# Jobs submitted to this head (colocate submit) run `python -m colocate.cli`: put the venv's Python first.
+export PATH="$PWD/$VENV/bin:$PATH"
 "$VENV/bin/ray" start --head --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1 --disable-usage-stats >/dev/null
 trap '"$VENV/bin/ray" stop --force >/dev/null 2>&1 || true' EXIT
 "$VENV/bin/colocate" launch --address auto "$@"

@@ -13,8 +13,8 @@ def test_entrypoint_round_trips_the_resolved_config():
                              "rollout.reward_fn=tests.e2e.rewards:explode_in_second_step",
                              "placement.ray_address=auto"])
     argv = shlex.split(entrypoint(cfg))
-    assert argv[:4] == ["colocate", "launch", "--address", "auto"]
+    assert argv[:6] == ["python", "-m", "colocate.cli", "launch", "--address", "auto"]
     assert "logging.output_dir=out dir/x" in argv
     assert not any(a.startswith("placement.ray_address") for a in argv)
-    resolved = load_config(None, argv[4:] + ["placement.ray_address=auto"])
+    resolved = load_config(None, argv[6:] + ["placement.ray_address=auto"])
     assert resolved == cfg

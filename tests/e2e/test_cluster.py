@@ -1,0 +1,65 @@
+"""An existing Ray cluster: a head started with `ray start` (loopback, token auth, as Ray 2.60 requires), a job
+that joins it with `colocate launch --address auto`, and one sent through `colocate submit` (Job API)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import ROOT, assert_nothing_left, colocate_processes, shm_segments
+
+pytestmark = pytest.mark.e2e
+BIN = Path(sys.executable).parent
+SMALL = ["algo.num_steps=1", "rollout.num_prompts=4", "rollout.num_samples=4", "engine.kv_cache_gib=0.125",
+         f"model.cache_dir={ROOT / '.cache' / 'models'}", "logging.progress=false"]
+
+
+@pytest.fixture
+def head(tmp_path):
+    before = (colocate_processes(), shm_segments())
+    token = tmp_path / "token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
+           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
+                    "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=180)
+    try:
+        yield env
+    finally:
+        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+    assert_nothing_left(*before)
+
+
+def steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_launch_joins_and_submit_runs_on_an_existing_cluster(head, tmp_path):
+    joined = subprocess.run([str(BIN / "colocate"), "launch", "--address", "auto", *SMALL,
+                             f"logging.output_dir={tmp_path / 'joined'}"],
+                            cwd=ROOT, env=head, capture_output=True, text=True, timeout=420)
+    assert joined.returncode == 0, joined.stderr[-2000:]
+    assert steps(tmp_path / "joined" / "metrics.jsonl") == [0]
+
+    submitted = subprocess.run([str(BIN / "colocate"), "submit", "--dashboard", "http://127.0.0.1:8265", *SMALL,
+                                f"logging.output_dir={tmp_path / 'submitted'}"],
+                               cwd=ROOT, env=head, capture_output=True, text=True, timeout=420)
+    assert submitted.returncode == 0, submitted.stderr[-2000:]
+    assert "succeeded" in submitted.stderr
+    assert steps(tmp_path / "submitted" / "metrics.jsonl") == [0]
+
+
+def test_cluster_without_enough_slots_is_refused_before_any_actor(head, tmp_path):
+    result = subprocess.run([str(BIN / "colocate"), "launch", "--address", "auto", *SMALL,
+                             "placement.num_slots=64", "engine.tp=2", f"logging.output_dir={tmp_path / 'out'}"],
+                            cwd=ROOT, env=head, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("colocate:")]
+    assert lines == [lines[0]] and "placement.num_slots=64" in lines[0] and "the Ray cluster" in lines[0]
