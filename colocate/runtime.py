@@ -83,9 +83,11 @@ class Runtime:
         if self.cfg.placement.ray_address:
             ray.init(address=self.cfg.placement.ray_address, **common)
         else:
-            # A logical CPU per core at least: a slot is a scheduling unit, the cores are shared by design.
-            ray.init(num_cpus=max(os.cpu_count() or 1, self.cfg.placement.num_slots), include_dashboard=False,
-                     **common)
+            # address="local": a new Ray of our own, even when `ray start` left a head running on this machine
+            # (plain ray.init() would join that one). A logical CPU per core at least: a slot is a scheduling
+            # unit, the cores are shared by design.
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, self.cfg.placement.num_slots),
+                     include_dashboard=False, **common)
             self._started_ray = True
 
     def _start_trainers(self) -> None:

@@ -30,6 +30,8 @@ def run_job(cfg: JobConfig) -> int:
     controller = None
     try:
         with Runtime(cfg) as runtime:
+            metrics.write({"event": "startup", "trainers": runtime.trainer_info, "engines": runtime.engine_info,
+                           "sync_mode": runtime.sync.plan.mode, "sync_bytes": runtime.sync.plan.num_bytes})
             controller = Controller(cfg, runtime, metrics)
             history = controller.run()
         _summary(history, metrics.path)

@@ -40,7 +40,6 @@ class EngineActor:
         self.eos_token_id = eos_token_id
         self.llm = None
         self._shared_ring = None
-        self._sleep_level = 0
 
     # ------------------------------------------------------------------------------------------------ life
 
@@ -155,7 +154,6 @@ class EngineActor:
 
     def sleep(self, level: int) -> int:
         """Free weights and KV cache (level 2: weights discarded, sync restores them). Returns bytes freed."""
-        self._sleep_level = level
         if self.sleep_backend == "vllm":
             self.llm.sleep(level=level)
             return 0

@@ -38,10 +38,11 @@ def head(tmp_path):
 
 
 def steps(path: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r["step"] for r in records if "event" not in r]
 
 
-def test_launch_joins_and_submit_runs_on_an_existing_cluster(head, tmp_path):
+def test_launch_joins_submit_runs_and_a_local_job_stays_local(head, tmp_path):
     joined = subprocess.run([str(BIN / "colocate"), "launch", "--address", "auto", *SMALL,
                              f"logging.output_dir={tmp_path / 'joined'}"],
                             cwd=ROOT, env=head, capture_output=True, text=True, timeout=420)
@@ -54,6 +55,13 @@ def test_launch_joins_and_submit_runs_on_an_existing_cluster(head, tmp_path):
     assert submitted.returncode == 0, submitted.stderr[-2000:]
     assert "succeeded" in submitted.stderr
     assert steps(tmp_path / "submitted" / "metrics.jsonl") == [0]
+
+    # Without an address the job starts a Ray of its own, even with this head running on the machine.
+    local = subprocess.run([str(BIN / "colocate"), "launch", *SMALL, f"logging.output_dir={tmp_path / 'local'}"],
+                           cwd=ROOT, env={k: v for k, v in head.items() if k != "RAY_ADDRESS"},
+                           capture_output=True, text=True, timeout=420)
+    assert local.returncode == 0, local.stderr[-2000:]
+    assert steps(tmp_path / "local" / "metrics.jsonl") == [0]
 
 
 def test_cluster_without_enough_slots_is_refused_before_any_actor(head, tmp_path):

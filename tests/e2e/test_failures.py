@@ -29,6 +29,9 @@ def test_a_full_run_ends_clean_and_writes_metrics(tmp_path, baseline):
     result = launch(tmp_path, "algo.num_steps=2")
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["event"] == "startup" and records[0]["sync_mode"] == "sliced"
+    assert records[0]["engines"][0]["start_s"] > 0
+    records = records[1:]
     assert [r["step"] for r in records] == [0, 1]
     for key in ("reward_mean", "rollout_tokens_per_s", "sync_s", "mismatch", "memory", "times"):
         assert key in records[0]
@@ -73,7 +76,8 @@ def test_reward_function_that_raises_keeps_finished_steps(tmp_path, baseline):
     assert "user reward bug" in lines[0] and "on prompt '" in lines[0], result.stderr[-2000:]
     assert "1 finished step(s) kept" in result.stderr
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert records[0]["step"] == 0 and records[-1]["event"] == "error" and records[-1]["step"] == 1
+    assert records[0]["event"] == "startup"
+    assert records[1]["step"] == 0 and records[-1]["event"] == "error" and records[-1]["step"] == 1
     assert_nothing_left(*baseline)
 
 
