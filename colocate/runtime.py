@@ -37,6 +37,7 @@ class Runtime:
         self.group = None
         self.sync: WeightSync | None = None
         self._started_ray = False
+        self._shm_before = shm_entries()  # what /dev/shm held before us: close() leaves those alone
 
     def __enter__(self) -> Runtime:
         try:
@@ -52,7 +53,6 @@ class Runtime:
     def start(self) -> None:
         cfg = self.cfg
         remove_stale_segments()
-        self._shm_before = shm_entries()
         self.device = resolve_device(cfg.placement.device)
         self.model_path = ensure_model(cfg.model)
         try:
@@ -150,7 +150,7 @@ class Runtime:
 
     def _remove_orphaned_segments(self, timeout_s: float = 15) -> None:
         """Killed workers take a moment to exit; until they have, their segments still look mapped."""
-        new = shm_entries() - getattr(self, "_shm_before", shm_entries())
+        new = shm_entries() - self._shm_before
         deadline = time.monotonic() + timeout_s
         while new and time.monotonic() < deadline:
             new -= set(remove_orphaned_entries(new))

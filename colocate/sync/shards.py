@@ -81,7 +81,7 @@ def write_bucket(plan: SyncPlan, index: int, shards: dict[str, tuple[torch.Tenso
     if plan.mode == "full":
         seen = set()
         for worker, ring in enumerate(rings):
-            if ring.data_ptr() not in seen:  # a shared ring (CPU): one copy serves every worker
+            if ring.data_ptr() not in seen:  # a shared ring (CPU): one copy, tagged with its first worker
                 seen.add(ring.data_ptr())
                 written.append((worker, ring, write_local_shards(bucket, shards, ring)))
     else:

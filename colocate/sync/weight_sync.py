@@ -91,7 +91,8 @@ class WeightSync:
         independent layout oracle (plan.engine_tensor). Returns the mismatched "engine/worker/param" names."""
         from colocate.sync.plan import compare_engine_state
 
-        trainer_state = ray.get([t.full_state_dict.remote(engine_dtype) for t in self.trainers])[0]
+        # a collective on every rank; only rank 0 ships the result
+        trainer_state = ray.get([t.full_state_dict.remote(engine_dtype, rank0_only=True) for t in self.trainers])[0]
         mismatched = []
         for e, engine in enumerate(self.engines):
             layouts = ray.get(engine.param_layouts.remote())

@@ -38,6 +38,7 @@ class TrainerActor:
         self.pad_id = pad_id
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self._rings = {}
+        self._offloader = None
         # bounded: a long run never asks for them (only the sync benchmark does)
         self.write_times: deque[tuple[int, float]] = deque(maxlen=4096)
         self._offloaded = False
@@ -86,7 +87,7 @@ class TrainerActor:
     def shutdown(self) -> None:
         import torch.distributed as dist
 
-        if getattr(self, "_offloader", None) is not None:
+        if self._offloader is not None:
             self._offloader.close()
         if dist.is_initialized():
             dist.destroy_process_group()
