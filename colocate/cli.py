@@ -159,7 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # `colocate bench sync --repeats 3 sync.bucket_mb=16`: argparse ends a positional list at the first option,
+    # so items after an option arrive as extras; they are still items. Anything else extra is an error.
+    args, extras = parser.parse_known_args(argv)
+    unknown = [e for e in extras if e.startswith("-") or not hasattr(args, "items")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extras:
+        args.items = [*args.items, *extras]
     # Dotted paths in the config (tasks, reward functions) name the user's modules, relative to where they run
     # the command, as `python -m` would resolve them.
     if os.getcwd() not in sys.path:
