@@ -47,6 +47,11 @@ class EngineActor:
         os.environ.update(engine_env(self.cfg, self.device))
         from vllm import LLM
 
+        if self.device == "cpu":
+            from colocate.engine.cpu_polling import stop_busy_polling
+
+            stop_busy_polling()
+
         kwargs = dict(
             model=self.model_path,
             tensor_parallel_size=self.cfg.tp,

@@ -30,10 +30,6 @@ from colocate.sync.transport import attach, create_buffer, range_checksum
 
 
 def _use_plain_cpu_linear() -> None:
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
@@ -44,7 +40,17 @@ def _use_plain_cpu_linear() -> None:
     UnquantizedEmbeddingMethod.process_weights_after_loading = plain
 
 
-_use_plain_cpu_linear()
+def _cpu_only_patches() -> None:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from colocate.engine.cpu_polling import stop_busy_polling
+
+        _use_plain_cpu_linear()
+        stop_busy_polling()
+
+
+_cpu_only_patches()
 
 
 class ColocateWorkerExtension:
