@@ -90,7 +90,9 @@ class SyncConfig:
     num_bucket_slots: int = 2
     """Bucket slots in the ring: >= 2 lets the next layer be packed while the engine loads the previous."""
     verify: str = "checksum"
-    """After each sync: checksum (per layer), full (compare every engine tensor), or none."""
+    """After each sync: checksum (ring: per-bucket checksums; in place: every engine parameter still where the trainers write), full (compare every engine tensor), or none."""
+    transport: str = "auto"
+    """in_place (CPU): trainers write into the engine's parameters, kept in shared memory; ring: through bucket slots the engine copies from; auto: in_place on CPU, ring on CUDA."""
 
 
 @dataclass
@@ -174,6 +176,7 @@ class JobConfig:
         _one_of(self, "engine.sleep_level", [1, 2])
         _one_of(self, "engine.sleep_backend", ["auto", "vllm", "portable"])
         _one_of(self, "sync.verify", ["checksum", "full", "none"])
+        _one_of(self, "sync.transport", ["auto", "in_place", "ring"])
         _one_of(self, "placement.device", ["auto", "cpu", "cuda"])
         _one_of(self, "logging.level", ["DEBUG", "INFO", "WARNING", "ERROR"])
         if not self.model.path:

@@ -42,8 +42,11 @@ class Controller:
         self.history: list[dict] = []
 
     def run(self) -> list[dict]:
+        return self.run_steps(self.cfg.algo.num_steps)
+
+    def run_steps(self, num_steps: int) -> list[dict]:
         self._call(self.rt.trainers, "offload")  # the engine runs first
-        for step in range(self.cfg.algo.num_steps):
+        for step in range(num_steps):
             self.step(step)
         return self.history
 

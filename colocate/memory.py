@@ -2,13 +2,49 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 
-def process_rss_bytes(pid: int | str = "self") -> int:
-    """Resident set size of a process (default: this one), in bytes."""
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def process_rss_bytes(pid: int | str = "self", *, shared_memory: bool = True) -> int:
+    """Resident set size of a process (default: this one), in bytes. `shared_memory=False` leaves out its
+    resident shared-memory pages (RssShmem): a trainer rank maps the engine workers' weight arenas and rings,
+    and those bytes belong to the engine, which counts them once."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "RssShmem:")):
+                key, value = line.split(":")
+                fields[key] = int(value.split()[0]) * 1024
+    return fields["VmRSS"] - (0 if shared_memory else fields.get("RssShmem", 0))
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+MADV_HUGEPAGE = 14
+HUGE_PAGE = 2 << 20
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name, use_errno=True) if name else None
+
+
+def advise_huge_pages(address: int, num_bytes: int) -> None:
+    """Ask for transparent huge pages on [address, address + num_bytes) before it is first written: the kernel
+    then faults it in 2 MiB at a time (this machine's THP mode is `madvise`: nothing without the advice).
+    Best effort: a kernel without THP, or a range under 2 MiB, is left as it is."""
+    start = (address + PAGE - 1) // PAGE * PAGE
+    end = (address + num_bytes) // PAGE * PAGE
+    libc = _libc()
+    if libc is None or end - start < HUGE_PAGE:
+        return
+    import ctypes
+
+    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
 
 
 def return_free_memory_to_os() -> None:
@@ -18,11 +54,45 @@ def return_free_memory_to_os() -> None:
     release/restore cycles big tensors come from the heap, and freeing them only returns them to malloc's free
     lists: RSS would not drop when the engine sleeps or the trainer offloads. Trimming after a release fixes that.
     """
-    import ctypes
-    import ctypes.util
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):  # glibc only
+        libc.malloc_trim(0)
 
-    name = ctypes.util.find_library("c")
-    if name:
-        libc = ctypes.CDLL(name)
-        if hasattr(libc, "malloc_trim"):  # glibc only
-            libc.malloc_trim(0)
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process descending from it (a local job: the driver, Ray's daemons and workers, the
+    actors, vLLM's TP workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def tree_pss_bytes(root: int) -> int:
+    """Memory of a whole process tree, each page counted once: the sum of the processes' proportional set sizes
+    (a page shared by n processes counts 1/n in each). Summing RSS instead would count a weight arena or a ring
+    once per process mapping it."""
+    total = 0
+    for pid in process_tree(root):
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except OSError:  # exited, or not ours to read
+            continue
+    return total

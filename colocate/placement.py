@@ -80,7 +80,15 @@ def plan_slots(cfg: JobConfig, *, device: str, num_devices: int, where: str = "t
         if cfg.trainer.mixed_precision:
             raise ConfigError("trainer.mixed_precision=True is invalid on a CPU run: bf16 mixed precision is for "
                               "CUDA; valid: false")
+    elif cfg.sync.transport == "in_place":
+        raise ConfigError("sync.transport='in_place' is invalid on a CUDA run: the engine's weights live in vLLM's "
+                          "sleep-mode allocator, which CUDA IPC cannot share; valid: auto, ring")
     return SlotPlan(device=device, num_slots=cfg.placement.num_slots, tp=cfg.engine.tp)
+
+
+def sync_in_place(cfg: JobConfig, device: str) -> bool:
+    """Whether the sync writes straight into the engine's parameters (CPU) or through the ring (CUDA)."""
+    return cfg.sync.transport == "in_place" or (cfg.sync.transport == "auto" and device == "cpu")
 
 
 def sleep_backend(cfg: JobConfig, device: str) -> str:

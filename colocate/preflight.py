@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from colocate.config import ConfigError, JobConfig
+from colocate.placement import sync_in_place
 
 GIB = 1 << 30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -92,6 +93,8 @@ def predict_phases(cfg: JobConfig, dims: ModelDims, *, device: str) -> list[Phas
     activations = world * tokens * 4 * (3 * dims.vocab_size + 16 * dims.hidden_size * dims.num_layers)
     layer_bytes = engine_weights // max(dims.num_layers, 1)
     ring = engines * cfg.sync.num_bucket_slots * max(int(cfg.sync.bucket_mb * (1 << 20)), layer_bytes)
+    if sync_in_place(cfg, device):
+        ring = 0  # the trainers write into the engine's own parameters
 
     if device == "cuda":  # one GPU: the trainer's shard beside the engine's reserved share
         return _cuda_phases(cfg, params // world, activations // world, ring // world)

@@ -21,7 +21,8 @@ from colocate.config import JobConfig
 from colocate.engine.actor import EngineActor, engine_env
 from colocate.models import ensure_model, load_tokenizer
 from colocate.placement import (ENGINE_SHARE, TRAINER_SHARE, actor_options, cluster_device_count,
-                                create_placement_group, local_device_count, plan_slots, resolve_device, sleep_backend)
+                                create_placement_group, local_device_count, plan_slots, resolve_device, sleep_backend,
+                                sync_in_place)
 from colocate.sync.transport import remove_orphaned_entries, remove_stale_segments, shm_entries
 from colocate.sync.weight_sync import WeightSync
 from colocate.trainer.actor import TrainerActor
@@ -71,7 +72,8 @@ class Runtime:
         from transformers import AutoConfig
 
         self.sync = WeightSync(self.trainers, self.engines, specs, cfg=cfg.sync,
-                               hf_config=AutoConfig.from_pretrained(self.model_path))
+                               hf_config=AutoConfig.from_pretrained(self.model_path),
+                               in_place=sync_in_place(cfg, self.device))
         self.sync.open()
 
     def _init_ray(self) -> None:

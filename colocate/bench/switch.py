@@ -6,7 +6,8 @@
 Measured over N cycles on the same engine and trainers:
 - engine sleep at level 1 and 2, wake by tag (weights, then the sync, then kv_cache), and the memory each frees
   (engine workers' RSS, against the weights + KV cache they hold); generations before sleep and after wake
-  compared token for token;
+  compared token for token. Level 1 keeps a host copy of the weights; on the CPU that copy sits in the same RAM,
+  so what level 1 frees there is the KV cache (the RSS drop says so, nothing is subtracted or added);
 - trainer offload / onload of parameters and optimizer state, and the RSS it frees;
 - floor: a single-process memcpy of the engine's weight bytes;
 - the alternative without sleep mode: shutting the engine down and starting it again (plus the sync that gives
@@ -22,9 +23,11 @@ from pathlib import Path
 import ray
 
 from colocate.bench.common import memcpy_floor_s, summary, write_result
+from colocate.bench.peaks import PhaseSampler, compare
 from colocate.config import JobConfig
 from colocate.controller import Controller
 from colocate.placement import sleep_backend
+from colocate.preflight import model_dims, predict_phases
 from colocate.runtime import Runtime
 
 PROMPTS = [[5, 6, 7, 16], [8, 9, 16]]
@@ -32,22 +35,43 @@ SAMPLING = {"n": 2, "temperature": 1.0, "top_p": 1.0, "max_tokens": 8, "seed": 7
 
 
 def run_switch_bench(cfg: JobConfig, *, num_cycles: int, out_dir: str, name: str) -> dict:
-    with Runtime(cfg) as rt:
-        Controller(cfg, rt).step(0)  # one real step: the optimizer has its state, the engine its trained weights
-        engine = rt.engines[0]
-        ray.get(engine.sleep.remote(cfg.engine.sleep_level))
-        ray.get(engine.wake.remote(["weights", "kv_cache"], True))
-        rt.sync.run()
-        memory = ray.get(engine.memory.remote())
-        weight_bytes = sum(w["weight_bytes"] for w in memory)
-        held = weight_bytes + sum(w["kv_cache_bytes"] for w in memory)
-        floor_s = memcpy_floor_s(weight_bytes)
-        levels = {level: _engine_cycles(rt, level, num_cycles, held) for level in (1, 2)}
-        trainer = _trainer_cycles(rt, num_cycles)
-        started = time.perf_counter()
-        rt.restart_engines()
-        rt.sync.run()
-        restart_s = time.perf_counter() - started
+    sampler = PhaseSampler().start()
+    try:
+        with Runtime(cfg) as rt:
+            # two real steps, as `colocate launch` runs them, with the job's memory sampled per phase; after
+            # them the optimizer has its state and the engine its trained weights
+            controller = Controller(cfg, rt)
+            sampler.follow(controller)
+            controller.run_steps(2)
+            sampler.stop()
+            predicted = predict_phases(cfg, model_dims(cfg), device=rt.device)
+            result = _measure(cfg, rt, num_cycles)
+    finally:
+        sampler.stop()
+    result["preflight"] = compare(predicted, sampler.peaks)
+    ratios = result["ratios"]
+    ratios["preflight_peak_predicted_over_measured"] = result["preflight"]["peak_predicted_over_measured"]
+    path = write_result(result, out_dir, name)
+    _plot(result, Path(out_dir) / f"{name}.png")
+    _print(result, path)
+    return result
+
+
+def _measure(cfg: JobConfig, rt: Runtime, num_cycles: int) -> dict:
+    engine = rt.engines[0]
+    ray.get(engine.sleep.remote(cfg.engine.sleep_level))
+    ray.get(engine.wake.remote(["weights", "kv_cache"], True))
+    rt.sync.run()
+    memory = ray.get(engine.memory.remote())
+    weight_bytes = sum(w["weight_bytes"] for w in memory)
+    held = weight_bytes + sum(w["kv_cache_bytes"] for w in memory)
+    floor_s = memcpy_floor_s(weight_bytes)
+    levels = {level: _engine_cycles(rt, level, num_cycles, held) for level in (1, 2)}
+    trainer = _trainer_cycles(rt, num_cycles)
+    started = time.perf_counter()
+    rt.restart_engines()
+    rt.sync.run()
+    restart_s = time.perf_counter() - started
 
     switch = {level: m["sleep"]["median_s"] + m["wake_weights"]["median_s"] + m["wake_kv_cache"]["median_s"]
               for level, m in levels.items()}
@@ -75,9 +99,6 @@ def run_switch_bench(cfg: JobConfig, *, num_cycles: int, out_dir: str, name: str
             "restart_over_level1_switch": restart_s / (switch[1] + levels[1]["sync"]["median_s"]),
         },
     }
-    path = write_result(result, out_dir, name)
-    _plot(result, Path(out_dir) / f"{name}.png")
-    _print(result, path)
     return result
 
 
@@ -164,4 +185,9 @@ def _print(result: dict, path: Path) -> None:
           f"{r['restart_over_level2_switch']:.0f}x a level-2 switch + sync | level-1 wake / floor "
           f"{r['level1_wake_over_floor']:.2f}x | level-2 (wake + sync) / level-1 (wake + sync) "
           f"{r['level2_wake_plus_sync_over_level1_wake_plus_sync']:.2f}")
+    pf = result["preflight"]
+    phases = ", ".join(f"{name} {row['predicted_bytes'] / 2**30:.2f}/{row['measured_bytes'] / 2**30:.2f}"
+                       for name, row in pf["phases"].items())
+    print(f"preflight, predicted/measured GiB (whole job, PSS): {phases} | peak {pf['peak_predicted_bytes'] / 2**30:.2f}"
+          f"/{pf['peak_measured_bytes'] / 2**30:.2f} = {pf['peak_predicted_over_measured']:.2f}")
     print(f"results: {path} (+ .png)")

@@ -39,7 +39,8 @@ class EngineActor:
         self.sleep_backend = sleep_backend
         self.eos_token_id = eos_token_id
         self.llm = None
-        self._shared_ring = None
+        self._shared_rings: dict = {}  # sync key -> the segment a full-tensor plan's workers share (CPU)
+        self._asleep: set[str] = set()  # the tags still asleep: nothing may generate before both woke
 
     # ------------------------------------------------------------------------------------------------ life
 
@@ -88,6 +89,8 @@ class EngineActor:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        assert not self._asleep, f"generate() while the engine's {sorted(self._asleep)} sleep: wake them first"
+
         params = SamplingParams(
             n=sampling["n"], temperature=sampling["temperature"], top_p=sampling["top_p"],
             max_tokens=sampling["max_tokens"], seed=sampling.get("seed"), logprobs=0, detokenize=False,
@@ -109,31 +112,43 @@ class EngineActor:
 
     # ----------------------------------------------------------------------------------------- weight sync
 
-    def open_ring(self, plan) -> list:
-        """Give every worker a ring for `plan`; returns their handles (by TP rank) for the trainers. Each worker
-        owns a ring on its own device; on the CPU the full-tensor plan shares one segment, since every worker
-        reads the same full tensors. A new plan (another layout, a restarted engine) gets new rings."""
+    def share_weights(self) -> list[dict]:
+        """Move every worker's parameters into a shared-memory arena (in-place sync); per worker: tp_rank,
+        handle, offsets."""
+        return self.llm.collective_rpc("colocate_share_weights")
+
+    def open_ring(self, key: str, plan) -> list:
+        """Give every worker a ring for sync `key`; returns their handles (by TP rank) for the trainers. Each
+        worker owns a ring on its own device; on the CPU the full-tensor plan shares one segment, since every
+        worker reads the same full tensors; in place, the handles are the workers' weight arenas. A new plan
+        (another layout, a restarted engine) gets new rings."""
         from colocate.sync.transport import ShmBuffer
 
-        self._shared_ring = None
         if self.device == "cpu" and plan.mode == "full":
-            self._shared_ring = ShmBuffer.create(plan.ring_bytes, tag="ring")
-            return self.llm.collective_rpc("colocate_open_ring", args=(plan, self._shared_ring.handle))
-        return self.llm.collective_rpc("colocate_open_ring", args=(plan,))
+            self._shared_rings[key] = ShmBuffer.create(plan.ring_bytes, tag="ring")
+            return self.llm.collective_rpc("colocate_open_ring", args=(key, plan, self._shared_rings[key].handle))
+        return self.llm.collective_rpc("colocate_open_ring", args=(key, plan))
 
-    def seal_ring(self) -> None:
+    def seal_ring(self, key: str) -> None:
         """Everyone has mapped the rings: drop their names so no crash can leak a segment."""
-        if self._shared_ring is not None:
-            self._shared_ring.unlink()
-        self.llm.collective_rpc("colocate_seal_ring")
+        if key in self._shared_rings:
+            self._shared_rings[key].unlink()
+        self.llm.collective_rpc("colocate_seal_ring", args=(key,))
 
-    def load_bucket(self, index: int, *per_rank_checksums) -> dict:
+    def load_bucket(self, key: str, index: int, *per_rank_checksums) -> dict:
         """Load bucket `index` into every worker. Ray passes the trainers' write results as arguments, so this
         runs only after every rank has written its part of the bucket."""
         checksums = [c for rank in per_rank_checksums for c in rank]
-        per_worker = self.llm.collective_rpc("colocate_load", args=(index, checksums))
+        per_worker = self.llm.collective_rpc("colocate_load", args=(key, index, checksums))
         # the workers run in parallel: a bucket costs what its slowest worker took
         return {"verify_s": max(v for v, _ in per_worker), "load_s": max(lo for _, lo in per_worker)}
+
+    def verify_in_place(self, key: str, *per_rank_checksums) -> dict:
+        """After the trainers wrote every bucket in place (Ray passes their results, so this runs after them):
+        check every worker's parameters still live in its arena, and the written ranges' checksums."""
+        checksums = [c for rank in per_rank_checksums for c in rank]
+        return {"verify_s": max(self.llm.collective_rpc("colocate_verify_in_place", args=(key, checksums))),
+                "load_s": 0.0}
 
     def finish_sync(self) -> float:
         """Post-load processing, once per sync. Returns its seconds."""
@@ -157,6 +172,7 @@ class EngineActor:
 
     def sleep(self, level: int) -> int:
         """Free weights and KV cache (level 2: weights discarded, sync restores them). Returns bytes freed."""
+        self._asleep = {"weights", "kv_cache"}
         if self.sleep_backend == "vllm":
             self.llm.sleep(level=level)
             return 0
@@ -171,6 +187,7 @@ class EngineActor:
             restored = sum(self.llm.collective_rpc("colocate_wake", args=(tags, commit)))
         if "kv_cache" in tags:
             self.llm.reset_prefix_cache()  # the KV cache came back without its contents
+        self._asleep -= set(tags)
         return restored
 
     def memory(self) -> list[dict]:

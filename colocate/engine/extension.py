@@ -5,8 +5,8 @@ vLLM mixes this class into its worker class (`worker_extension_cls`), so `self` 
 `sleep`, `wake_up`, `load_model`, ... and vLLM refuses an extension whose names collide.
 
     llm = LLM(path, worker_extension_cls="colocate.engine.extension.ColocateWorkerExtension", ...)
-    handles = llm.collective_rpc("colocate_open_ring", args=(plan,))
-    llm.collective_rpc("colocate_load", args=(bucket_index, checksums))
+    handles = llm.collective_rpc("colocate_open_ring", args=(key, plan))
+    llm.collective_rpc("colocate_load", args=(key, bucket_index, checksums))
 
 Hazard (CPU weight layout): on CPUs with AVX-512 bf16 / AMX, vLLM's CPU backend repacks every linear weight
 into an opaque oneDNN/SGL kernel format after loading and empties the parameter (and keeps a packed copy of
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from colocate.memory import process_rss_bytes
+from colocate.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.sync.reshard import SyncPlan
 from colocate.sync.transport import attach, create_buffer, range_checksum
 
@@ -55,41 +55,63 @@ _cpu_only_patches()
 
 class ColocateWorkerExtension:
     # ----------------------------------------------------------------------------------------- weight sync
+    # Several syncs may be open at once on one engine (the benchmark runs its baselines beside the real one):
+    # each has a key, and its own plan and ring here.
 
-    def colocate_open_ring(self, plan: SyncPlan, shared_handle=None):
-        """This worker's ring for `plan`: its own buffer (on its GPU, or a shared-memory segment), or, given a
-        handle, a ring it shares with the engine's other workers. Returns the handle the trainers map."""
+    def colocate_share_weights(self) -> dict:
+        """Move this worker's parameters into a shared-memory arena the trainers can write in place (CPU).
+        Returns its handle and every parameter's byte offset. An arena whose name is already gone (an earlier
+        sync sealed it) cannot be mapped again, so a new one replaces it (the parameters move once more)."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        if shared_handle is None:
-            device = self.model_runner.device
-            self._colocate_owner = create_buffer(plan.ring_bytes, device=torch.device(device), tag="ring")
-            self._colocate_ring, handle = self._colocate_owner.tensor, self._colocate_owner.handle
+        from colocate.sync.arena import WeightArena
+
+        arena = getattr(self, "_colocate_arena", None)
+        if arena is None or not arena.linked:
+            sleeper = getattr(self, "_colocate_sleeper", None)
+            assert sleeper is None or not sleeper.asleep, "share the weights while the engine is awake"
+            arena = self._colocate_arena = WeightArena(dict(self.model_runner.model.named_parameters()))
+            return_free_memory_to_os()  # the parameters' old storages
+            if sleeper is not None:
+                sleeper.arena = arena
+        return {"tp_rank": get_tensor_model_parallel_rank(), "handle": arena.handle, "offsets": arena.offsets}
+
+    def colocate_open_ring(self, key: str, plan: SyncPlan, shared_handle=None):
+        """This worker's ring for sync `key`: its own buffer (on its GPU, or a shared-memory segment), a ring it
+        shares with the engine's other workers (given its handle), or, in place, its weight arena. Returns the
+        handle the trainers map."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        owner = None
+        if plan.in_place:
+            ring, handle = self._colocate_arena.tensor, self._colocate_arena.handle
+        elif shared_handle is None:
+            owner = create_buffer(plan.ring_bytes, device=torch.device(self.model_runner.device), tag="ring")
+            ring, handle = owner.tensor, owner.handle
         else:
-            self._colocate_owner = None
-            self._colocate_ring, handle = attach(shared_handle), shared_handle
-        self._colocate_plan = plan
+            ring, handle = attach(shared_handle), shared_handle
+        if not hasattr(self, "_colocate_sessions"):
+            self._colocate_sessions = {}
+        self._colocate_sessions[key] = (plan, ring, owner)
         self._colocate_tp_rank = get_tensor_model_parallel_rank()
         self._colocate_params = dict(self.model_runner.model.named_parameters())
         return handle
 
-    def colocate_seal_ring(self) -> None:
+    def colocate_seal_ring(self, key: str) -> None:
         """Every party has mapped the ring: drop its name (shared memory), so no crash can leak it."""
-        if self._colocate_owner is not None:
-            self._colocate_owner.unlink()
+        plan, _, owner = self._colocate_sessions[key]
+        if owner is not None:
+            owner.unlink()
+        if plan.in_place:
+            self._colocate_arena.unlink()
 
-    def colocate_load(self, index: int, checksums: list[tuple[int, int, int, int]]) -> tuple[float, float]:
-        """Load bucket `index`: verify the trainers' byte ranges written into this worker's ring, then copy.
-        Returns (verify seconds, load seconds)."""
+    def colocate_load(self, key: str, index: int, checksums: list[tuple[int, int, int, int]]) -> tuple[float, float]:
+        """Load bucket `index` of sync `key`: verify the trainers' byte ranges written into this worker's ring,
+        then copy. Returns (verify seconds, load seconds)."""
         started = time.perf_counter()
-        plan, ring = self._colocate_plan, self._colocate_ring
+        plan, ring, _ = self._colocate_sessions[key]
         bucket = plan.buckets[index]
-        # a ring shared by several workers is written, and checked, once: under the first worker's index
-        mine = [(s, n, c) for w, s, n, c in checksums if w == self._colocate_tp_rank]
-        for start, num_bytes, expected in mine:
-            if range_checksum(ring[start:start + num_bytes]) != expected:
-                raise RuntimeError(f"bucket {bucket.index} ({bucket.group}): checksum mismatch at bytes "
-                                   f"[{start}, {start + num_bytes}): the buffer changed between write and load")
+        self._check_ranges(ring, checksums, f"bucket {bucket.index} ({bucket.group})")
         verified = time.perf_counter()
         # Hazard (buffer reuse): the views below alias a ring slot the trainers refill `num_slots` buckets later;
         # both paths copy out of it, and nothing may keep a view beyond this call.
@@ -104,6 +126,26 @@ class ColocateWorkerExtension:
             weights = [(t.spec.name, _view(ring, t.offset, t.spec.shape, t.spec.dtype)) for t in bucket.tensors]
             self.model_runner.model.load_weights(weights=weights)
         return verified - started, time.perf_counter() - verified
+
+    def colocate_verify_in_place(self, key: str, checksums: list[tuple[int, int, int, int]]) -> float:
+        """After an in-place sync: every parameter still lives where the trainers wrote (always checked: it costs
+        microseconds), and the written ranges hold what the trainers computed (when they sent checksums).
+        Returns the seconds it took."""
+        started = time.perf_counter()
+        detached = self._colocate_arena.detached()
+        if detached:
+            raise RuntimeError(f"{len(detached)} engine parameter(s) left the shared weight arena (e.g. "
+                               f"{detached[0]}): the in-place sync no longer reaches them")
+        _, ring, _ = self._colocate_sessions[key]
+        self._check_ranges(ring, checksums, "in-place sync")
+        return time.perf_counter() - started
+
+    def _check_ranges(self, ring: torch.Tensor, checksums: list[tuple[int, int, int, int]], what: str) -> None:
+        # a ring shared by several workers is written, and checked, once: under the first worker's index
+        for worker, start, num_bytes, expected in checksums:
+            if worker == self._colocate_tp_rank and range_checksum(ring[start:start + num_bytes]) != expected:
+                raise RuntimeError(f"{what}: checksum mismatch at bytes [{start}, {start + num_bytes}): the "
+                                   "buffer changed between the trainers' write and the engine's check")
 
     def colocate_state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of this worker's parameters (engine names, TP-local), for full verification in tests/bench."""
@@ -124,7 +166,8 @@ class ColocateWorkerExtension:
         from colocate.engine.sleep import PortableSleep
 
         if getattr(self, "_colocate_sleeper", None) is None:
-            self._colocate_sleeper = PortableSleep(self.model_runner.model, self.model_runner.kv_caches)
+            self._colocate_sleeper = PortableSleep(self.model_runner.model, self.model_runner.kv_caches,
+                                                   arena=getattr(self, "_colocate_arena", None))
         return self._colocate_sleeper.sleep(level)
 
     def colocate_wake(self, tags: list[str], commit: bool = False) -> int:

@@ -146,7 +146,7 @@ class Region:
 @dataclass(frozen=True)
 class SlicedBucket:
     index: int
-    slot: int
+    slot: int  # in place: the bucket's own index (no slot is ever reused)
     group: str
     regions: tuple[tuple[Region, ...], ...]  # one tuple per engine worker (by TP rank)
 
@@ -225,4 +225,21 @@ def plan_sliced_buckets(worker_runs: list[list[Run]], *, slot_bytes: int, num_sl
                     offset += _aligned(run.num_bytes)
                 regions.append(tuple(worker_regions))
             buckets.append(SlicedBucket(index, slot, group, tuple(regions)))
+    return buckets
+
+
+def plan_in_place_buckets(worker_runs: list[list[Run]], worker_offsets: list[dict[str, int]]) -> list[SlicedBucket]:
+    """One bucket per layer group whose regions address the engine workers' parameters themselves (their byte
+    offset in the worker's weight arena): the trainers write in place, nothing is staged or copied after."""
+    num_workers = len(worker_runs)
+    per_worker = [dict(group_runs(runs)) for runs in worker_runs]
+    groups = [g for g, _ in group_runs([r for runs in worker_runs for r in runs])]
+    buckets = []
+    for index, group in enumerate(groups):
+        regions = tuple(
+            tuple(Region(run.engine_name, run.row_start, run.num_rows, run.num_cols, run.dtype,
+                         worker_offsets[w][run.engine_name] + run.row_start * run.num_cols * run.dtype.itemsize)
+                  for run in per_worker[w].get(group, []))
+            for w in range(num_workers))
+        buckets.append(SlicedBucket(index, index, group, regions))
     return buckets

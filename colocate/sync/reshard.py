@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from colocate.sync.buckets import (Run, TensorSpec, group_by_layer, largest_group_bytes, largest_layer_bytes,
-                                   plan_buckets, plan_sliced_buckets)
+                                   plan_buckets, plan_in_place_buckets, plan_sliced_buckets)
 from colocate.sync.plan import VOCAB_PADDING, TPLayout
 
 
@@ -145,18 +145,21 @@ class SyncPlan:
     shared-memory segment, one for all workers in full mode, where they read the same tensors).
     mode "sliced": a worker's slot holds its TP slice in its parameters' layout (reshard plan).
     mode "full": a slot holds full HF tensors that vLLM's `load_weights` slices (the fallback for architectures
-    without a reshard plan)."""
+    without a reshard plan).
+    in_place (sliced only): no ring; the regions address each worker's parameters in its weight arena (CPU),
+    one bucket per layer, and the engine only verifies."""
 
     mode: str
     slot_bytes: int
     num_slots: int
     buckets: tuple
     pieces: tuple[dict[str, list[Piece]], ...] = ()  # sliced: per worker (TP rank), engine name -> pieces
+    in_place: bool = False
 
     @property
     def ring_bytes(self) -> int:
-        """Bytes of one worker's ring."""
-        return self.slot_bytes * self.num_slots
+        """Bytes of one worker's ring (none in place: the sync writes into the parameters)."""
+        return 0 if self.in_place else self.slot_bytes * self.num_slots
 
     @property
     def num_bytes(self) -> int:
@@ -164,12 +167,13 @@ class SyncPlan:
 
 
 def build_sync_plan(specs: list[TensorSpec], worker_layouts: list[dict], layout_of, *, bucket_bytes: int,
-                    num_slots: int, sliced: bool = True) -> SyncPlan:
+                    num_slots: int, sliced: bool = True, param_offsets: list[dict[str, int]] | None = None) -> SyncPlan:
     """The sliced plan when every worker's parameters have a rule, else the full-tensor plan.
 
     worker_layouts: per worker {"tp_rank", "tp_size", "params": [(name, shape, dtype_str)]};
     layout_of(tp_rank, tp_size) -> TPLayout; bucket_bytes: the slot size, 0 to fit the largest layer;
-    sliced=False forces the full-tensor plan (the benchmark's baseline)."""
+    sliced=False forces the full-tensor plan (the benchmark's baseline); param_offsets (per worker, by TP rank:
+    engine name -> byte offset in its weight arena) makes a sliced plan write in place."""
     hf_shapes = {s.name: s.shape for s in specs}
     dtype = specs[0].dtype
     workers = sorted(worker_layouts, key=lambda w: w["tp_rank"])
@@ -183,9 +187,12 @@ def build_sync_plan(specs: list[TensorSpec], worker_layouts: list[dict], layout_
             return SyncPlan("full", slot, num_slots, tuple(plan_buckets(groups, slot_bytes=slot, num_slots=num_slots)))
         per_worker_pieces.append(pieces)
         per_worker_runs.append(runs_for_worker(params, pieces))
+    pieces_by_name = tuple(_by_engine_name(p) for p in per_worker_pieces)
+    if param_offsets is not None:
+        buckets = plan_in_place_buckets(per_worker_runs, param_offsets)
+        return SyncPlan("sliced", 0, 0, tuple(buckets), pieces_by_name, in_place=True)
     slot = bucket_bytes or largest_group_bytes(per_worker_runs)
     buckets = plan_sliced_buckets(per_worker_runs, slot_bytes=slot, num_slots=num_slots)
-    pieces_by_name = tuple(_by_engine_name(p) for p in per_worker_pieces)
     return SyncPlan("sliced", slot, num_slots, tuple(buckets), pieces_by_name)
 
 

@@ -54,7 +54,7 @@ class ShmBuffer:
     def __init__(self, name: str, num_bytes: int, mapping: mmap.mmap):
         self.name = name
         self.num_bytes = num_bytes
-        self._mapping = mapping
+        self.mapping = mapping
         self.tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=num_bytes)
 
     @classmethod

@@ -14,12 +14,23 @@ Per bucket i (slot i % num_slots), as a Ray dependency graph the controller buil
 
 so writing bucket i+1 overlaps loading bucket i, and no controller round trip sits between them. Only bucket
 metadata and checksums cross Ray; the bytes go through the shared ring.
+
+In place (CPU, `sync.transport=auto|in_place`): the engine workers' parameters live in shared memory
+(sync/arena.py) and the plan's regions address them, so there is no ring, no slot to wait for and no load:
+
+    trainer ranks: write_in_place  ── every bucket, in layer order, cast straight into the engine's weights
+                      │
+    engine:        verify_in_place ── parameters still in the arena; checksums of the written ranges
+
+Several syncs can be open on the same trainers and engines (the benchmark times its baselines beside the real
+one): each has its own key, plan and rings on every party.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 import ray
 
@@ -34,32 +45,44 @@ log = logging.getLogger("colocate")
 
 class WeightSync:
     def __init__(self, trainers: list, engines: list, specs: list[TensorSpec], *, cfg: SyncConfig, hf_config,
-                 sliced: bool = True):
+                 sliced: bool = True, in_place: bool = False):
         self.trainers = trainers
         self.engines = engines
         self.specs = specs
         self.cfg = cfg
         self.hf_config = hf_config
         self.sliced = sliced
+        self.in_place = in_place and sliced
+        self.key = uuid.uuid4().hex[:8]
         self.plan: SyncPlan | None = None
 
     def open(self) -> SyncPlan:
         """Build the plan from the engines' real parameter layout (ask the workers) and share the rings. Call it
         again after an engine restarts: the plan and rings are rebuilt, never reused stale."""
         layouts = ray.get(self.engines[0].param_layouts.remote())
+        offsets = None
+        if self.in_place:
+            # every engine holds the same model in the same order: one plan fits all their arenas
+            shared = [sorted(ray.get(e.share_weights.remote()), key=lambda w: w["tp_rank"]) for e in self.engines]
+            offsets = [w["offsets"] for w in shared[0]]
+            assert all([w["offsets"] for w in s] == offsets for s in shared), "engines disagree on their layout"
         self.plan = build_sync_plan(
             self.specs, layouts,
             lambda rank, size: TPLayout.from_hf_config(self.hf_config, tp_rank=rank, tp_size=size),
-            bucket_bytes=int(self.cfg.bucket_mb * MIB), num_slots=self.cfg.num_bucket_slots, sliced=self.sliced)
+            bucket_bytes=int(self.cfg.bucket_mb * MIB), num_slots=self.cfg.num_bucket_slots, sliced=self.sliced,
+            param_offsets=offsets)
         if self.plan.mode == "full" and self.sliced:
             log.warning("no reshard plan for %s: syncing full tensors through vLLM's load_weights",
                         getattr(self.hf_config, "architectures", None))
-        checksum = self.cfg.verify != "none"
+        # In place, writer and engine share the very pages: a checksum re-read on the engine would compare the
+        # memory with itself. What can go wrong there is a parameter leaving the arena, and verify_in_place
+        # checks that on every sync. Through a ring, checksums guard the slot reuse and torn or stale writes.
+        checksum = self.cfg.verify != "none" and not self.plan.in_place
         for engine_index, engine in enumerate(self.engines):
-            handles = ray.get(engine.open_ring.remote(self.plan))
-            ray.get([t.attach_ring.remote(engine_index, handles, self.plan, checksum=checksum)
+            handles = ray.get(engine.open_ring.remote(self.key, self.plan))
+            ray.get([t.attach_ring.remote(self.key, engine_index, handles, self.plan, checksum=checksum)
                      for t in self.trainers])
-            ray.get(engine.seal_ring.remote())
+            ray.get(engine.seal_ring.remote(self.key))
         return self.plan
 
     def run(self) -> dict:
@@ -69,22 +92,27 @@ class WeightSync:
         # The sync reads the trainers' parameters: a no-op in the controller's order (sync comes before the
         # trainer offloads), needed when a caller syncs from an offloaded trainer (benchmarks, tests, tools).
         ray.get([t.onload.remote() for t in self.trainers])
+        key = self.key
         loads_by_engine = []
         for engine_index, engine in enumerate(self.engines):
+            if plan.in_place:  # engine e's check overlaps the trainers' writes into engine e + 1
+                writes = [t.write_in_place.remote(key, engine_index) for t in self.trainers]
+                loads_by_engine.append([engine.verify_in_place.remote(key, *writes)])
+                continue
             loads: list = []
             for index in range(len(plan.buckets)):
                 after = [loads[index - plan.num_slots]] if index >= plan.num_slots else []
-                writes = [t.write_bucket.remote(engine_index, index, *after) for t in self.trainers]
-                loads.append(engine.load_bucket.remote(index, *writes))
+                writes = [t.write_bucket.remote(key, engine_index, index, *after) for t in self.trainers]
+                loads.append(engine.load_bucket.remote(key, index, *writes))
             loads_by_engine.append(loads)
         per_bucket = [ray.get(loads) for loads in loads_by_engine]
         post_s = max(ray.get([engine.finish_sync.remote() for engine in self.engines]))
-        self.last_buckets = per_bucket[0]  # engine 0's per-bucket verify/load times (benchmark breakdown)
+        self.last_buckets = per_bucket[0]  # engine 0's verify/load times (per bucket through the ring)
         return {"sync_s": time.perf_counter() - started,
                 "sync_load_s": sum(b["load_s"] for e in per_bucket for b in e),
                 "sync_verify_s": sum(b["verify_s"] for e in per_bucket for b in e),
                 "sync_post_s": post_s, "sync_bytes": plan.num_bytes, "sync_buckets": len(plan.buckets),
-                "sync_mode": plan.mode}
+                "sync_mode": plan.mode, "sync_in_place": plan.in_place}
 
     def verify_full(self, engine_dtype: str) -> list[str]:
         """Compare every engine worker's parameters with the trainer's, cast to the engine dtype, through the

@@ -133,30 +133,37 @@ class TrainerActor:
         dtype = DTYPES[engine_dtype]
         return [TensorSpec(name, tuple(p.shape), dtype) for name, p in self.params.items()]
 
-    def attach_ring(self, engine_index: int, handles: list, plan: SyncPlan, *, checksum: bool) -> None:
-        """Map the rings of one engine's workers (`handles` by TP rank; a shared ring is mapped once)."""
+    def attach_ring(self, key: str, engine_index: int, handles: list, plan: SyncPlan, *, checksum: bool) -> None:
+        """Map the rings of one engine's workers for sync `key` (`handles` by TP rank; a shared ring is mapped
+        once)."""
         from colocate.sync.transport import attach
 
         mapped: dict = {}
         rings = []
         for handle in handles:
-            key = getattr(handle, "name", None) or id(handle)  # a shared segment arrives once per worker
-            if key not in mapped:
-                mapped[key] = attach(handle)
-            rings.append(mapped[key])
-        self._rings[engine_index] = (rings, plan)
-        self._checksum = checksum
+            key_of = getattr(handle, "name", None) or id(handle)  # a shared segment arrives once per worker
+            if key_of not in mapped:
+                mapped[key_of] = attach(handle)
+            rings.append(mapped[key_of])
+        self._rings[key, engine_index] = (rings, plan, checksum)
 
-    def write_bucket(self, engine_index: int, index: int, *after) -> list[tuple[int, int, int]]:
+    def write_bucket(self, key: str, engine_index: int, index: int, *after) -> list[tuple[int, int, int, int]]:
         """Write this rank's part of bucket `index`. `after`: the engine's load of the bucket that last used this
         ring slot; Ray runs this call only once it finished, so a slot is never overwritten mid-load."""
         # Hazard: offloaded storages have size 0; reading them through the shard views would crash the process.
         assert not self._offloaded, "write_bucket on an offloaded trainer: the controller syncs before offload"
-        rings, plan = self._rings[engine_index]
+        rings, plan, checksum = self._rings[key, engine_index]
         started = time.perf_counter()
-        written = write_bucket(plan, index, self.shards, rings, checksum=self._checksum)
+        written = write_bucket(plan, index, self.shards, rings, checksum=checksum)
         self.write_times.append((index, time.perf_counter() - started))
         return written
+
+    def write_in_place(self, key: str, engine_index: int) -> list[tuple[int, int, int, int]]:
+        """Write this rank's part of every bucket, in order, straight into the engine's parameters (no slot to
+        wait for). Returns the checksums of all of them."""
+        rings, plan, _ = self._rings[key, engine_index]
+        assert plan.in_place
+        return [c for index in range(len(plan.buckets)) for c in self.write_bucket(key, engine_index, index)]
 
     def take_write_times(self) -> list[tuple[int, float]]:
         """(bucket index, seconds) of every write since the last call (benchmark breakdown)."""
@@ -211,7 +218,7 @@ class TrainerActor:
         return os.getpid()
 
     def rss_bytes(self) -> int:
-        return process_rss_bytes()
+        return process_rss_bytes(shared_memory=False)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

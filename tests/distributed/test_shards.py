@@ -123,3 +123,61 @@ def test_ranks_write_each_workers_tp_slice_across_uneven_shards_and_split_tensor
         run_distributed(_sliced_write, owner.handle, 49, bucket_bytes)
     finally:
         owner.unlink()
+
+
+def _in_place_write(rank: int, world_size: int, handles: list[ShmHandle], offsets: list[dict], layouts: list[dict],
+                    vocab: int):
+    """The in-place plan: the regions address each worker's parameters in its arena; the ranks write every
+    bucket without waiting for anyone, and no copy follows."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from colocate.sync.plan import TPLayout
+    from colocate.sync.reshard import build_sync_plan
+    from colocate.sync.shards import local_shards, write_bucket
+    from tests.unit.test_reshard import HD, NKV, NQ, hf_state
+
+    full = hf_state(vocab, tied=False, num_layers=2)
+
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.ParameterDict({n.replace(".", "__"): torch.nn.Parameter(t.clone())
+                                             for n, t in full.items()})
+
+    model = Flat()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    params = {n.replace("__", "."): p for n, p in model.p.items()}
+    specs = [TensorSpec(n, tuple(t.shape), torch.bfloat16) for n, t in full.items()]
+    plan = build_sync_plan(specs, layouts, lambda r, s: TPLayout(r, s, NQ, NKV, HD, vocab), bucket_bytes=0,
+                           num_slots=2, param_offsets=offsets)
+    assert plan.in_place and plan.ring_bytes == 0
+    assert [b.group for b in plan.buckets] == ["pre", "layer.0", "layer.1", "post"]  # one bucket per layer
+    arenas = [attach(h) for h in handles]
+    for index in range(len(plan.buckets)):
+        write_bucket(plan, index, local_shards(params), arenas, checksum=False)
+
+
+def test_ranks_write_in_place_into_the_engine_workers_parameters():
+    from colocate.sync.arena import WeightArena
+    from colocate.sync.plan import TPLayout, engine_tensor
+    from tests.unit.test_reshard import HD, NKV, NQ, engine_shapes, hf_state
+
+    vocab = 49  # rows split 25/24 by FSDP2, padded to 64 for TP=2: TP rank 0's rows span both shards
+    full = hf_state(vocab, tied=False, num_layers=2)
+    tp = [TPLayout(r, 2, NQ, NKV, HD, vocab) for r in range(2)]
+    workers = [{n: torch.nn.Parameter(torch.full(s, 7.0, dtype=torch.bfloat16), requires_grad=False)
+                for n, s in engine_shapes(full, layout, False)} for layout in tp]
+    arenas = [WeightArena(w, tag="test") for w in workers]
+    try:
+        layouts = [{"tp_rank": r, "tp_size": 2, "params": [(n, tuple(p.shape), "bf16") for n, p in w.items()]}
+                   for r, w in enumerate(workers)]
+        run_distributed(_in_place_write, [a.handle for a in arenas], [a.offsets for a in arenas], layouts, vocab)
+    finally:
+        for arena in arenas:
+            arena.unlink()
+    for layout, worker, arena in zip(tp, workers, arenas):
+        assert arena.detached() == []
+        for name, param in worker.items():
+            expected = engine_tensor(name, {n: t.to(torch.bfloat16) for n, t in full.items()}, layout)
+            assert torch.equal(param[: expected.shape[0]], expected), (layout.tp_rank, name)

@@ -4,6 +4,8 @@ vocabularies; and sliced buckets cover every piece once. (tests/e2e checks both 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -118,3 +120,38 @@ def test_sliced_buckets_cover_every_run_once_and_split_large_tensors():
             assert sum(n for _, n in rows) == run.num_rows  # split by rows, nothing twice, nothing missing
     assert len(small.buckets) > len(build_sync_plan(specs, layouts, make_layout, bucket_bytes=0,
                                                     num_slots=2).buckets)
+
+
+def test_in_place_plan_addresses_each_workers_parameters_and_needs_no_ring():
+    """In place, a region's offset is its parameter's offset in the worker's arena plus its first row: the
+    regions of a worker tile exactly the bytes the trainer writes, inside each parameter, with no ring."""
+    hf = hf_state(48, True)
+    specs = [TensorSpec(n, tuple(t.shape), torch.bfloat16) for n, t in hf.items()]
+    layouts, offsets = [], []
+    for rank in range(2):
+        layout = TPLayout(rank, 2, NQ, NKV, HD, 48)
+        params = [(n, s, "torch.bfloat16") for n, s in engine_shapes(hf, layout, True)]
+        layouts.append({"tp_rank": rank, "tp_size": 2, "params": params})
+        start, worker_offsets = 0, {}
+        for name, shape, _ in params:  # as WeightArena lays them out
+            worker_offsets[name] = start
+            start += (math.prod(shape) * 2 + 63) // 64 * 64
+        offsets.append(worker_offsets)
+    plan = build_sync_plan(specs, layouts, lambda r, s: TPLayout(r, s, NQ, NKV, HD, 48), bucket_bytes=0,
+                           num_slots=2, param_offsets=offsets)
+    assert plan.in_place and plan.ring_bytes == 0 and plan.mode == "sliced"
+    assert [b.group for b in plan.buckets] == ["pre", "layer.0", "layer.1", "post"]
+    for rank in range(2):
+        shapes = {n: s for n, s, _ in layouts[rank]["params"]}
+        written = sorted((r.offset, r.offset + r.num_bytes, r.engine_name) for b in plan.buckets
+                         for r in b.regions[rank])
+        for (_, end, _), (start, _, _) in zip(written, written[1:]):
+            assert end <= start  # nothing written twice
+        for start, end, name in written:
+            first = offsets[rank][name]
+            assert first <= start and end <= first + math.prod(shapes[name]) * 2  # inside its parameter
+        # every parameter's rows are written, except the vocabulary padding (48 rows padded to 64 for TP=2: rank
+        # 1 holds rows 32..63, 16 of them padding); the tied lm_head is the embedding's parameter, not listed
+        padding_rows = 32 - min(32, 48 - rank * 32)
+        total = sum(end - start for start, end, _ in written)
+        assert total == sum(math.prod(s) * 2 for s in shapes.values()) - padding_rows * H * 2
