@@ -46,6 +46,7 @@ class Controller:
 
     def run_steps(self, num_steps: int) -> list[dict]:
         self._call(self.rt.trainers, "offload")  # the engine runs first
+        self.events.append("trainer.offload")
         for step in range(num_steps):
             self.step(step)
         return self.history

@@ -81,18 +81,20 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
-def tree_pss_bytes(root: int) -> int:
-    """Memory of a whole process tree, each page counted once: the sum of the processes' proportional set sizes
-    (a page shared by n processes counts 1/n in each). Summing RSS instead would count a weight arena or a ring
-    once per process mapping it."""
-    total = 0
+def tree_pss_bytes(root: int) -> dict[str, int]:
+    """Memory of a whole process tree by process name (`/proc/PID/comm`, e.g. ray::TrainerAct), each page
+    counted once: proportional set sizes (a page shared by n processes counts 1/n in each). Summing RSS instead
+    would count a weight arena, a ring or a shared library once per process mapping it."""
+    by_name: dict[str, int] = {}
     for pid in process_tree(root):
         try:
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
             with open(f"/proc/{pid}/smaps_rollup") as f:
                 for line in f:
                     if line.startswith("Pss:"):
-                        total += int(line.split()[1]) * 1024
+                        by_name[name] = by_name.get(name, 0) + int(line.split()[1]) * 1024
                         break
         except OSError:  # exited, or not ours to read
             continue
-    return total
+    return by_name

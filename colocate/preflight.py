@@ -25,14 +25,15 @@ from colocate.placement import sync_in_place
 GIB = 1 << 30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
-# Resident size of each process before it holds model state (interpreter, torch, vLLM or transformers imports,
-# Ray's core worker), measured during the default job on the CPU machines of DESIGN.md (RSS per process, the
-# model's own bytes subtracted). Shared library pages count in every process, as they do in RSS.
-TRAINER_PROCESS_BYTES = int(0.50 * GIB)
-ENGINE_WORKER_PROCESS_BYTES = int(0.57 * GIB)
-ENGINE_ACTOR_PROCESS_BYTES = int(0.62 * GIB)  # runs vLLM's engine core in-process
-RAY_DAEMONS_BYTES = int(0.58 * GIB)  # gcs, raylet, dashboard and its agents, log monitor
-DRIVER_PROCESS_BYTES = int(0.48 * GIB)  # the `colocate launch` process
+# Memory of each process before it holds model state (interpreter, torch, vLLM or transformers imports, Ray's
+# core worker): proportional set sizes (each shared page counted once over the job, as the machine's memory
+# counts it), measured per process kind during the default job on the CPU machines of DESIGN.md with
+# `colocate bench switch configs/default.yaml` (its JSON keeps the per-process readings under "preflight").
+TRAINER_PROCESS_BYTES = int(0.31 * GIB)
+ENGINE_WORKER_PROCESS_BYTES = int(0.48 * GIB)
+ENGINE_ACTOR_PROCESS_BYTES = int(0.44 * GIB)  # runs vLLM's engine core in-process
+RAY_DAEMONS_BYTES = int(0.50 * GIB)  # gcs, raylet, dashboard and its agents, log monitor
+DRIVER_PROCESS_BYTES = int(0.32 * GIB)  # the `colocate launch` process
 PROMPT_TOKENS = 64
 HEADROOM = 0.10  # leave this fraction of the available memory to the OS and page cache
 
@@ -106,8 +107,9 @@ def predict_phases(cfg: JobConfig, dims: ModelDims, *, device: str) -> list[Phas
     return [
         # every rank loads the full checkpoint before it shards it
         Phase("startup", {**base, "checkpoint loaded on every rank": world * params}),
-        Phase("rollout", {**base, "trainer params + optimizer": 3 * params, "engine weights": engines * engine_weights,
-                          "kv cache": kv, "sync ring": ring}),
+        # offloaded, the trainer's state waits in a file (page cache the kernel may reclaim), not in a process
+        Phase("rollout", {**base, "trainer params + optimizer": 0 if cfg.trainer.offload else 3 * params,
+                          "engine weights": engines * engine_weights, "kv cache": kv, "sync ring": ring}),
         Phase("train", {**base, "trainer params + grads + optimizer": 4 * params, "activations": activations,
                         "sync ring": ring, "engine host copy (sleep level 1)": host_copy}),
         Phase("sync", {**base, "trainer params + optimizer": 3 * params, "engine weights": engines * engine_weights,

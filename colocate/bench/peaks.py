@@ -22,11 +22,15 @@ import threading
 
 from colocate.memory import tree_pss_bytes
 
-# The controller's last recorded event -> the phase running now (the switch after a phase counts with the phase
-# it leads into, where its memory lands).
+# The controller's last recorded event -> the phase whose memory is resident now. Each switch first releases
+# (engine sleep, gradients, trainer offload: memory falls, still the old phase's) and then acquires (trainer
+# onload, engine wake: memory rises, the new phase's), and records each step after it is done; so a phase starts
+# at the event of its switch's releasing step. A reading racing an event can only land a falling value in the
+# old phase, never a rising one there.
 _PHASE_AFTER = {
-    "rollout": "rollout", "score": "rollout", "engine.sleep": "train", "trainer.onload": "train",
-    "train": "train", "trainer.release_grads": "sync", "engine.wake.weights": "sync", "sync": "sync",
+    "rollout": "rollout", "score": "rollout",
+    "engine.sleep": "train", "trainer.onload": "train", "train": "train",
+    "trainer.release_grads": "sync", "engine.wake.weights": "sync", "sync": "sync",
     "trainer.offload": "rollout", "engine.wake.kv_cache": "rollout",
 }
 
@@ -35,6 +39,7 @@ class PhaseSampler:
     def __init__(self, interval_s: float = 0.02):
         self.interval_s = interval_s
         self.peaks: dict[str, int] = {}
+        self.peak_by_process: dict[str, dict[str, int]] = {}  # phase -> process name -> bytes, at the peak
         self._controller = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="phase-sampler", daemon=True)
@@ -46,7 +51,7 @@ class PhaseSampler:
         if self._controller is None:
             return "startup"
         events = self._controller.events
-        return _PHASE_AFTER[events[-1]] if events else "rollout"
+        return _PHASE_AFTER[events[-1]] if events else "startup"  # until the trainers first offload
 
     def start(self) -> PhaseSampler:
         self._thread.start()
@@ -61,14 +66,21 @@ class PhaseSampler:
         root = os.getpid()
         while not self._stop.wait(self.interval_s):
             phase = self.phase()  # before the reading: a reading that spans a switch goes to the earlier phase
-            used = tree_pss_bytes(root)
-            self.peaks[phase] = max(self.peaks.get(phase, 0), used)
+            by_process = tree_pss_bytes(root)
+            used = sum(by_process.values())
+            if used > self.peaks.get(phase, 0):
+                self.peaks[phase] = used
+                self.peak_by_process[phase] = by_process
 
 
-def compare(predicted: list, peaks: dict[str, int]) -> dict:
-    """Per phase: predicted and measured bytes and their ratio; and the same for the job's overall peak."""
-    rows = {p.name: {"predicted_bytes": p.total, "measured_bytes": peaks.get(p.name, 0),
-                     "predicted_over_measured": p.total / peaks[p.name] if peaks.get(p.name) else None}
+def compare(predicted: list, sampler: PhaseSampler) -> dict:
+    """Per phase: predicted and measured bytes, their ratio, what each kind of process held at the measured
+    peak (the calibration data of preflight.py); and the same for the job's overall peak. A phase shorter than
+    the sampling interval may have no reading (None)."""
+    peaks = sampler.peaks
+    rows = {p.name: {"predicted_bytes": p.total, "predicted_parts": p.parts, "measured_bytes": peaks.get(p.name),
+                     "predicted_over_measured": p.total / peaks[p.name] if peaks.get(p.name) else None,
+                     "measured_by_process": sampler.peak_by_process.get(p.name)}
             for p in predicted}
     peak_predicted = max(p.total for p in predicted)
     peak_measured = max(peaks.values())

@@ -48,7 +48,7 @@ def run_switch_bench(cfg: JobConfig, *, num_cycles: int, out_dir: str, name: str
             result = _measure(cfg, rt, num_cycles)
     finally:
         sampler.stop()
-    result["preflight"] = compare(predicted, sampler.peaks)
+    result["preflight"] = compare(predicted, sampler)
     ratios = result["ratios"]
     ratios["preflight_peak_predicted_over_measured"] = result["preflight"]["peak_predicted_over_measured"]
     path = write_result(result, out_dir, name)
@@ -186,7 +186,7 @@ def _print(result: dict, path: Path) -> None:
           f"{r['level1_wake_over_floor']:.2f}x | level-2 (wake + sync) / level-1 (wake + sync) "
           f"{r['level2_wake_plus_sync_over_level1_wake_plus_sync']:.2f}")
     pf = result["preflight"]
-    phases = ", ".join(f"{name} {row['predicted_bytes'] / 2**30:.2f}/{row['measured_bytes'] / 2**30:.2f}"
+    phases = ", ".join(f"{name} {row['predicted_bytes'] / 2**30:.2f}/{(row['measured_bytes'] or 0) / 2**30:.2f}"
                        for name, row in pf["phases"].items())
     print(f"preflight, predicted/measured GiB (whole job, PSS): {phases} | peak {pf['peak_predicted_bytes'] / 2**30:.2f}"
           f"/{pf['peak_measured_bytes'] / 2**30:.2f} = {pf['peak_predicted_over_measured']:.2f}")

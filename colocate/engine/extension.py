@@ -174,7 +174,12 @@ class ColocateWorkerExtension:
         return self._colocate_sleeper.wake(tags, commit=commit)
 
     def colocate_rss(self) -> int:
-        return process_rss_bytes()
+        """This worker's memory: its private pages, plus the shared segments it owns (weight arena, rings)
+        counted whole and once, not through whichever of their pages this process happened to touch."""
+        owned = [getattr(self, "_colocate_arena", None)] + [
+            owner for _, _, owner in getattr(self, "_colocate_sessions", {}).values()]
+        shared = sum(o.resident_bytes() for o in owned if o is not None and hasattr(o, "resident_bytes"))
+        return process_rss_bytes(shared_memory=False) + shared
 
     def colocate_memory(self) -> dict:
         model = self.model_runner.model
@@ -185,7 +190,7 @@ class ColocateWorkerExtension:
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 kv += storage.nbytes()
-        return {"weight_bytes": weights, "kv_cache_bytes": kv, "rss_bytes": process_rss_bytes(), "pid": os.getpid()}
+        return {"weight_bytes": weights, "kv_cache_bytes": kv, "rss_bytes": self.colocate_rss(), "pid": os.getpid()}
 
     def colocate_load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load a whole HF state dict through vLLM's loaders (the benchmark's naive baseline)."""

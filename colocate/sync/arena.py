@@ -74,6 +74,9 @@ class WeightArena:
         flat = self.buffer.tensor[start:start + param.numel() * param.element_size()]
         return flat.view(param.dtype).view(param.shape)
 
+    def resident_bytes(self) -> int:
+        return self.buffer.resident_bytes()
+
     def detached(self) -> list[str]:
         """Parameters that no longer live at their arena offset (see the module's hazards)."""
         base = self.buffer.tensor.data_ptr()

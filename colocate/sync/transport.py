@@ -51,10 +51,11 @@ class CudaIpcHandle:
 class ShmBuffer:
     """Owner side of a shared-memory segment (CPU transport)."""
 
-    def __init__(self, name: str, num_bytes: int, mapping: mmap.mmap):
+    def __init__(self, name: str, num_bytes: int, mapping: mmap.mmap, fd: int):
         self.name = name
         self.num_bytes = num_bytes
         self.mapping = mapping
+        self._fd = fd  # kept open: the segment's resident size is read from it, also after unlink
         self.tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=num_bytes)
 
     @classmethod
@@ -65,9 +66,19 @@ class ShmBuffer:
         try:
             os.ftruncate(fd, num_bytes)
             mapping = mmap.mmap(fd, num_bytes)
-        finally:
+        except BaseException:
             os.close(fd)
-        return cls(name, num_bytes, mapping)
+            raise
+        return cls(name, num_bytes, mapping, fd)
+
+    def resident_bytes(self) -> int:
+        """Bytes of memory the segment holds now. A process's RSS counts only the pages it touched itself:
+        an engine worker never reads the embedding rows of tokens it was not asked about, though the trainers
+        wrote them."""
+        return os.fstat(self._fd).st_blocks * 512
+
+    def __del__(self):
+        os.close(self._fd)
 
     @property
     def handle(self) -> ShmHandle:

@@ -18,12 +18,15 @@ Hazard: a storage shared by several tensors (FSDP2's shard buffer, tied weights)
 
 from __future__ import annotations
 
+import mmap
 import os
 import tempfile
 
 import torch
 
-from colocate.memory import return_free_memory_to_os
+from colocate.memory import advise_huge_pages, return_free_memory_to_os
+
+RETURN_EVERY_BYTES = 256 << 20  # trim the heap this often while offloading: bounds the transient double copy
 
 
 def unique_storages(tensors) -> list[torch.UntypedStorage]:
@@ -51,15 +54,24 @@ class FileOffload:
         if not total:
             return 0
         os.ftruncate(self._fd, total)
-        mapped = _map(self._fd, total)
-        offset = 0
+        mapping, mapped = _map(self._fd, total)
+        offset, unreturned = 0, 0
         for storage in storages:
             num_bytes = storage.nbytes()
             mapped[offset:offset + num_bytes].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
             self._held.append((storage, num_bytes, offset))
             storage.resize_(0)
+            # Hazard (doubling): until the file's pages leave this mapping and the freed storage leaves the heap,
+            # the state is resident twice; measured on the bench preset, +1.7 GB per rank at the end of a naive
+            # copy-all-then-release. Drop both as we go (the written pages stay in the page cache).
+            _drop_pages(mapping, offset, num_bytes)
+            unreturned += num_bytes
+            if unreturned >= RETURN_EVERY_BYTES:
+                return_free_memory_to_os()
+                unreturned = 0
             offset += num_bytes
-        del mapped  # unmap: the bytes live in the file (page cache), not in this process
+        del mapped
+        mapping.close()  # unmap: the bytes live in the file (page cache), not in this process
         return_free_memory_to_os()
         return total
 
@@ -67,11 +79,13 @@ class FileOffload:
         if not self._held:
             return 0
         total = sum(n for _, n, _ in self._held)
-        mapped = _map(self._fd, total)
+        mapping, mapped = _map(self._fd, total)
         for storage, num_bytes, offset in self._held:
             storage.resize_(num_bytes)
+            advise_huge_pages(storage.data_ptr(), num_bytes)  # fewer, cheaper page faults on the way in
             torch.empty(0, dtype=torch.uint8).set_(storage).copy_(mapped[offset:offset + num_bytes])
         del mapped
+        mapping.close()
         self._held = []
         return total
 
@@ -79,10 +93,18 @@ class FileOffload:
         os.close(self._fd)
 
 
-def _map(fd: int, num_bytes: int) -> torch.Tensor:
-    import mmap
+def _map(fd: int, num_bytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    mapping = mmap.mmap(fd, num_bytes)
+    return mapping, torch.frombuffer(mapping, dtype=torch.uint8)
 
-    return torch.frombuffer(mmap.mmap(fd, num_bytes), dtype=torch.uint8)
+
+def _drop_pages(mapping: mmap.mmap, offset: int, num_bytes: int) -> None:
+    """Take the whole pages of [offset, offset + num_bytes) out of this process's mapping (their contents stay in
+    the file)."""
+    start = (offset + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+    end = (offset + num_bytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 class DeviceToHostOffload:
