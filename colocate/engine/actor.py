@@ -145,10 +145,11 @@ class EngineActor:
 
     def verify_in_place(self, key: str, *per_rank_checksums) -> dict:
         """After the trainers wrote every bucket in place (Ray passes their results, so this runs after them):
-        check every worker's parameters still live in its arena, and the written ranges' checksums."""
+        check every worker's parameters still live in its arena, and the written ranges' checksums; then the
+        post-load step (one call fewer per sync than through the ring)."""
         checksums = [c for rank in per_rank_checksums for c in rank]
-        return {"verify_s": max(self.llm.collective_rpc("colocate_verify_in_place", args=(key, checksums))),
-                "load_s": 0.0}
+        verify_s = max(self.llm.collective_rpc("colocate_verify_in_place", args=(key, checksums)))
+        return {"verify_s": verify_s, "load_s": 0.0, "post_s": self.finish_sync()}
 
     def finish_sync(self) -> float:
         """Post-load processing, once per sync. Returns its seconds."""

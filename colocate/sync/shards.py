@@ -18,6 +18,7 @@ can. Not needed while trainers and engines share one node.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -51,71 +52,97 @@ def local_shards(params: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tenso
     return shards
 
 
-def write_local_shards(bucket: Bucket, shards: dict[str, tuple[torch.Tensor, int]],
-                       ring: torch.Tensor) -> list[tuple[int, int]]:
-    """Write this rank's rows of every tensor in `bucket` (cast to the bucket dtype); returns the
-    (start, num_bytes) of each byte range written."""
-    written = []
+class Copy(NamedTuple):
+    """One contiguous byte range of a ring (or weight arena) and the trainer rows that fill it."""
+
+    worker: int  # the engine worker whose ring this is (the first one, for a ring the workers share)
+    ring: torch.Tensor
+    start: int
+    num_bytes: int
+    destination: torch.Tensor  # view of ring[start:start + num_bytes] in the engine's dtype and shape
+    source: torch.Tensor  # view of this rank's live shard; the cast to the engine dtype happens in the copy
+
+
+def bucket_copies(plan: SyncPlan, index: int, shards: dict[str, tuple[torch.Tensor, int]],
+                  rings: list[torch.Tensor]) -> list[Copy]:
+    """This rank's copies for bucket `index` into the engine workers' rings (`rings[w]`: worker w's; several
+    workers may share one ring, which is then written once). Pure views: build once and replay every sync (the
+    optimizer updates the shards in place, and an offload keeps their storages, see trainer/offload.py)."""
+    bucket = plan.buckets[index]
+    if plan.mode == "full":
+        copies, seen = [], set()
+        for worker, ring in enumerate(rings):
+            if ring.data_ptr() not in seen:  # a shared ring (CPU): one copy, tagged with its first worker
+                seen.add(ring.data_ptr())
+                copies += _full_copies(bucket, shards, ring, worker)
+        return copies
+    return [c for worker, ring in enumerate(rings)
+            for c in _sliced_copies(bucket.regions[worker], plan.pieces[worker], shards, ring, worker)]
+
+
+def run_copies(copies: list[Copy], *, checksum: bool = True) -> list[tuple[int, int, int, int]]:
+    """Do the copies; returns (worker, start, num_bytes, checksum) of each range written, for the workers to verify
+    before they load (none when `checksum` is off)."""
     with torch.no_grad():
-        for packed in bucket.tensors:
-            local, first_row = shards[packed.spec.name]
-            if local.numel() == 0:  # more ranks than rows: this rank holds nothing of it
-                continue
-            dtype = packed.spec.dtype
-            row_bytes = local.shape[1] * dtype.itemsize
-            start = packed.offset + first_row * row_bytes
-            num_bytes = local.numel() * dtype.itemsize
-            destination = ring[start:start + num_bytes].view(dtype).view(local.shape)
-            destination.copy_(local.detach())  # the cast to the engine dtype happens in this copy
-            written.append((start, num_bytes))
-    return written
+        for copy in copies:
+            copy.destination.copy_(copy.source)
+    if copies and copies[0].ring.is_cuda:
+        torch.cuda.synchronize()  # the engine workers read these bytes from other processes
+    if not checksum:
+        return []
+    return [(c.worker, c.start, c.num_bytes, range_checksum(c.ring[c.start:c.start + c.num_bytes])) for c in copies]
 
 
 def write_bucket(plan: SyncPlan, index: int, shards: dict[str, tuple[torch.Tensor, int]],
                  rings: list[torch.Tensor], *, checksum: bool = True) -> list[tuple[int, int, int, int]]:
-    """Write this rank's part of bucket `index` into the engine workers' rings (`rings[w]`: worker w's; several
-    workers may share one ring, which is then written once). Returns (worker, start, num_bytes, checksum) of
-    every byte range written, for the workers to verify before they load (none when `checksum` is off)."""
-    bucket = plan.buckets[index]
-    written = []  # (worker, ring, ranges)
-    if plan.mode == "full":
-        seen = set()
-        for worker, ring in enumerate(rings):
-            if ring.data_ptr() not in seen:  # a shared ring (CPU): one copy, tagged with its first worker
-                seen.add(ring.data_ptr())
-                written.append((worker, ring, write_local_shards(bucket, shards, ring)))
-    else:
-        for worker, ring in enumerate(rings):
-            written.append((worker, ring, write_sliced(bucket.regions[worker], plan.pieces[worker], shards, ring)))
-    if rings[0].is_cuda:
-        torch.cuda.synchronize()  # the engine workers read these bytes from other processes
-    if not checksum:
-        return []
-    return [(worker, start, n, range_checksum(ring[start:start + n]))
-            for worker, ring, ranges in written for start, n in ranges]
+    """Write this rank's part of bucket `index` into the engine workers' rings (see bucket_copies, run_copies)."""
+    return run_copies(bucket_copies(plan, index, shards, rings), checksum=checksum)
 
 
-def write_sliced(regions: tuple[Region, ...], pieces: dict[str, list[Piece]],
-                 shards: dict[str, tuple[torch.Tensor, int]], ring: torch.Tensor) -> list[tuple[int, int]]:
-    """For one worker's regions of a bucket, write the rows this rank owns of every piece that lands there:
-    engine rows [lo, hi) of a region <- HF rows of the piece, restricted to this rank's FSDP2 rows."""
-    written = []
-    with torch.no_grad():
-        for region in regions:
-            for piece in pieces.get(region.engine_name, ()):
-                lo = max(region.row_start, piece.dst_row)
-                hi = min(region.row_start + region.num_rows, piece.dst_row + piece.num_rows)
-                if lo >= hi:
-                    continue
-                local, first = shards[piece.hf_name]
-                src_lo = piece.src_row + (lo - piece.dst_row)
-                a, b = max(src_lo, first), min(src_lo + (hi - lo), first + local.shape[0])
-                if a >= b:
-                    continue  # another rank owns these rows
-                dst_row = lo + (a - src_lo)
-                start = region.offset + (dst_row - region.row_start) * region.row_bytes
-                num_bytes = (b - a) * region.row_bytes
-                destination = ring[start:start + num_bytes].view(region.dtype).view(b - a, region.num_cols)
-                destination.copy_(local[a - first:b - first, piece.src_col:piece.src_col + piece.num_cols])
-                written.append((start, num_bytes))
-    return written
+def write_local_shards(bucket: Bucket, shards: dict[str, tuple[torch.Tensor, int]],
+                       ring: torch.Tensor) -> list[tuple[int, int]]:
+    """Write this rank's rows of every full tensor in `bucket`; returns the (start, num_bytes) of each range."""
+    copies = _full_copies(bucket, shards, ring, 0)
+    run_copies(copies, checksum=False)
+    return [(c.start, c.num_bytes) for c in copies]
+
+
+def _full_copies(bucket: Bucket, shards: dict[str, tuple[torch.Tensor, int]], ring: torch.Tensor,
+                 worker: int) -> list[Copy]:
+    copies = []
+    for packed in bucket.tensors:
+        local, first_row = shards[packed.spec.name]
+        if local.numel() == 0:  # more ranks than rows: this rank holds nothing of it
+            continue
+        dtype = packed.spec.dtype
+        row_bytes = local.shape[1] * dtype.itemsize
+        start = packed.offset + first_row * row_bytes
+        num_bytes = local.numel() * dtype.itemsize
+        destination = ring[start:start + num_bytes].view(dtype).view(local.shape)
+        copies.append(Copy(worker, ring, start, num_bytes, destination, local.detach()))
+    return copies
+
+
+def _sliced_copies(regions: tuple[Region, ...], pieces: dict[str, list[Piece]],
+                   shards: dict[str, tuple[torch.Tensor, int]], ring: torch.Tensor, worker: int) -> list[Copy]:
+    """For one worker's regions of a bucket, the rows this rank owns of every piece that lands there: engine rows
+    [lo, hi) of a region <- HF rows of the piece, restricted to this rank's FSDP2 rows."""
+    copies = []
+    for region in regions:
+        for piece in pieces.get(region.engine_name, ()):
+            lo = max(region.row_start, piece.dst_row)
+            hi = min(region.row_start + region.num_rows, piece.dst_row + piece.num_rows)
+            if lo >= hi:
+                continue
+            local, first = shards[piece.hf_name]
+            src_lo = piece.src_row + (lo - piece.dst_row)
+            a, b = max(src_lo, first), min(src_lo + (hi - lo), first + local.shape[0])
+            if a >= b:
+                continue  # another rank owns these rows
+            dst_row = lo + (a - src_lo)
+            start = region.offset + (dst_row - region.row_start) * region.row_bytes
+            num_bytes = (b - a) * region.row_bytes
+            destination = ring[start:start + num_bytes].view(region.dtype).view(b - a, region.num_cols)
+            source = local[a - first:b - first, piece.src_col:piece.src_col + piece.num_cols].detach()
+            copies.append(Copy(worker, ring, start, num_bytes, destination, source))
+    return copies

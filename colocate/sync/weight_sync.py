@@ -89,13 +89,10 @@ class WeightSync:
         """One full sync into every engine; returns wall time and the summed per-bucket load time."""
         plan = self.plan
         started = time.perf_counter()
-        # The sync reads the trainers' parameters: a no-op in the controller's order (sync comes before the
-        # trainer offloads), needed when a caller syncs from an offloaded trainer (benchmarks, tests, tools).
-        ray.get([t.onload.remote() for t in self.trainers])
-        key = self.key
+        key = self.key  # (each trainer's write brings its state back first if a caller offloaded it)
         loads_by_engine = []
         for engine_index, engine in enumerate(self.engines):
-            if plan.in_place:  # engine e's check overlaps the trainers' writes into engine e + 1
+            if plan.in_place:  # engine e's check (and its post-load step) overlaps the writes into engine e + 1
                 writes = [t.write_in_place.remote(key, engine_index) for t in self.trainers]
                 loads_by_engine.append([engine.verify_in_place.remote(key, *writes)])
                 continue
@@ -106,7 +103,10 @@ class WeightSync:
                 loads.append(engine.load_bucket.remote(key, index, *writes))
             loads_by_engine.append(loads)
         per_bucket = [ray.get(loads) for loads in loads_by_engine]
-        post_s = max(ray.get([engine.finish_sync.remote() for engine in self.engines]))
+        if plan.in_place:
+            post_s = max(b[0]["post_s"] for b in per_bucket)
+        else:
+            post_s = max(ray.get([engine.finish_sync.remote() for engine in self.engines]))
         self.last_buckets = per_bucket[0]  # engine 0's verify/load times (per bucket through the ring)
         return {"sync_s": time.perf_counter() - started,
                 "sync_load_s": sum(b["load_s"] for e in per_bucket for b in e),

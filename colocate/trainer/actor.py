@@ -21,7 +21,7 @@ import torch
 from colocate.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.sync.buckets import TensorSpec
 from colocate.sync.reshard import SyncPlan
-from colocate.sync.shards import local_shards, write_bucket
+from colocate.sync.shards import bucket_copies, local_shards, run_copies
 from colocate.trainer.offload import make_offloader
 from colocate.trainer.grpo import Sequence, collate, policy_loss, token_logprobs
 
@@ -38,6 +38,7 @@ class TrainerActor:
         self.pad_id = pad_id
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self._rings = {}
+        self._copies: dict = {}
         self._offloader = None
         # bounded: a long run never asks for them (only the sync benchmark does)
         self.write_times: deque[tuple[int, float]] = deque(maxlen=4096)
@@ -147,15 +148,20 @@ class TrainerActor:
                 mapped[key_of] = attach(handle)
             rings.append(mapped[key_of])
         self._rings[key, engine_index] = (rings, plan, checksum)
+        self._copies[key, engine_index] = {}  # bucket index -> its copies, built on first use
 
     def write_bucket(self, key: str, engine_index: int, index: int, *after) -> list[tuple[int, int, int, int]]:
         """Write this rank's part of bucket `index`. `after`: the engine's load of the bucket that last used this
         ring slot; Ray runs this call only once it finished, so a slot is never overwritten mid-load."""
         # Hazard: offloaded storages have size 0; reading them through the shard views would crash the process.
-        assert not self._offloaded, "write_bucket on an offloaded trainer: the controller syncs before offload"
+        # The controller syncs before it offloads; a caller that syncs an offloaded trainer brings it back here.
+        self.onload()
         rings, plan, checksum = self._rings[key, engine_index]
         started = time.perf_counter()
-        written = write_bucket(plan, index, self.shards, rings, checksum=checksum)
+        copies = self._copies[key, engine_index]
+        if index not in copies:
+            copies[index] = bucket_copies(plan, index, self.shards, rings)
+        written = run_copies(copies[index], checksum=checksum)
         self.write_times.append((index, time.perf_counter() - started))
         return written
 
