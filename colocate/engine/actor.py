@@ -140,15 +140,18 @@ class EngineActor:
         runs only after every rank has written its part of the bucket."""
         checksums = [c for rank in per_rank_checksums for c in rank]
         per_worker = self.llm.collective_rpc("colocate_load", args=(key, index, checksums))
+        _raise_first_error(per_worker)
         # the workers run in parallel: a bucket costs what its slowest worker took
-        return {"verify_s": max(v for v, _ in per_worker), "load_s": max(lo for _, lo in per_worker)}
+        return {"verify_s": max(v for v, _, _ in per_worker), "load_s": max(lo for _, lo, _ in per_worker)}
 
     def verify_in_place(self, key: str, *per_rank_checksums) -> dict:
         """After the trainers wrote every bucket in place (Ray passes their results, so this runs after them):
         check every worker's parameters still live in its arena, and the written ranges' checksums; then the
         post-load step (one call fewer per sync than through the ring)."""
         checksums = [c for rank in per_rank_checksums for c in rank]
-        verify_s = max(self.llm.collective_rpc("colocate_verify_in_place", args=(key, checksums)))
+        per_worker = self.llm.collective_rpc("colocate_verify_in_place", args=(key, checksums))
+        _raise_first_error(per_worker)
+        verify_s = max(seconds for seconds, _ in per_worker)
         return {"verify_s": verify_s, "load_s": 0.0, "post_s": self.finish_sync()}
 
     def finish_sync(self) -> float:
@@ -193,6 +196,16 @@ class EngineActor:
 
     def memory(self) -> list[dict]:
         return self.llm.collective_rpc("colocate_memory")
+
+
+class SyncVerificationError(RuntimeError):
+    """An engine worker found the synced weights not where, or not what, the trainers wrote."""
+
+
+def _raise_first_error(per_worker: list[tuple]) -> None:
+    errors = [reply[-1] for reply in per_worker if reply[-1]]
+    if errors:
+        raise SyncVerificationError(errors[0])
 
 
 def _root_cause(e: BaseException) -> str:

@@ -105,14 +105,20 @@ class ColocateWorkerExtension:
         if plan.in_place:
             self._colocate_arena.unlink()
 
-    def colocate_load(self, key: str, index: int, checksums: list[tuple[int, int, int, int]]) -> tuple[float, float]:
+    # Verification failures are returned, not raised: an exception in one worker of a collective RPC leaves the
+    # other workers' replies queued in vLLM's executor, and the engine's next RPC would read them (seen: the
+    # next param_layouts() raised this call's error). EngineActor raises once every worker has answered.
+
+    def colocate_load(self, key: str, index: int, checksums: list[tuple[int, int, int, int]]):
         """Load bucket `index` of sync `key`: verify the trainers' byte ranges written into this worker's ring,
-        then copy. Returns (verify seconds, load seconds)."""
+        then copy. Returns (verify seconds, load seconds, error or None)."""
         started = time.perf_counter()
         plan, ring, _ = self._colocate_sessions[key]
         bucket = plan.buckets[index]
-        self._check_ranges(ring, checksums, f"bucket {bucket.index} ({bucket.group})")
+        error = self._check_ranges(ring, checksums, f"bucket {bucket.index} ({bucket.group})")
         verified = time.perf_counter()
+        if error:
+            return verified - started, 0.0, error
         # Hazard (buffer reuse): the views below alias a ring slot the trainers refill `num_slots` buckets later;
         # both paths copy out of it, and nothing may keep a view beyond this call.
         if plan.mode == "sliced":
@@ -125,27 +131,32 @@ class ColocateWorkerExtension:
         else:
             weights = [(t.spec.name, _view(ring, t.offset, t.spec.shape, t.spec.dtype)) for t in bucket.tensors]
             self.model_runner.model.load_weights(weights=weights)
-        return verified - started, time.perf_counter() - verified
+        return verified - started, time.perf_counter() - verified, None
 
-    def colocate_verify_in_place(self, key: str, checksums: list[tuple[int, int, int, int]]) -> float:
+    def colocate_verify_in_place(self, key: str, checksums: list[tuple[int, int, int, int]]):
         """After an in-place sync: every parameter still lives where the trainers wrote (always checked: it costs
         microseconds), and the written ranges hold what the trainers computed (when they sent checksums).
-        Returns the seconds it took."""
+        Returns (seconds, error or None)."""
         started = time.perf_counter()
-        detached = self._colocate_arena.detached()
-        if detached:
-            raise RuntimeError(f"{len(detached)} engine parameter(s) left the shared weight arena (e.g. "
-                               f"{detached[0]}): the in-place sync no longer reaches them")
         _, ring, _ = self._colocate_sessions[key]
-        self._check_ranges(ring, checksums, "in-place sync")
-        return time.perf_counter() - started
+        detached = self._colocate_arena.detached()
+        if ring.data_ptr() != self._colocate_arena.tensor.data_ptr():
+            error = ("this in-place sync writes into a weight arena that a later sync replaced (the weights moved "
+                     "to a new one when it was shared again): open the sync again")
+        elif detached:
+            error = (f"{len(detached)} engine parameter(s) left the shared weight arena (e.g. {detached[0]}): the "
+                     "in-place sync no longer reaches them")
+        else:
+            error = self._check_ranges(ring, checksums, "in-place sync")
+        return time.perf_counter() - started, error
 
-    def _check_ranges(self, ring: torch.Tensor, checksums: list[tuple[int, int, int, int]], what: str) -> None:
+    def _check_ranges(self, ring: torch.Tensor, checksums: list[tuple[int, int, int, int]], what: str) -> str | None:
         # a ring shared by several workers is written, and checked, once: under the first worker's index
         for worker, start, num_bytes, expected in checksums:
             if worker == self._colocate_tp_rank and range_checksum(ring[start:start + num_bytes]) != expected:
-                raise RuntimeError(f"{what}: checksum mismatch at bytes [{start}, {start + num_bytes}): the "
-                                   "buffer changed between the trainers' write and the engine's check")
+                return (f"{what}: checksum mismatch at bytes [{start}, {start + num_bytes}): the buffer changed "
+                        "between the trainers' write and the engine's check")
+        return None
 
     def colocate_state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of this worker's parameters (engine names, TP-local), for full verification in tests/bench."""

@@ -131,3 +131,21 @@ def test_restarted_engine_gets_a_fresh_plan(runtime):
     assert runtime.sync.plan is not old_plan
     Controller(runtime.cfg, runtime).step(0)
     assert_engine_equals_trainer(runtime)
+
+
+def test_an_in_place_sync_whose_arena_was_replaced_fails_loudly(runtime):
+    """A second in-place sync shares the weights again (a new arena); the first one's plan now addresses the old
+    segment, and it must say so instead of writing where the engine no longer reads."""
+    from colocate.sync.weight_sync import WeightSync
+
+    assert runtime.sync.plan.in_place
+    specs = ray.get(runtime.trainers[0].param_specs.remote(runtime.cfg.engine.dtype))
+    second = WeightSync(runtime.trainers, runtime.engines, specs, cfg=runtime.cfg.sync, hf_config=hf_config(runtime),
+                        in_place=True)
+    second.open()
+    second.run()
+    with pytest.raises(ray.exceptions.RayTaskError, match="a later sync replaced"):
+        runtime.sync.run()
+    runtime.sync.open()  # the runtime's own sync again, for the tests after this one
+    runtime.sync.run()
+    assert_engine_equals_trainer(runtime)
