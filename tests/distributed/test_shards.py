@@ -62,20 +62,10 @@ def test_ranks_write_their_rows_into_the_bucket():
         owner.unlink()
 
 
-def _sliced_write(rank: int, world_size: int, handle: ShmHandle, vocab: int, bucket_bytes: int):
-    """FSDP2 over 2 ranks (rows split 25/24 for a 49-row vocabulary), engine TP=2 (vocabulary padded to 64, so
-    TP rank 0's rows span both FSDP shards); small slots split tensors by rows. After all ranks wrote a bucket,
-    each worker's regions hold exactly its slice of the full tensors."""
-    import torch.distributed as dist
+def _sharded(full: dict[str, torch.Tensor], world_size: int):
+    """HF-named tensors as one FSDP2-sharded module: (name -> sharded parameter, bf16 specs)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from colocate.sync.plan import TPLayout, engine_tensor
-    from colocate.sync.reshard import build_sync_plan
-    from colocate.sync.shards import local_shards, write_bucket
-    from tests.unit.test_reshard import HD, NKV, NQ, engine_shapes, hf_state
-
-    full = hf_state(vocab, tied=False, num_layers=1)
 
     class Flat(torch.nn.Module):
         def __init__(self):
@@ -86,7 +76,21 @@ def _sliced_write(rank: int, world_size: int, handle: ShmHandle, vocab: int, buc
     model = Flat()
     fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
     params = {n.replace("__", "."): p for n, p in model.p.items()}
-    specs = [TensorSpec(n, tuple(t.shape), torch.bfloat16) for n, t in full.items()]
+    return params, [TensorSpec(n, tuple(t.shape), torch.bfloat16) for n, t in full.items()]
+
+
+def _sliced_write(rank: int, world_size: int, handle: ShmHandle, vocab: int, bucket_bytes: int):
+    """FSDP2 over 2 ranks (rows split 25/24 for a 49-row vocabulary), engine TP=2 (vocabulary padded to 64, so
+    TP rank 0's rows span both FSDP shards); small slots split tensors by rows. After all ranks wrote a bucket,
+    each worker's regions hold exactly its slice of the full tensors."""
+    import torch.distributed as dist
+    from colocate.sync.plan import TPLayout, engine_tensor
+    from colocate.sync.reshard import build_sync_plan
+    from colocate.sync.shards import local_shards, write_bucket
+    from tests.unit.test_reshard import HD, NKV, NQ, engine_shapes, hf_state
+
+    full = hf_state(vocab, tied=False, num_layers=1)
+    params, specs = _sharded(full, world_size)
     layouts = [{"tp_rank": r, "tp_size": 2, "params": [(n, s, "bf16") for n, s in
                                                          engine_shapes(full, TPLayout(r, 2, NQ, NKV, HD, vocab), False)]}
                for r in range(2)]
@@ -129,26 +133,13 @@ def _in_place_write(rank: int, world_size: int, handles: list[ShmHandle], offset
                     vocab: int):
     """The in-place plan: the regions address each worker's parameters in its arena; the ranks write every
     bucket without waiting for anyone, and no copy follows."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     from colocate.sync.plan import TPLayout
     from colocate.sync.reshard import build_sync_plan
     from colocate.sync.shards import local_shards, write_bucket
     from tests.unit.test_reshard import HD, NKV, NQ, hf_state
 
     full = hf_state(vocab, tied=False, num_layers=2)
-
-    class Flat(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.p = torch.nn.ParameterDict({n.replace(".", "__"): torch.nn.Parameter(t.clone())
-                                             for n, t in full.items()})
-
-    model = Flat()
-    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
-    params = {n.replace("__", "."): p for n, p in model.p.items()}
-    specs = [TensorSpec(n, tuple(t.shape), torch.bfloat16) for n, t in full.items()]
+    params, specs = _sharded(full, world_size)
     plan = build_sync_plan(specs, layouts, lambda r, s: TPLayout(r, s, NQ, NKV, HD, vocab), bucket_bytes=0,
                            num_slots=2, param_offsets=offsets)
     assert plan.in_place and plan.ring_bytes == 0
