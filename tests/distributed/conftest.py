@@ -28,6 +28,9 @@ def _entry(rank: int, world_size: int, port: int, init: bool, fn, args, errors):
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
+    else:
+        if dist.is_initialized():
+            dist.barrier()  # leave together: see TrainerActor.shutdown (teardown race)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
