@@ -139,11 +139,10 @@ class ColocateWorkerExtension:
         Returns (seconds, error or None)."""
         started = time.perf_counter()
         _, ring, _ = self._colocate_sessions[key]
-        detached = self._colocate_arena.detached()
         if ring.data_ptr() != self._colocate_arena.tensor.data_ptr():
             error = ("this in-place sync writes into a weight arena that a later sync replaced (the weights moved "
                      "to a new one when it was shared again): open the sync again")
-        elif detached:
+        elif detached := self._colocate_arena.detached():
             error = (f"{len(detached)} engine parameter(s) left the shared weight arena (e.g. {detached[0]}): the "
                      "in-place sync no longer reaches them")
         else:

@@ -3,6 +3,7 @@ another mapping, and `discard` frees their pages (sleep) in every mapping."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from colocate.memory import process_rss_bytes
@@ -11,14 +12,22 @@ from colocate.sync.buckets import ALIGN
 from colocate.sync.transport import attach
 
 
-def _model() -> torch.nn.Module:
+@pytest.fixture
+def model():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 3), torch.nn.Linear(3, 10))
-    return model
+    return torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 3), torch.nn.Linear(3, 10))
 
 
-def test_parameters_move_into_the_arena_and_compute_the_same():
-    model = _model()
+@pytest.fixture
+def shared(model):
+    """The model's parameters moved into an arena: (params by name, arena); the segment's name goes after."""
+    params = dict(model.named_parameters())
+    arena = WeightArena(params, tag="test")
+    yield params, arena
+    arena.unlink()
+
+
+def test_parameters_move_into_the_arena_and_compute_the_same(model):
     x = torch.tensor([[1, 2, 3]])
     before = model(x)
     params = dict(model.named_parameters())
@@ -33,30 +42,20 @@ def test_parameters_move_into_the_arena_and_compute_the_same():
         arena.unlink()
 
 
-def test_a_write_through_another_mapping_lands_in_the_parameter():
-    model = _model()
-    params = dict(model.named_parameters())
-    arena = WeightArena(params, tag="test")
-    try:
-        other = attach(arena.handle)  # what a trainer rank maps
-        weight = params["1.weight"]
-        start = arena.offsets["1.weight"]
-        new = torch.arange(weight.numel(), dtype=weight.dtype).view(weight.shape)
-        other[start:start + new.numel() * new.element_size()].view(new.dtype).copy_(new.view(-1))
-        assert torch.equal(weight, new)
-    finally:
-        arena.unlink()
+def test_a_write_through_another_mapping_lands_in_the_parameter(shared):
+    params, arena = shared
+    other = attach(arena.handle)  # what a trainer rank maps
+    weight = params["1.weight"]
+    start = arena.offsets["1.weight"]
+    new = torch.arange(weight.numel(), dtype=weight.dtype).view(weight.shape)
+    other[start:start + new.numel() * new.element_size()].view(new.dtype).copy_(new.view(-1))
+    assert torch.equal(weight, new)
 
 
-def test_a_parameter_given_new_storage_is_reported_detached():
-    model = _model()
-    params = dict(model.named_parameters())
-    arena = WeightArena(params, tag="test")
-    try:
-        params["1.bias"].data = params["1.bias"].data.clone()
-        assert arena.detached() == ["1.bias"]
-    finally:
-        arena.unlink()
+def test_a_parameter_given_new_storage_is_reported_detached(shared):
+    params, arena = shared
+    params["1.bias"].data = params["1.bias"].data.clone()
+    assert arena.detached() == ["1.bias"]
 
 
 def test_discard_frees_the_pages_in_every_mapping_and_writes_bring_them_back():
