@@ -171,23 +171,27 @@ class Run:
 
 
 def _chunk(runs: list[Run], slot_bytes: int) -> list[list[Run]]:
-    """Greedy packing of runs into slots, splitting a run by rows where it does not fit (never asserting)."""
+    """Greedy packing of runs into slots by their real bytes: a run that fits the rest of the slot goes in whole;
+    one that does not is split by rows at the most rows that fit, and continues in the next slot. Only a region's
+    start is aligned, so each slot boundary splits at most one run."""
     chunks: list[list[Run]] = [[]]
-    used = 0
+    used = 0  # where the next region starts in the current slot (aligned)
     for run in runs:
-        row_bytes = _aligned(run.num_cols * run.dtype.itemsize)
+        # Rows are contiguous in the slot: aligning each row (not just each region's start) made a 1-D tensor,
+        # viewed [n, 1], count 64 bytes per element and splintered layers into thousands of tiny regions.
+        row_bytes = run.num_cols * run.dtype.itemsize
         if row_bytes > slot_bytes:
             raise ValueError(f"one row of {run.engine_name} ({row_bytes} bytes) is larger than a bucket slot "
                              f"({slot_bytes} bytes): raise sync.bucket_mb")
         start, left = run.row_start, run.num_rows
         while left:
-            fit = min(left, (slot_bytes - used) // row_bytes)
+            fit = min(left, max(0, slot_bytes - used) // row_bytes)
             if fit == 0:
                 chunks.append([])
                 used = 0
                 continue
             chunks[-1].append(Run(run.engine_name, start, fit, run.num_cols, run.dtype))
-            used += _aligned(fit * run.num_cols * run.dtype.itemsize)
+            used = _aligned(used + fit * row_bytes)
             start, left = start + fit, left - fit
     return [c for c in chunks if c]
 
@@ -200,6 +204,8 @@ def group_runs(runs: list[Run]) -> list[tuple[str, list[Run]]]:
 
 
 def largest_group_bytes(worker_runs: list[list[Run]]) -> int:
+    """The slot that holds every worker's share of any layer group whole: `_chunk` starts each region at an
+    aligned offset, so a group needs at most the sum of its runs' aligned sizes (one region per run)."""
     return max(sum(_aligned(r.num_bytes) for r in runs) for worker in worker_runs for _, runs in group_runs(worker))
 
 

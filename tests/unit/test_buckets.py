@@ -1,11 +1,13 @@
-"""Bucket planning: layer grouping, slot assignment, alignment, splitting a large layer, too-large tensors."""
+"""Bucket planning: layer grouping, slot assignment, alignment, splitting a large layer, too-large tensors; sliced
+buckets packed by real bytes (a 1-D tensor is [n, 1]: its rows are 2 bytes, not 64)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from colocate.sync.buckets import ALIGN, TensorSpec, group_by_layer, largest_layer_bytes, plan_buckets
+from colocate.sync.buckets import (ALIGN, Run, TensorSpec, group_by_layer, largest_group_bytes, largest_layer_bytes,
+                                   plan_buckets, plan_sliced_buckets)
 
 
 def spec(name: str, *shape: int, dtype=torch.bfloat16) -> TensorSpec:
@@ -61,3 +63,54 @@ def test_every_tensor_is_planned_exactly_once():
 def test_tensor_larger_than_a_slot_names_the_key():
     with pytest.raises(ValueError, match="sync.bucket_mb"):
         plan_buckets(group_by_layer(SPECS), slot_bytes=512, num_slots=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sliced buckets
+
+
+def run(name: str, num_rows: int, num_cols: int, row_start: int = 0) -> Run:
+    return Run(name, row_start, num_rows, num_cols, torch.bfloat16)
+
+
+def spans(bucket, worker: int) -> list[tuple[str, int, int, int]]:
+    """(name, first row, rows, offset) of a worker's regions in a bucket."""
+    return [(r.engine_name, r.row_start, r.num_rows, r.offset) for r in bucket.regions[worker]]
+
+
+def test_one_dimensional_runs_take_their_real_bytes_and_only_starts_are_aligned():
+    norms = [run("model.layers.0.input_layernorm.weight", 16, 1),  # 32 bytes each
+             run("model.layers.0.post_attention_layernorm.weight", 16, 1)]
+    (bucket,) = plan_sliced_buckets([norms], slot_bytes=128, num_slots=2)
+    assert spans(bucket, 0) == [("model.layers.0.input_layernorm.weight", 0, 16, 0),
+                                ("model.layers.0.post_attention_layernorm.weight", 0, 16, ALIGN)]
+
+
+def test_a_run_that_does_not_fit_is_split_at_the_most_rows_that_fit():
+    first = run("model.layers.0.a.weight", 3, 100)  # 200-byte rows: 600 bytes, fits whole
+    second = run("model.layers.0.b.weight", 5, 100)  # starts at 640: 1 row fits in 1024, 4 go on
+    buckets = plan_sliced_buckets([[first, second]], slot_bytes=1024, num_slots=2)
+    assert [spans(b, 0) for b in buckets] == [
+        [("model.layers.0.a.weight", 0, 3, 0), ("model.layers.0.b.weight", 0, 1, 640)],
+        [("model.layers.0.b.weight", 1, 4, 1024)],  # slot 1 of the worker's ring
+    ]
+
+
+def test_automatic_slot_holds_each_group_whole_on_every_worker():
+    def layer(i: int, rows: int) -> list[Run]:
+        p = f"model.layers.{i}."
+        return [run(p + "qkv_proj.weight", rows, 24), run(p + "qkv_proj.bias", rows, 1),
+                run(p + "down_proj.weight", 24, 7), run(p + "input_layernorm.weight", 24, 1)]
+
+    workers = [layer(0, 12) + layer(1, 12), layer(0, 9) + layer(1, 13)]  # uneven: the largest sets the slot
+    slot = largest_group_bytes(workers)
+    buckets = plan_sliced_buckets(workers, slot_bytes=slot, num_slots=2)
+    assert [b.group for b in buckets] == ["layer.0", "layer.1"]
+    for w, runs in enumerate(workers):
+        planned = [(n, s, k) for b in buckets for n, s, k, _ in spans(b, w)]
+        assert planned == [(r.engine_name, r.row_start, r.num_rows) for r in runs]  # one region per run
+
+
+def test_row_larger_than_a_slot_names_the_key():
+    with pytest.raises(ValueError, match="sync.bucket_mb"):
+        plan_sliced_buckets([[run("model.layers.0.a.weight", 2, 100)]], slot_bytes=128, num_slots=2)
