@@ -40,39 +40,61 @@ def resolve(args) -> JobConfig:
     return load_config(path, overrides)
 
 
-def local_preflight(cfg: JobConfig):
-    """Device checks that need no Ray: for a local run, the slots must fit this machine."""
+def local_preflight(cfg: JobConfig, *, num_gpus: int | None = None, gpu_memory_gib: float | None = None):
+    """Device checks that need no Ray: the slots must fit this machine, or, with `num_gpus` and
+    `gpu_memory_gib`, a GPU node described by the caller (nothing of this machine's devices is read).
+    Returns (slot plan, preflight prediction), or (None, None) when the job's devices are a Ray cluster's."""
     from colocate.placement import local_device_count, plan_slots, resolve_device
+    from colocate.preflight import GIB, preflight
 
-    from colocate.preflight import preflight
-
+    if num_gpus is not None:
+        if cfg.placement.device == "cpu":
+            raise ConfigError("placement.device='cpu' is invalid with --gpus: --gpus describes a CUDA node; "
+                              "valid: auto, cuda")
+        plan = plan_slots(cfg, device="cuda", num_devices=num_gpus, where=f"the node of --gpus {num_gpus}")
+        return plan, preflight(cfg, device="cuda", available_bytes=int(gpu_memory_gib * GIB))
     device = resolve_device(cfg.placement.device)
     if cfg.placement.ray_address:
-        return None  # the cluster's devices are checked once connected, before any actor starts
+        return None, None  # the cluster's devices are checked once connected, before any actor starts
     plan = plan_slots(cfg, device=device, num_devices=local_device_count(device))
-    preflight(cfg, device=device)
-    return plan
+    return plan, preflight(cfg, device=device)
 
 
 def cmd_validate(args) -> int:
     from omegaconf import OmegaConf
 
+    from colocate.preflight import GIB
+
+    if (args.gpus is None) != (args.gpu_memory_gib is None):
+        raise ConfigError("--gpus and --gpu-memory-gib go together: they describe a GPU node that need not be "
+                          "this machine")
+    if args.gpus is not None and (args.gpus < 1 or args.gpu_memory_gib <= 0):
+        raise ConfigError(f"--gpus {args.gpus} --gpu-memory-gib {args.gpu_memory_gib} is invalid: expected at "
+                          "least one GPU and a positive size")
     cfg = resolve(args)
-    plan = local_preflight(cfg)
+    plan, prediction = local_preflight(cfg, num_gpus=args.gpus, gpu_memory_gib=args.gpu_memory_gib)
     print(OmegaConf.to_yaml(to_dict(cfg)).rstrip())
     print("# placement")
     if plan is None:
         print(f"# {cfg.placement.num_slots} slot(s) on the Ray cluster at {cfg.placement.ray_address}, "
               f"{cfg.num_engines} engine(s) x TP={cfg.engine.tp} (devices are checked when the job connects)")
-    else:
-        from colocate.preflight import preflight
-
-        for line in plan.describe():
-            print(f"# {line}")
-        print("# predicted memory per phase (the preflight's estimate)")
-        for phase in preflight(cfg, device=plan.device):
-            parts = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in phase.parts.items() if v)
-            print(f"#   {phase.name:<8} {phase.total / 2**30:6.2f} GiB  ({parts})")
+        return 0
+    for line in plan.describe():
+        print(f"# {line}")
+    switch = prediction.plan
+    print(f"# switch plan: engine sleep level {switch.engine_sleep_level}, trainer offload "
+          f"{str(switch.trainer_offload).lower()}")
+    print(f"#   {switch.reason}")
+    if not prediction.phases:
+        print("# predicted memory: none (the model's config.json is not on this machine)")
+        return 0
+    where = "per GPU" if prediction.device == "cuda" else "whole job, host memory"
+    print(f"# predicted memory per phase, {where} (the preflight's estimate; budget "
+          f"{prediction.budget_bytes / GIB:.1f} of {prediction.available_bytes / GIB:.1f} GiB)")
+    peak = max(prediction.phases, key=lambda p: p.total)
+    for phase in prediction.phases:
+        parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in phase.parts.items() if v)
+        print(f"#   {phase.name:<8} {phase.total / GIB:6.2f} GiB  ({parts}){'  <- peak' if phase is peak else ''}")
     return 0
 
 
@@ -128,9 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
     launch.set_defaults(func=cmd_launch)
 
     validate = sub.add_parser("validate", help="print the resolved config and placement; starts nothing",
-                              description="Resolve and check a config (YAML + overrides) without starting anything.")
+                              description="Resolve and check a config (YAML + overrides) without starting anything; "
+                              "print the placement, the switch plan and each phase's predicted memory, for this "
+                              "machine or (--gpus, --gpu-memory-gib) for a GPU node that need not be this one.")
     validate.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
     validate.add_argument("--address", help="the Ray cluster the job will run on")
+    validate.add_argument("--gpus", type=int, help="predict for a GPU node that need not be this machine: its "
+                          "number of GPUs (with --gpu-memory-gib; placement.num_slots still says how many are used)")
+    validate.add_argument("--gpu-memory-gib", type=float, help="that node's memory per GPU in GiB (e.g. 79.6 for "
+                          "an 80 GB H100)")
     validate.set_defaults(func=cmd_validate)
 
     submit = sub.add_parser("submit", help="submit a job to a Ray cluster (Job Submission API)",

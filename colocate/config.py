@@ -53,8 +53,10 @@ class TrainerConfig:
     """Sequences per forward/backward pass on each rank; gradients accumulate over micro-batches."""
     mixed_precision: bool = False
     """FSDP2 mixed precision (bf16 compute, fp32 reduce); CUDA only."""
-    offload: bool = True
-    """Move parameters and optimizer state out while the engine runs (pinned host on CUDA, a file on the CPU)."""
+    offload: str = "auto"
+    """Move parameters and optimizer state out while the engine runs: true, false, or auto (only when the memory preflight finds the rollout would not fit beside them)."""
+    offload_backend: str = "auto"
+    """CUDA: torch_memory_saver (state allocated in its region, paused with a host backup), pinned (exact-size page-locked host buffers), or auto (torch_memory_saver when installed, else pinned). The CPU always uses a file-backed tier."""
     offload_dir: str = ""
     """CPU: directory of the offload file (on disk, not tmpfs); empty: the system's temporary directory."""
     num_threads: int = 1
@@ -75,8 +77,8 @@ class EngineConfig:
     """CUDA: fraction of GPU memory vLLM may use for weights + KV cache."""
     enforce_eager: bool = True
     """Skip graph capture / compilation (fast start; the CPU tests want it)."""
-    sleep_level: int = 2
-    """Engine sleep level: 1 keeps a host copy of the weights, 2 discards them (sync restores them)."""
+    sleep_level: str = "auto"
+    """Engine sleep while training: 0 stays awake, 1 keeps a host copy of the weights, 2 discards them (the sync restores them), auto the least that lets the training phase fit (memory preflight)."""
     sleep_backend: str = "auto"
     """auto (vllm on CUDA, portable on CPU), vllm (vLLM sleep mode, CUDA only), portable (release storages)."""
     seed: int = 0
@@ -92,7 +94,7 @@ class SyncConfig:
     verify: str = "checksum"
     """After each sync: checksum (ring: per-bucket checksums; in place: every engine parameter still where the trainers write), full (compare every engine tensor), or none."""
     transport: str = "auto"
-    """in_place (CPU): trainers write into the engine's parameters, kept in shared memory; ring: through bucket slots the engine copies from; auto: in_place on CPU, ring on CUDA."""
+    """gather: each layer is all-gathered over the trainers' process group and every rank hands the TP slice of the engine worker on its own device to that worker's ring (the CUDA protocol; runs on the CPU with gloo and shared memory); in_place (CPU): trainers write into the engine's parameters, kept in shared memory; ring (CPU): every rank writes its rows into every worker's ring; auto: in_place on CPU, gather on CUDA."""
 
 
 @dataclass
@@ -173,10 +175,12 @@ class JobConfig:
         _non_negative(self, "trainer.weight_decay", "trainer.grad_clip", "rollout.temperature", "sync.bucket_mb",
                       "algo.clip_eps")
         _one_of(self, "engine.dtype", ["bfloat16", "float16", "float32"])
-        _one_of(self, "engine.sleep_level", [1, 2])
+        _one_of(self, "engine.sleep_level", ["auto", "0", "1", "2"])
+        _one_of(self, "trainer.offload", ["auto", "true", "false"])
+        _one_of(self, "trainer.offload_backend", ["auto", "pinned", "torch_memory_saver"])
         _one_of(self, "engine.sleep_backend", ["auto", "vllm", "portable"])
         _one_of(self, "sync.verify", ["checksum", "full", "none"])
-        _one_of(self, "sync.transport", ["auto", "in_place", "ring"])
+        _one_of(self, "sync.transport", ["auto", "gather", "in_place", "ring"])
         _one_of(self, "placement.device", ["auto", "cpu", "cuda"])
         _one_of(self, "logging.level", ["DEBUG", "INFO", "WARNING", "ERROR"])
         if not self.model.path:
@@ -328,6 +332,8 @@ def _coerce(key: str, value, hint):
     if hint is str:
         if value is None:
             return ""
+        if isinstance(value, bool):  # keys that take true/false/auto (YAML reads true as a bool)
+            return str(value).lower()
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise _bad(key, value, "expected a string")

@@ -15,6 +15,9 @@
 The switching order is written down here and only here. It keeps each side's large state off the device while
 the other side runs: the engine's KV cache is never resident with the trainer's gradients and optimizer state,
 and the engine's weights come back (empty at level 2) only to receive the sync, never beside a second copy.
+What moves at all is the runtime's switch plan (`rt.switch`, from the memory preflight): a side whose state
+fits beside the other's phase stays where it is (engine sleep level 0, trainer state kept), and its steps of
+the order above are skipped.
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ class Controller:
         return self.run_steps(self.cfg.algo.num_steps)
 
     def run_steps(self, num_steps: int) -> list[dict]:
-        self._call(self.rt.trainers, "offload")  # the engine runs first
-        self.events.append("trainer.offload")
+        if self.rt.switch.trainer_offload:
+            self._call(self.rt.trainers, "offload")  # the engine runs first
+            self.events.append("trainer.offload")
         for step in range(num_steps):
             self.step(step)
         return self.history
@@ -98,10 +102,12 @@ class Controller:
         return scored
 
     def switch_to_train(self) -> None:
-        self._call(self.rt.engines, "sleep", self.cfg.engine.sleep_level)
-        self.events.append("engine.sleep")
-        self._call(self.rt.trainers, "onload")
-        self.events.append("trainer.onload")
+        if self.rt.switch.engine_sleep_level:
+            self._call(self.rt.engines, "sleep", self.rt.switch.engine_sleep_level)
+            self.events.append("engine.sleep")
+        if self.rt.switch.trainer_offload:
+            self._call(self.rt.trainers, "onload")
+            self.events.append("trainer.onload")
 
     def train(self, scored: Scored) -> dict:
         world = len(self.rt.trainers)
@@ -122,8 +128,9 @@ class Controller:
     def switch_to_sync(self) -> None:
         self._call(self.rt.trainers, "release_grads")
         self.events.append("trainer.release_grads")
-        self._call(self.rt.engines, "wake", ["weights"])
-        self.events.append("engine.wake.weights")
+        if self.rt.switch.engine_sleep_level:
+            self._call(self.rt.engines, "wake", ["weights"])
+            self.events.append("engine.wake.weights")
 
     def sync(self) -> dict:
         stats = self.rt.sync.run()
@@ -136,10 +143,12 @@ class Controller:
         return stats
 
     def switch_to_rollout(self) -> None:
-        self._call(self.rt.trainers, "offload")
-        self.events.append("trainer.offload")
-        self._call(self.rt.engines, "wake", ["kv_cache"])
-        self.events.append("engine.wake.kv_cache")
+        if self.rt.switch.trainer_offload:
+            self._call(self.rt.trainers, "offload")
+            self.events.append("trainer.offload")
+        if self.rt.switch.engine_sleep_level:
+            self._call(self.rt.engines, "wake", ["kv_cache"])
+            self.events.append("engine.wake.kv_cache")
 
     # ------------------------------------------------------------------------------------------- helpers
 
@@ -161,9 +170,17 @@ class Controller:
         }
 
     def memory(self) -> dict:
-        engines = self._call(self.rt.engines, "memory")
-        return {"engine_rss_bytes": sum(w["rss_bytes"] for e in engines for w in e),
-                "trainer_rss_bytes": sum(self._call(self.rt.trainers, "rss_bytes"))}
+        """Host RSS summed per side, and on CUDA each actor's device memory (torch's allocated and reserved
+        bytes, and the driver's free bytes on its GPU: vLLM's cuMem pool is invisible to torch's counters)."""
+        engines = [w for e in self._call(self.rt.engines, "memory") for w in e]
+        trainers = self._call(self.rt.trainers, "memory")
+        record = {"engine_rss_bytes": sum(w["rss_bytes"] for w in engines),
+                  "trainer_rss_bytes": sum(t["rss_bytes"] for t in trainers)}
+        if "device_free_bytes" in trainers[0]:
+            keys = ("device_allocated_bytes", "device_reserved_bytes", "device_free_bytes")
+            record["trainers"] = [{k: t[k] for k in keys} for t in trainers]
+            record["engine_workers"] = [{k: w[k] for k in keys} for w in engines]
+        return record
 
 
 class _timed:

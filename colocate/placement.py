@@ -8,7 +8,23 @@ TP worker s % tp of engine s // tp:
     engine:    E0 tp0       E0 tp1       E1 tp0       E1 tp1        (num_engines = num_slots / tp)
 
 On GPU the co-located actors share the bundle's GPU through fractional GPU requests; on the CPU a slot is one
-core's worth of CPU. `plan_slots` and `check_devices` are pure, so layout rules are unit-tested without Ray.
+core's worth of CPU. `plan_slots`, `engine_placement` and `pair_devices` are pure, so layout rules are
+unit-tested without Ray.
+
+How vLLM 0.32 places an engine's TP workers (read from its sources; `vllm/v1/executor/ray_executor_v2.py`,
+`ray_utils.py`, `envs.py`), and what colocate does about it:
+- With TP > 1 the engine runs vLLM's Ray executor (V2 by default: `VLLM_USE_RAY_V2_EXECUTOR_BACKEND=1`). It
+  reuses the placement group of the actor it runs in (`ray.util.get_current_placement_group()`, which is why
+  engine actors capture child tasks) and puts worker i in bundle `VLLM_RAY_BUNDLE_INDICES[i]`, else in bundles
+  0..tp-1 (`get_bundles_sorted_by_node`): every engine would land on the first engine's GPUs. Each worker asks
+  `VLLM_RAY_PER_WORKER_GPUS` GPUs (default 1.0), which never fits beside a trainer already holding part of the
+  bundle's GPU. So each engine is given its own bundles by index and a fractional share per worker, and its
+  driver actor holds no GPU (as vLLM's co-located RLHF example and OpenRLHF do).
+- V2 workers see every GPU (`RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`) and worker i takes the i-th
+  smallest physical id among the engine's GPUs on its node, not necessarily its own bundle's GPU. Which trainer
+  rank shares a GPU with which worker is therefore read back from the actors (`pair_devices`), never assumed
+  from `rank % tp`.
+- With TP = 1 the engine runs in-process (no executor): the engine actor itself holds the worker's share.
 """
 
 from __future__ import annotations
@@ -21,6 +37,11 @@ from colocate.config import ConfigError, JobConfig
 # Fractions of a slot's GPU (or CPU) asked for by each co-located actor; they must sum to <= 1.
 TRAINER_SHARE = 0.5
 ENGINE_SHARE = 0.5
+
+
+class PlacementError(RuntimeError):
+    """The actors did not land as the job needs (a trainer rank and the engine worker it feeds on different
+    devices); raised before the first sync, as one line."""
 
 
 @dataclass(frozen=True)
@@ -82,13 +103,69 @@ def plan_slots(cfg: JobConfig, *, device: str, num_devices: int, where: str = "t
                               "CUDA; valid: false")
     elif cfg.sync.transport == "in_place":
         raise ConfigError("sync.transport='in_place' is invalid on a CUDA run: the engine's weights live in vLLM's "
-                          "sleep-mode allocator, which CUDA IPC cannot share; valid: auto, ring")
+                          "sleep-mode allocator, which CUDA IPC cannot share; valid: auto, gather")
+    elif cfg.sync.transport == "ring":
+        raise ConfigError("sync.transport='ring' is invalid on a CUDA run: every trainer rank would map every "
+                          "engine worker's ring, but each rank sees only its own GPU; valid: auto, gather")
     return SlotPlan(device=device, num_slots=cfg.placement.num_slots, tp=cfg.engine.tp)
 
 
+def sync_transport(cfg: JobConfig, device: str) -> str:
+    """gather (all-gather, then each rank feeds the worker on its device), in_place or ring (CPU only)."""
+    if cfg.sync.transport != "auto":
+        return cfg.sync.transport
+    return "in_place" if device == "cpu" else "gather"
+
+
 def sync_in_place(cfg: JobConfig, device: str) -> bool:
-    """Whether the sync writes straight into the engine's parameters (CPU) or through the ring (CUDA)."""
-    return cfg.sync.transport == "in_place" or (cfg.sync.transport == "auto" and device == "cpu")
+    """Whether the sync writes straight into the engine's parameters (CPU) instead of through rings."""
+    return sync_transport(cfg, device) == "in_place"
+
+
+@dataclass(frozen=True)
+class EnginePlacement:
+    """Where one engine's driver actor goes and what it asks of Ray; `env` reaches vLLM's executor."""
+
+    bundle: int  # the driver actor's bundle (the engine's first slot)
+    driver_share: float  # GPUs (or CPUs) the driver actor asks for
+    env: dict[str, str]
+
+
+def engine_placement(plan: SlotPlan, engine: int) -> EnginePlacement:
+    slots = plan.engine_slots(engine)
+    env = {"COLOCATE_ENGINE_SLOTS": ",".join(map(str, slots))}
+    driver_share = ENGINE_SHARE
+    if plan.device == "cuda" and plan.tp > 1:
+        # vLLM's Ray executor starts one worker per slot, in exactly these bundles, each with our share of the
+        # bundle's GPU; the driver computes nothing on a GPU, so it holds none (a share would be stranded).
+        env.update(VLLM_RAY_BUNDLE_INDICES=",".join(map(str, slots)), VLLM_RAY_PER_WORKER_GPUS=str(ENGINE_SHARE))
+        driver_share = 0.0
+    return EnginePlacement(bundle=slots[0], driver_share=driver_share, env=env)
+
+
+def pair_devices(trainer_devices: list[str], worker_devices: list[list[str]]) -> list[tuple[int, int] | None]:
+    """For each trainer rank, the (engine, tp rank) of the engine worker on the same device, or None (a rank
+    with no worker beside it takes part in the gather only). Device ids are read back from the actors (GPU
+    UUIDs on CUDA). Every worker must share its device with exactly one trainer rank: that rank feeds it."""
+    ranks_on: dict[str, list[int]] = {}
+    for rank, device in enumerate(trainer_devices):
+        ranks_on.setdefault(device, []).append(rank)
+    pairs: list[tuple[int, int] | None] = [None] * len(trainer_devices)
+    seen: dict[str, tuple[int, int]] = {}
+    for engine, workers in enumerate(worker_devices):
+        for tp_rank, device in enumerate(workers):
+            if device in seen:
+                other = seen[device]
+                raise PlacementError(f"engine {engine} tp worker {tp_rank} and engine {other[0]} tp worker "
+                                     f"{other[1]} are both on device {device}: engines must get disjoint devices")
+            seen[device] = (engine, tp_rank)
+            ranks = ranks_on.get(device, [])
+            if len(ranks) != 1:
+                have = ", ".join(f"rank {r} on {d}" for r, d in enumerate(trainer_devices))
+                raise PlacementError(f"engine {engine} tp worker {tp_rank} is on device {device}, which holds "
+                                     f"{len(ranks)} trainer ranks (need exactly 1 to feed it; trainers: {have})")
+            pairs[ranks[0]] = (engine, tp_rank)
+    return pairs
 
 
 def sleep_backend(cfg: JobConfig, device: str) -> str:
@@ -120,15 +197,17 @@ def create_placement_group(plan: SlotPlan, *, timeout_s: float = 120):
     return group
 
 
-def actor_options(group, slot: int, *, share: float, device: str, env: dict[str, str] | None = None) -> dict:
+def actor_options(group, slot: int, *, cpu_share: float, gpu_share: float = 0.0,
+                  env: dict[str, str] | None = None) -> dict:
+    """Ray options of an actor in bundle `slot` asking these fractions of the slot's CPU and GPU."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     options = {
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=group, placement_group_bundle_index=slot, placement_group_capture_child_tasks=True),
-        "num_cpus": share,
+        "num_cpus": cpu_share,
         "runtime_env": {"env_vars": env or {}},
     }
-    if device == "cuda":
-        options["num_gpus"] = share
+    if gpu_share:
+        options["num_gpus"] = gpu_share
     return options

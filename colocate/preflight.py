@@ -1,28 +1,31 @@
-"""Memory preflight: predict each phase's peak from the config and the model, before any actor starts.
+"""Memory preflight: predict each phase's peak from the config and the model, before any actor starts, and
+decide what must move between phases (the switch plan).
 
 Co-located RL's most common failure is an out-of-memory crash mid-run (at wake, when old weights, new weights
 and the KV cache coexist). The preflight adds up what each phase keeps resident and stops the job with one line
 naming the phase, the shortfall and what to change, instead of letting it crash minutes in.
 
-    phases = predict_phases(cfg, dims, device="cpu")
-    check_fits(phases, available_bytes=host_available_bytes(), cfg=cfg)   # ConfigError if a phase cannot fit
+    result = preflight(cfg, device="cuda", available_bytes=80 * GIB)   # ConfigError if a phase cannot fit
+    result.plan.engine_sleep_level, result.plan.trainer_offload    # what the controller must move
+    result.phases                                                  # startup, rollout, train, sync, with parts
 
 On the CPU every part lives in host memory, so a phase's total is summed over all processes of the job (the
-trainer ranks, the engine workers, Ray). On CUDA the budget is one GPU: the engine's share is fixed by
-`engine.gpu_memory_utilization` and the trainer's shard must fit beside what the sleeping engine keeps.
+trainer ranks, the engine workers, Ray). On CUDA the budget is one GPU, and a slot is one GPU holding one
+trainer rank and one engine TP worker: every part is per GPU. docs/preflight.md explains each part.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from colocate.config import ConfigError, JobConfig
 from colocate.placement import sync_in_place
 
 GIB = 1 << 30
+MIB = 1 << 20
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 # Memory of each process before it holds model state (interpreter, torch, vLLM or transformers imports, Ray's
@@ -37,6 +40,12 @@ DRIVER_PROCESS_BYTES = int(0.32 * GIB)  # the `colocate launch` process
 PROMPT_TOKENS = 64
 HEADROOM = 0.10  # leave this fraction of the available memory to the OS and page cache
 
+# CUDA: estimates, not yet measured on a GPU of ours (docs/preflight.md says how to measure them).
+CUDA_CONTEXT_BYTES = int(0.5 * GIB)  # per process (trainer rank, engine worker): context, kernels, cuBLAS
+# What an engine keeps outside vLLM's cuMem sleep pool while asleep (torch's cache, sampler and NCCL buffers)
+ENGINE_ASLEEP_BYTES = int(0.5 * GIB)
+GPU_HEADROOM = 0.03  # fragmentation of two caching allocators, NCCL communicators' buffers
+
 
 @dataclass
 class ModelDims:
@@ -44,18 +53,33 @@ class ModelDims:
     num_layers: int
     hidden_size: int
     vocab_size: int
+    layer_params: int  # one decoder layer
+    tie_word_embeddings: bool
 
     @classmethod
     def from_config_dict(cls, d: dict) -> ModelDims:
         d = d.get("text_config", d)
-        hidden, inter, layers = d["hidden_size"], d.get("intermediate_size", 4 * d["hidden_size"]), d["num_hidden_layers"]
+        hidden, layers = d["hidden_size"], d["num_hidden_layers"]
+        inter = d.get("intermediate_size", 4 * hidden)
         heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or hidden // heads
         kv = d.get("num_key_value_heads", heads)
         attention = hidden * head_dim * (2 * heads + 2 * kv) + head_dim * (heads + 2 * kv)
         per_layer = attention + 3 * hidden * inter + 2 * hidden
-        embeddings = d["vocab_size"] * hidden * (1 if d.get("tie_word_embeddings") else 2)
-        return cls(layers * per_layer + embeddings + hidden, layers, hidden, d["vocab_size"])
+        tied = bool(d.get("tie_word_embeddings"))
+        embeddings = d["vocab_size"] * hidden * (1 if tied else 2)
+        return cls(layers * per_layer + embeddings + hidden, layers, hidden, d["vocab_size"], per_layer, tied)
+
+    @property
+    def root_params(self) -> int:
+        """FSDP2's root group: what is not in a decoder layer (embeddings, final norm, lm_head)."""
+        return self.num_params - self.num_layers * self.layer_params
+
+    @property
+    def largest_sync_group(self) -> int:
+        """The sync streams pre (embeddings), each layer, post (final norm + lm_head): the largest, in params."""
+        embedding = self.vocab_size * self.hidden_size
+        return max(embedding, self.layer_params, self.hidden_size + (0 if self.tie_word_embeddings else embedding))
 
 
 @dataclass
@@ -68,10 +92,24 @@ class Phase:
         return sum(self.parts.values())
 
 
+@dataclass(frozen=True)
+class SwitchPlan:
+    engine_sleep_level: int  # 0 (engine stays awake while training), 1 or 2
+    trainer_offload: bool  # trainer state leaves the device while the engine runs
+    reason: str  # one line, printed at start
+
+
+@dataclass(frozen=True)
+class Prediction:
+    plan: SwitchPlan
+    phases: list[Phase]  # under `plan`; empty when the model's dims are unknown (a hub id)
+    device: str
+    available_bytes: int  # CPU: the host's available memory; CUDA: one GPU's total memory
+    budget_bytes: int  # what a phase may use: available_bytes less the headroom
+
+
 def model_dims(cfg: JobConfig) -> ModelDims | None:
     """From the preset, or the model directory's config.json (None for a hub id not on this machine)."""
-    from dataclasses import asdict
-
     from colocate import models
 
     if not cfg.model.path:
@@ -83,53 +121,169 @@ def model_dims(cfg: JobConfig) -> ModelDims | None:
     return ModelDims.from_config_dict(json.loads(config_file.read_text()))
 
 
-def predict_phases(cfg: JobConfig, dims: ModelDims, *, device: str) -> list[Phase]:
-    world, tp, engines = cfg.placement.num_slots, cfg.engine.tp, cfg.num_engines
-    params = dims.num_params * 4  # fp32 master weights
-    engine_weights = dims.num_params * DTYPE_BYTES[cfg.engine.dtype]
+def predict_phases(cfg: JobConfig, dims: ModelDims, *, device: str, plan: SwitchPlan | None = None,
+                   gpu_bytes: int | None = None) -> list[Phase]:
+    """Each phase's resident parts under `plan` (default: the config's explicit choices, everything moving where
+    'auto'). CUDA: per GPU of `gpu_bytes` (default: this machine's first GPU)."""
+    plan = plan or default_plan(cfg)
+    if device == "cuda":
+        return _cuda_phases(cfg, dims, plan, gpu_bytes if gpu_bytes is not None else gpu_total_bytes())
+    return _cpu_phases(cfg, dims, plan)
+
+
+def _activation_bytes_per_rank(cfg: JobConfig, dims: ModelDims) -> int:
     # Sequences are prompt + response: the response is bounded by rollout.max_tokens, the prompt is not known
     # before the task runs; PROMPT_TOKENS is a generous guess, capped by the engine's context.
     tokens = cfg.trainer.micro_batch_size * min(cfg.engine.max_model_len, PROMPT_TOKENS + cfg.rollout.max_tokens)
-    # per rank: logits and log-softmax in fp32, plus ~16 hidden-sized fp32 activations per layer kept for backward
-    activations = world * tokens * 4 * (3 * dims.vocab_size + 16 * dims.hidden_size * dims.num_layers)
-    layer_bytes = engine_weights // max(dims.num_layers, 1)
-    ring = engines * cfg.sync.num_bucket_slots * max(int(cfg.sync.bucket_mb * (1 << 20)), layer_bytes)
-    if sync_in_place(cfg, device):
-        ring = 0  # the trainers write into the engine's own parameters
+    # logits and log-softmax in fp32, plus ~16 hidden-sized fp32 activations per layer kept for backward
+    return tokens * 4 * (3 * dims.vocab_size + 16 * dims.hidden_size * dims.num_layers)
 
-    if device == "cuda":  # one GPU: the trainer's shard beside the engine's reserved share
-        return _cuda_phases(cfg, params // world, activations // world, ring // world)
+
+def _cpu_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan) -> list[Phase]:
+    world, tp, engines = cfg.placement.num_slots, cfg.engine.tp, cfg.num_engines
+    params = dims.num_params * 4  # fp32 master weights
+    engine_weights = engines * dims.num_params * DTYPE_BYTES[cfg.engine.dtype]
+    activations = world * _activation_bytes_per_rank(cfg, dims)
+    layer_bytes = engine_weights // engines // max(dims.num_layers, 1)
+    ring = engines * cfg.sync.num_bucket_slots * max(int(cfg.sync.bucket_mb * MIB), layer_bytes)
+    if sync_in_place(cfg, "cpu"):
+        ring = 0  # the trainers write into the engine's own parameters
     kv = engines * tp * int(cfg.engine.kv_cache_gib * GIB)
     base = {"processes": world * TRAINER_PROCESS_BYTES + engines * (tp * ENGINE_WORKER_PROCESS_BYTES
                                                                     + ENGINE_ACTOR_PROCESS_BYTES)
             + RAY_DAEMONS_BYTES + DRIVER_PROCESS_BYTES}
-    host_copy = engines * engine_weights if cfg.engine.sleep_level == 1 else 0
+    awake = plan.engine_sleep_level == 0
+    engine_in_train = {"engine awake (weights + kv cache)": engine_weights + kv} if awake else \
+        {"engine host copy (sleep level 1)": engine_weights if plan.engine_sleep_level == 1 else 0}
     return [
         # every rank loads the full checkpoint before it shards it
         Phase("startup", {**base, "checkpoint loaded on every rank": world * params}),
         # offloaded, the trainer's state waits in a file (page cache the kernel may reclaim), not in a process
-        Phase("rollout", {**base, "trainer params + optimizer": 0 if cfg.trainer.offload else 3 * params,
-                          "engine weights": engines * engine_weights, "kv cache": kv, "sync ring": ring}),
+        Phase("rollout", {**base, "trainer params + optimizer": 0 if plan.trainer_offload else 3 * params,
+                          "engine weights": engine_weights, "kv cache": kv, "sync ring": ring}),
         Phase("train", {**base, "trainer params + grads + optimizer": 4 * params, "activations": activations,
-                        "sync ring": ring, "engine host copy (sleep level 1)": host_copy}),
-        Phase("sync", {**base, "trainer params + optimizer": 3 * params, "engine weights": engines * engine_weights,
-                       "sync ring": ring}),
+                        "sync ring": ring, **engine_in_train}),
+        Phase("sync", {**base, "trainer params + optimizer": 3 * params, "engine weights": engine_weights,
+                       "engine kv cache (awake)": kv if awake else 0, "sync ring": ring}),
     ]
 
 
-def _cuda_phases(cfg: JobConfig, params_shard: int, activations: int, ring: int) -> list[Phase]:
-    total = _gpu_total_bytes()
-    engine_share = int(cfg.engine.gpu_memory_utilization * total)
-    # asleep, vLLM keeps its CUDA context and allocator state; level 1 keeps no weights on the device either
-    engine_asleep = int(0.05 * engine_share)
+def _cuda_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan, gpu_bytes: int) -> list[Phase]:
+    """One GPU = one slot: trainer rank (an FSDP2 shard of 1/world) + one engine TP worker (1/tp of the weights)."""
+    world, tp = cfg.placement.num_slots, cfg.engine.tp
+    engine_dtype = DTYPE_BYTES[cfg.engine.dtype]
+    shard = 4 * dims.num_params // world  # fp32 params; grads and each AdamW moment are the same size
+    contexts = {"cuda contexts (2 processes, est.)": 2 * CUDA_CONTEXT_BYTES}
+    # vLLM's budget holds its weights, KV cache and activations; it refuses to start with less free than this
+    engine_share = {"engine (gpu_memory_utilization)": int(cfg.engine.gpu_memory_utilization * gpu_bytes)}
+    # the ring lives in the engine worker outside vLLM's sleep pool (CUDA IPC cannot export cuMem memory), so it
+    # is resident in every phase once opened
+    slot = int(cfg.sync.bucket_mb * MIB) if cfg.sync.bucket_mb > 0 else dims.largest_sync_group * engine_dtype // tp
+    ring = {"sync ring": cfg.sync.num_bucket_slots * slot}
+    # FSDP2 moves each group to the device whole, then shards it: the largest group is a transient, which the
+    # caching allocator keeps reserved until the trainer empties its cache (it does, before the engines start)
+    transient = 4 * max(dims.layer_params, dims.root_params)
+    # FSDP2 keeps the root group (embeddings, lm_head) unsharded from forward through backward, with its full
+    # gradients until the root's reduce-scatter at the end; decoder layers: the current, the prefetched one and
+    # one layer's unsharded gradients
+    compute = 2 if cfg.trainer.mixed_precision else 4
+    unsharded = compute * (2 * dims.root_params + 3 * dims.layer_params)
+    residue = {"engine outside its sleep pool (est.)": ENGINE_ASLEEP_BYTES}
+    awake = plan.engine_sleep_level == 0
+    # the CUDA sync all-gathers each layer group over the trainers, in the engine dtype: the full group plus this
+    # rank's send chunk
+    gathered = dims.largest_sync_group * engine_dtype if cfg.sync.transport in ("auto", "gather") else 0
     return [
-        Phase("rollout", {"engine (gpu_memory_utilization)": engine_share, "sync ring": ring}),
-        Phase("train", {"trainer params + grads + optimizer": 4 * params_shard, "activations": activations,
-                        "engine asleep": engine_asleep, "sync ring": ring}),
+        # the trainers shard (and empty torch's cache) before the engines start: the transient and the engine's
+        # claim are never resident together; the larger of the two is the startup peak
+        Phase("startup", {**contexts, "trainer params (fp32 shard)": shard,
+                          **({"sharding transient (largest group, fp32)": transient}
+                             if transient > sum(engine_share.values()) + sum(ring.values())
+                             else {**engine_share, **ring})}),
+        Phase("rollout", {**contexts, **engine_share, **ring,
+                          **({} if plan.trainer_offload else {"trainer params + optimizer": 3 * shard})}),
+        Phase("train", {**contexts, "trainer params + grads + optimizer": 4 * shard,
+                        "fsdp unsharded groups": unsharded, "activations": _activation_bytes_per_rank(cfg, dims),
+                        **(engine_share if awake else residue), **ring}),
+        # grads were released; the engine woke its weights only, the KV cache stays asleep
+        Phase("sync", {**contexts, "trainer params + optimizer": 3 * shard,
+                       **(engine_share if awake else
+                          {"engine weights (woken)": dims.num_params * engine_dtype // tp, **residue}),
+                       **ring, "gather buffer (largest group + send chunk)": gathered + gathered // world}),
     ]
 
 
-def _gpu_total_bytes() -> int:
+# ---------------------------------------------------------------------------------------------------------------
+# What must move: the least that lets every phase fit.
+
+
+def _chosen_level(cfg: JobConfig) -> int | None:
+    return None if cfg.engine.sleep_level == "auto" else int(cfg.engine.sleep_level)
+
+
+def _chosen_offload(cfg: JobConfig) -> bool | None:
+    return None if cfg.trainer.offload == "auto" else cfg.trainer.offload == "true"
+
+
+def default_plan(cfg: JobConfig, reason: str = "") -> SwitchPlan:
+    """The user's explicit choices; where 'auto', everything moves (what is safe without a prediction)."""
+    level, offload = _chosen_level(cfg), _chosen_offload(cfg)
+    return SwitchPlan(2 if level is None else level, True if offload is None else offload, reason)
+
+
+def plan_switch(cfg: JobConfig, dims: ModelDims, *, device: str, available_bytes: int) -> SwitchPlan:
+    """Explicit `engine.sleep_level` / `trainer.offload` are obeyed; 'auto' picks the least movement that fits.
+
+    The engine stays awake (0) when the train and sync phases fit beside it, else sleeps at level 2 (the sync
+    rewrites every weight, so level 1's host copy is wasted work). The trainer keeps its state when the rollout
+    fits beside it, else offloads. The two are independent: the trainer is resident in train and sync whatever
+    the plan, and the engine is awake in the rollout whatever the plan."""
+    budget = budget_bytes(available_bytes, device=device)
+    where = f"one GPU of {available_bytes / GIB:.1f} GiB" if device == "cuda" else \
+        f"this machine's {available_bytes / GIB:.1f} GiB available"
+    level, offload = _chosen_level(cfg), _chosen_offload(cfg)
+    if level is None:
+        awake = {p.name: p for p in predict_phases(cfg, dims, device=device, plan=SwitchPlan(0, True, ""),
+                                                   gpu_bytes=available_bytes)}
+        worst = max(awake["train"], awake["sync"], key=lambda p: p.total)
+        engine = sum(v for k, v in worst.parts.items() if k.startswith("engine"))
+        level = 0 if worst.total <= budget else 2
+        engine_note = (f"engine stays awake: train and sync fit beside it (peak {worst.name} {_gib(worst.total)} of "
+                       f"the {_gib(budget)} allowed on {where})") if level == 0 else \
+            (f"engine sleeps (level 2): {worst.name} needs {_gib(worst.total - engine)} beside the engine's "
+             f"{_gib(engine)}, over the {_gib(budget)} allowed on {where}")
+    else:
+        engine_note = f"engine sleep level {level} (engine.sleep_level={level})"
+    if offload is None:
+        resident = next(p for p in predict_phases(cfg, dims, device=device, plan=SwitchPlan(level, False, ""),
+                                                  gpu_bytes=available_bytes) if p.name == "rollout")
+        offload = resident.total > budget
+        trainer_note = (f"trainer state offloaded: rollout needs {_gib(resident.total)} with it, over "
+                        f"{_gib(budget)}") if offload else "trainer state stays (rollout fits beside it)"
+    else:
+        trainer_note = f"trainer state {'offloaded' if offload else 'stays'} (trainer.offload={str(offload).lower()})"
+    return SwitchPlan(level, offload, f"{engine_note}; {trainer_note}")
+
+
+def switch_plan(cfg: JobConfig, *, device: str, available_bytes: int | None = None) -> SwitchPlan:
+    """The plan for this machine (or for `available_bytes`: CPU host memory available, CUDA one GPU's total)."""
+    dims = model_dims(cfg)
+    if dims is None:
+        return default_plan(cfg, f"model dims unknown ({cfg.model.path!r} is not a local directory): everything "
+                                 "moves unless chosen (engine.sleep_level, trainer.offload)")
+    available = available_bytes if available_bytes is not None else machine_bytes(device)
+    return plan_switch(cfg, dims, device=device, available_bytes=available)
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.1f} GiB"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The machine, and the check
+
+
+def gpu_total_bytes() -> int:
     import torch
 
     return torch.cuda.get_device_properties(0).total_memory
@@ -142,19 +296,34 @@ def host_available_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def check_fits(phases: list[Phase], *, available_bytes: int, cfg: JobConfig, device: str) -> None:
-    budget = int(available_bytes * (1 - HEADROOM))
+def machine_bytes(device: str) -> int:
+    return gpu_total_bytes() if device == "cuda" else host_available_bytes()
+
+
+def budget_bytes(available_bytes: int, *, device: str) -> int:
+    return int(available_bytes * (1 - (GPU_HEADROOM if device == "cuda" else HEADROOM)))
+
+
+def check_fits(phases: list[Phase], *, available_bytes: int, cfg: JobConfig, device: str,
+               plan: SwitchPlan | None = None) -> None:
+    budget = budget_bytes(available_bytes, device=device)
     for phase in phases:
         if phase.total > budget:
             largest = max(phase.parts, key=phase.parts.get)
-            where = "this machine's available memory" if device == "cpu" else "one GPU"
+            where = "this machine's available memory" if device == "cpu" else \
+                f"one GPU ({available_bytes / GIB:.1f} GiB)"
             raise ConfigError(
                 f"memory preflight: phase '{phase.name}' needs {phase.total / GIB:.1f} GiB but {where} allows "
                 f"{budget / GIB:.1f} GiB (short by {(phase.total - budget) / GIB:.1f} GiB; largest part: {largest} "
-                f"{phase.parts[largest] / GIB:.1f} GiB); {_advice(phase, largest, cfg, device)}")
+                f"{phase.parts[largest] / GIB:.1f} GiB); {_advice(phase, largest, cfg, plan or default_plan(cfg))}")
 
 
-def _advice(phase: Phase, largest: str, cfg: JobConfig, device: str) -> str:
+def _advice(phase: Phase, largest: str, cfg: JobConfig, plan: SwitchPlan) -> str:
+    # a movement the user forbade comes first: 'auto' would have made that phase fit if it could
+    if phase.name in ("train", "sync") and plan.engine_sleep_level == 0:
+        return f"use engine.sleep_level=auto or 2 (now {cfg.engine.sleep_level}: the engine stays awake in training)"
+    if phase.name == "rollout" and phase.parts.get("trainer params + optimizer"):
+        return f"use trainer.offload=auto or true (now {cfg.trainer.offload}: its state stays beside the engine)"
     if "kv cache" in largest:
         return f"lower engine.kv_cache_gib (now {cfg.engine.kv_cache_gib})"
     if "gpu_memory_utilization" in largest:
@@ -165,6 +334,8 @@ def _advice(phase: Phase, largest: str, cfg: JobConfig, device: str) -> str:
         return f"lower sync.bucket_mb (now {cfg.sync.bucket_mb})"
     if "activations" in largest:
         return f"lower trainer.micro_batch_size (now {cfg.trainer.micro_batch_size}) or engine.max_model_len"
+    if "unsharded" in largest and not cfg.trainer.mixed_precision:
+        return "use trainer.mixed_precision=true (bf16 gathers), more device slots or a smaller model"
     return "use more device slots (placement.num_slots) or a smaller model"
 
 
@@ -175,12 +346,16 @@ def check_environment(device: str) -> None:
                           "mode then frees nothing; unset it")
 
 
-def preflight(cfg: JobConfig, *, device: str) -> list[Phase]:
+def preflight(cfg: JobConfig, *, device: str, available_bytes: int | None = None) -> Prediction:
+    """Plan the switches, predict every phase under the plan, and raise ConfigError if one cannot fit.
+    `available_bytes` describes a machine that need not be this one (CUDA: one GPU's total memory)."""
     check_environment(device)
+    available = available_bytes if available_bytes is not None else machine_bytes(device)
+    budget = budget_bytes(available, device=device)
     dims = model_dims(cfg)
     if dims is None:
-        return []
-    phases = predict_phases(cfg, dims, device=device)
-    available = host_available_bytes() if device == "cpu" else _gpu_total_bytes()
-    check_fits(phases, available_bytes=available, cfg=cfg, device=device)
-    return phases
+        return Prediction(switch_plan(cfg, device=device), [], device, available, budget)
+    plan = plan_switch(cfg, dims, device=device, available_bytes=available)
+    phases = predict_phases(cfg, dims, device=device, plan=plan, gpu_bytes=available)
+    check_fits(phases, available_bytes=available, cfg=cfg, device=device, plan=plan)
+    return Prediction(plan, phases, device, available, budget)

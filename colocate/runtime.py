@@ -21,8 +21,9 @@ from colocate.config import JobConfig
 from colocate.engine.actor import EngineActor, engine_env
 from colocate.models import ensure_model, load_tokenizer
 from colocate.placement import (ENGINE_SHARE, TRAINER_SHARE, actor_options, cluster_device_count,
-                                create_placement_group, local_device_count, plan_slots, resolve_device, sleep_backend,
-                                sync_in_place)
+                                create_placement_group, engine_placement, local_device_count, pair_devices,
+                                plan_slots, resolve_device, sleep_backend, sync_transport)
+from colocate.preflight import switch_plan
 from colocate.sync.transport import remove_orphaned_entries, remove_stale_segments, shm_entries
 from colocate.sync.weight_sync import WeightSync
 from colocate.trainer.actor import TrainerActor
@@ -60,6 +61,7 @@ class Runtime:
             self.tokenizer = load_tokenizer(self.model_path)
         except Exception as e:  # transformers raises many types for a broken or partial model directory
             raise RuntimeError(f"cannot load the tokenizer of model.path={self.model_path!r}: {e}") from None
+        self.switch = switch_plan(cfg, device=self.device)  # what must leave the device between phases
         self._init_ray()
         num_devices = cluster_device_count(self.device) if cfg.placement.ray_address else \
             local_device_count(self.device)
@@ -73,7 +75,7 @@ class Runtime:
 
         self.sync = WeightSync(self.trainers, self.engines, specs, cfg=cfg.sync,
                                hf_config=AutoConfig.from_pretrained(self.model_path),
-                               in_place=sync_in_place(cfg, self.device))
+                               transport=sync_transport(cfg, self.device), pairs=self.pairs)
         self.sync.open()
 
     def _init_ray(self) -> None:
@@ -100,7 +102,8 @@ class Runtime:
         env = {"OMP_NUM_THREADS": str(cfg.trainer.num_threads)}
         actor = ray.remote(TrainerActor)
         self.trainers = [
-            actor.options(**actor_options(self.group, rank, share=TRAINER_SHARE, device=self.device, env=env)).remote(
+            actor.options(**actor_options(self.group, rank, cpu_share=TRAINER_SHARE, env=env,
+                                          gpu_share=TRAINER_SHARE if self.device == "cuda" else 0.0)).remote(
                 rank, world, cfg.trainer, self.model_path, device=self.device, clip_eps=cfg.algo.clip_eps, pad_id=pad)
             for rank in range(world)
         ]
@@ -110,16 +113,28 @@ class Runtime:
     def _start_engines(self) -> None:
         cfg = self.cfg
         backend = sleep_backend(cfg, self.device)
-        env = engine_env(cfg.engine, self.device)
         actor = ray.remote(EngineActor)
-        self.engines = [
-            actor.options(**actor_options(self.group, self.plan.engine_slots(e)[0], share=ENGINE_SHARE,
-                                          device=self.device, env=env)).remote(
+        self.engines = []
+        for e in range(self.plan.num_engines):
+            where = engine_placement(self.plan, e)
+            env = engine_env(cfg.engine, self.device, where.env)
+            options = actor_options(self.group, where.bundle, cpu_share=ENGINE_SHARE, env=env,
+                                    gpu_share=where.driver_share if self.device == "cuda" else 0.0)
+            self.engines.append(actor.options(**options).remote(
                 cfg.engine, self.model_path, device=self.device, sleep_backend=backend,
-                eos_token_id=self.tokenizer.eos_token_id)
-            for e in range(self.plan.num_engines)
-        ]
+                eos_token_id=self.tokenizer.eos_token_id, placement_env=where.env))
         self.engine_info = ray.get([e.start.remote() for e in self.engines])
+        self.pairs = self._pair_trainers_with_workers()
+
+    def _pair_trainers_with_workers(self) -> list[tuple[int, int] | None]:
+        """Read back every actor's device and pair each engine worker with the trainer rank beside it; a worker
+        with no trainer on its device is a placement error, raised here, before the first sync."""
+        trainer_devices = ray.get([t.device_name.remote() for t in self.trainers])
+        worker_devices = ray.get([e.device_names.remote() for e in self.engines])
+        pairs = pair_devices(trainer_devices, worker_devices)
+        self.placement_report = {"trainer_devices": trainer_devices, "engine_worker_devices": worker_devices,
+                                 "pairs": pairs}
+        return pairs
 
     def restart_engines(self) -> None:
         """Replace every engine with a fresh one (after a crash, or to change engine settings) and rebuild the
@@ -129,6 +144,7 @@ class Runtime:
             ray.kill(engine, no_restart=True)
         self._start_engines()
         self.sync.engines = self.engines
+        self.sync.pairs = self.pairs
         self.sync.open()
 
     def close(self) -> None:

@@ -31,7 +31,13 @@ def run_job(cfg: JobConfig) -> int:
     try:
         with Runtime(cfg) as runtime:
             metrics.write({"event": "startup", "trainers": runtime.trainer_info, "engines": runtime.engine_info,
-                           "sync_mode": runtime.sync.plan.mode, "sync_bytes": runtime.sync.plan.num_bytes})
+                           "sync_mode": runtime.sync.plan.mode, "sync_transport": runtime.sync.transport,
+                           "sync_bytes": runtime.sync.plan.num_bytes, "placement": runtime.placement_report,
+                           "switch": {"engine_sleep_level": runtime.switch.engine_sleep_level,
+                                      "trainer_offload": runtime.switch.trainer_offload,
+                                      "reason": runtime.switch.reason}})
+            if cfg.logging.progress:
+                print(f"switch plan: {runtime.switch.reason}", file=sys.stderr, flush=True)
             controller = Controller(cfg, runtime, metrics)
             history = controller.run()
         _summary(history, metrics.path)

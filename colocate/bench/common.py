@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-# The bench preset on the CPU: 24 layers, >= 0.4 GB of bf16 weights, engine TP=2 (see colocate.models).
+# The bench preset on the CPU: 24 layers, >= 0.4 GB of bf16 weights, engine TP=2 (see colocate.models). The
+# switch is what the switch benchmark measures: both sides move, whatever the preflight would choose.
 BENCH_DEFAULTS = ["model.preset=bench", "engine.kv_cache_gib=0.25", "engine.max_model_len=128",
-                  "logging.progress=false"]
+                  "logging.progress=false", "engine.sleep_level=2", "trainer.offload=true"]
 
 
 def memcpy_floor_s(num_bytes: int, *, device: str = "cpu", repeats: int = 5) -> float:

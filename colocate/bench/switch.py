@@ -44,7 +44,7 @@ def run_switch_bench(cfg: JobConfig, *, num_cycles: int, out_dir: str, name: str
             sampler.follow(controller)
             controller.run_steps(2)
             sampler.stop()
-            predicted = predict_phases(cfg, model_dims(cfg), device=rt.device)
+            predicted = predict_phases(cfg, model_dims(cfg), device=rt.device, plan=rt.switch)
             result = _measure(cfg, rt, num_cycles)
     finally:
         sampler.stop()
@@ -59,13 +59,13 @@ def run_switch_bench(cfg: JobConfig, *, num_cycles: int, out_dir: str, name: str
 
 def _measure(cfg: JobConfig, rt: Runtime, num_cycles: int) -> dict:
     engine = rt.engines[0]
-    ray.get(engine.sleep.remote(cfg.engine.sleep_level))
+    ray.get(engine.sleep.remote(rt.switch.engine_sleep_level or 2))
     ray.get(engine.wake.remote(["weights", "kv_cache"], True))
     rt.sync.run()
     memory = ray.get(engine.memory.remote())
     weight_bytes = sum(w["weight_bytes"] for w in memory)
     held = weight_bytes + sum(w["kv_cache_bytes"] for w in memory)
-    floor_s = memcpy_floor_s(weight_bytes)
+    floor_s = memcpy_floor_s(weight_bytes, device=rt.device)  # on the device that does the work
     levels = {level: _engine_cycles(rt, level, num_cycles, held) for level in (1, 2)}
     trainer = _trainer_cycles(rt, num_cycles)
     started = time.perf_counter()
@@ -78,7 +78,8 @@ def _measure(cfg: JobConfig, rt: Runtime, num_cycles: int) -> dict:
     result = {
         "config": {"model": cfg.model.preset or cfg.model.path, "engine_dtype": cfg.engine.dtype,
                    "engine_tp": cfg.engine.tp, "kv_cache_gib_per_worker": cfg.engine.kv_cache_gib,
-                   "sleep_backend": sleep_backend(cfg, rt.device), "sleep_level_default": cfg.engine.sleep_level,
+                   "sleep_backend": sleep_backend(cfg, rt.device),
+                   "sleep_level_of_the_job": rt.switch.engine_sleep_level,
                    "enforce_eager": cfg.engine.enforce_eager},
         "engine_weight_bytes": weight_bytes,
         "engine_held_bytes": held,

@@ -22,9 +22,11 @@ class EngineStartError(RuntimeError):
     """The engine did not come up (bad model, too little memory for the KV cache, ...)."""
 
 
-def engine_env(cfg, device: str) -> dict[str, str]:
-    """Environment for the engine actor; its TP worker processes inherit it."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+def engine_env(cfg, device: str, placement_env: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for the engine actor; its TP worker processes inherit it. `placement_env`: the engine's own
+    slots, and on CUDA the bundles vLLM's Ray executor must use (placement.engine_placement)."""
+    env = {**(placement_env or {}), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
+           "TOKENIZERS_PARALLELISM": "false"}
     if device == "cpu":
         # 2-core machines: bind nothing (vLLM's auto binding wants a NUMA layout) and one OMP thread per worker.
         env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
@@ -32,8 +34,10 @@ def engine_env(cfg, device: str) -> dict[str, str]:
 
 
 class EngineActor:
-    def __init__(self, cfg, model_path: str, *, device: str, sleep_backend: str, eos_token_id: int | None):
+    def __init__(self, cfg, model_path: str, *, device: str, sleep_backend: str, eos_token_id: int | None,
+                 placement_env: dict[str, str] | None = None):
         self.cfg = cfg
+        self.placement_env = placement_env or {}
         self.model_path = model_path
         self.device = device
         self.sleep_backend = sleep_backend
@@ -45,7 +49,7 @@ class EngineActor:
     # ------------------------------------------------------------------------------------------------ life
 
     def start(self) -> dict:
-        os.environ.update(engine_env(self.cfg, self.device))
+        os.environ.update(engine_env(self.cfg, self.device, self.placement_env))
         from vllm import LLM
 
         if self.device == "cpu":
@@ -117,14 +121,19 @@ class EngineActor:
         handle, offsets."""
         return self.llm.collective_rpc("colocate_share_weights")
 
-    def open_ring(self, key: str, plan) -> list:
+    def device_names(self) -> list[str]:
+        """Each worker's device (by TP rank), named alike in every process (devices.device_name)."""
+        return self.llm.collective_rpc("colocate_device_name")
+
+    def open_ring(self, key: str, plan, *, shared: bool = False) -> list:
         """Give every worker a ring for sync `key`; returns their handles (by TP rank) for the trainers. Each
-        worker owns a ring on its own device; on the CPU the full-tensor plan shares one segment, since every
-        worker reads the same full tensors; in place, the handles are the workers' weight arenas. A new plan
-        (another layout, a restarted engine) gets new rings."""
+        worker owns a ring on its own device; `shared` (CPU, full-tensor plan written by every rank): the
+        workers share one segment, since they read the same full tensors; in place, the handles are the
+        workers' weight arenas. A new plan (another layout, a restarted engine) gets new rings."""
         from colocate.sync.transport import ShmBuffer
 
-        if self.device == "cpu" and plan.mode == "full":
+        if shared:
+            assert self.device == "cpu" and plan.mode == "full"
             self._shared_rings[key] = ShmBuffer.create(plan.ring_bytes, tag="ring")
             return self.llm.collective_rpc("colocate_open_ring", args=(key, plan, self._shared_rings[key].handle))
         return self.llm.collective_rpc("colocate_open_ring", args=(key, plan))
@@ -178,15 +187,20 @@ class EngineActor:
         """Free weights and KV cache (level 2: weights discarded, sync restores them). Returns bytes freed."""
         self._asleep = {"weights", "kv_cache"}
         if self.sleep_backend == "vllm":
+            # vLLM's sleep returns nothing: what it freed is what the driver now reports free on the workers' GPUs
+            before = self.llm.collective_rpc("colocate_device_free_bytes")
             self.llm.sleep(level=level)
-            return 0
+            after = self.llm.collective_rpc("colocate_device_free_bytes")
+            return sum(a - b for a, b in zip(after, before))
         return sum(self.llm.collective_rpc("colocate_sleep", args=(level,)))
 
     def wake(self, tags: list[str], commit: bool = False) -> int:
         """Wake by tags: "weights" before the sync writes them, "kv_cache" after (never both copies at once)."""
         if self.sleep_backend == "vllm":
+            before = self.llm.collective_rpc("colocate_device_free_bytes")
             self.llm.wake_up(tags=tags)
-            restored = 0
+            after = self.llm.collective_rpc("colocate_device_free_bytes")
+            restored = sum(b - a for a, b in zip(after, before))
         else:
             restored = sum(self.llm.collective_rpc("colocate_wake", args=(tags, commit)))
         if "kv_cache" in tags:

@@ -25,8 +25,9 @@ import time
 import torch
 
 from colocate.memory import process_rss_bytes, return_free_memory_to_os
+from colocate.sync.load import load_regions, release_slot, ring_view
 from colocate.sync.reshard import SyncPlan
-from colocate.sync.transport import attach, create_buffer, range_checksum
+from colocate.sync.transport import attach, create_buffer, range_checksums
 
 
 def _use_plain_cpu_linear() -> None:
@@ -120,17 +121,13 @@ class ColocateWorkerExtension:
         if error:
             return verified - started, 0.0, error
         # Hazard (buffer reuse): the views below alias a ring slot the trainers refill `num_slots` buckets later;
-        # both paths copy out of it, and nothing may keep a view beyond this call.
+        # both paths copy out of it, wait for their copies (sync/load.py) and keep no view beyond this call.
         if plan.mode == "sliced":
-            with torch.no_grad():
-                for region in bucket.regions[self._colocate_tp_rank]:
-                    param = self._colocate_params[region.engine_name]
-                    target = param.view(param.shape[0], -1) if param.dim() > 1 else param.view(-1, 1)
-                    source = _view(ring, region.offset, (region.num_rows, region.num_cols), region.dtype)
-                    target[region.row_start:region.row_start + region.num_rows].copy_(source)
+            load_regions(ring, bucket.regions[self._colocate_tp_rank], self._colocate_params)
         else:
-            weights = [(t.spec.name, _view(ring, t.offset, t.spec.shape, t.spec.dtype)) for t in bucket.tensors]
+            weights = [(t.spec.name, ring_view(ring, t.offset, t.spec.shape, t.spec.dtype)) for t in bucket.tensors]
             self.model_runner.model.load_weights(weights=weights)
+            release_slot(ring)
         return verified - started, time.perf_counter() - verified, None
 
     def colocate_verify_in_place(self, key: str, checksums: list[tuple[int, int, int, int]]):
@@ -151,8 +148,11 @@ class ColocateWorkerExtension:
 
     def _check_ranges(self, ring: torch.Tensor, checksums: list[tuple[int, int, int, int]], what: str) -> str | None:
         # a ring shared by several workers is written, and checked, once: under the first worker's index
-        for worker, start, num_bytes, expected in checksums:
-            if worker == self._colocate_tp_rank and range_checksum(ring[start:start + num_bytes]) != expected:
+        mine = [(start, num_bytes, expected) for worker, start, num_bytes, expected in checksums
+                if worker == self._colocate_tp_rank]
+        actual = range_checksums([ring[start:start + num_bytes] for start, num_bytes, _ in mine])
+        for (start, num_bytes, expected), got in zip(mine, actual):
+            if got != expected:
                 return (f"{what}: checksum mismatch at bytes [{start}, {start + num_bytes}): the buffer changed "
                         "between the trainers' write and the engine's check")
         return None
@@ -160,6 +160,25 @@ class ColocateWorkerExtension:
     def colocate_state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of this worker's parameters (engine names, TP-local), for full verification in tests/bench."""
         return {name: p.detach().to("cpu", copy=True) for name, p in self.model_runner.model.named_parameters()}
+
+    def colocate_device_name(self) -> str:
+        """This worker's device, named alike in every process: the GPU's UUID (vLLM's Ray workers see every GPU
+        and pick one by local rank, so the index says nothing), or on the CPU the slot the runtime gave this
+        TP rank (COLOCATE_ENGINE_SLOTS, set by placement.engine_placement)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        from colocate.devices import device_name
+
+        device = torch.device(self.model_runner.device)
+        if device.type == "cuda":
+            return device_name(torch.device("cuda", torch.cuda.current_device()))
+        slots = os.environ["COLOCATE_ENGINE_SLOTS"].split(",")
+        return device_name(device, slot=int(slots[get_tensor_model_parallel_rank()]))
+
+    def colocate_device_free_bytes(self) -> int:
+        """Free memory of this worker's GPU as the driver sees it (what vLLM's sleep mode hands back)."""
+        torch.cuda.synchronize()
+        return torch.cuda.mem_get_info()[0]
 
     def colocate_param_layout(self) -> dict:
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -200,15 +219,11 @@ class ColocateWorkerExtension:
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 kv += storage.nbytes()
-        return {"weight_bytes": weights, "kv_cache_bytes": kv, "rss_bytes": self.colocate_rss(), "pid": os.getpid()}
+        from colocate.devices import device_memory
+
+        return {"weight_bytes": weights, "kv_cache_bytes": kv, "rss_bytes": self.colocate_rss(), "pid": os.getpid(),
+                **device_memory(torch.device(self.model_runner.device))}
 
     def colocate_load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load a whole HF state dict through vLLM's loaders (the benchmark's naive baseline)."""
         self.model_runner.model.load_weights(weights=list(state.items()))
-
-
-def _view(ring: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    numel = 1
-    for size in shape:
-        numel *= size
-    return ring[offset:offset + numel * dtype.itemsize].view(dtype).view(shape)

@@ -11,8 +11,9 @@ Two layouts (see reshard.SyncPlan): "sliced" writes, for every engine worker, on
 its parameters' layout (each byte of the engine's weights written once, no loader on the other side); "full"
 writes whole HF tensors for vLLM's `load_weights` to slice.
 
-Ranks on other nodes cannot map the bucket; they would all-gather (`DTensor.full_tensor()`) to a rank that
-can. Not needed while trainers and engines share one node.
+This direct write needs every rank to map every worker's buffer: one host's shared memory (the CPU's `ring` and
+`in_place` transports). Where a rank sees only its own device (CUDA), sync/gather.py all-gathers first and uses
+the same copy builders on the gathered rows.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from colocate.sync.buckets import Bucket, Region
 from colocate.sync.reshard import Piece, SyncPlan
-from colocate.sync.transport import range_checksum
+from colocate.sync.transport import range_checksums
 
 
 def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -74,23 +75,33 @@ def bucket_copies(plan: SyncPlan, index: int, shards: dict[str, tuple[torch.Tens
         for worker, ring in enumerate(rings):
             if ring.data_ptr() not in seen:  # a shared ring (CPU): one copy, tagged with its first worker
                 seen.add(ring.data_ptr())
-                copies += _full_copies(bucket, shards, ring, worker)
+                copies += full_copies(bucket, shards, ring, worker)
         return copies
     return [c for worker, ring in enumerate(rings)
-            for c in _sliced_copies(bucket.regions[worker], plan.pieces[worker], shards, ring, worker)]
+            for c in sliced_copies(bucket.regions[worker], plan.pieces[worker], shards, ring, worker)]
 
 
-def run_copies(copies: list[Copy], *, checksum: bool = True) -> list[tuple[int, int, int, int]]:
+def run_copies(copies: list[Copy], *, checksum: bool = True,
+               one_range: bool = False) -> list[tuple[int, int, int, int]]:
     """Do the copies; returns (worker, start, num_bytes, checksum) of each range written, for the workers to verify
-    before they load (none when `checksum` is off)."""
+    before they load (none when `checksum` is off). `one_range`: the copies are one writer's whole part of one
+    worker's slot, checksummed as the single range they span (the gaps between regions are nobody's to write)."""
     with torch.no_grad():
         for copy in copies:
             copy.destination.copy_(copy.source)
     if copies and copies[0].ring.is_cuda:
         torch.cuda.synchronize()  # the engine workers read these bytes from other processes
-    if not checksum:
+    if not checksum or not copies:
         return []
-    return [(c.worker, c.start, c.num_bytes, range_checksum(c.ring[c.start:c.start + c.num_bytes])) for c in copies]
+    if one_range:
+        assert len({(c.worker, c.ring.data_ptr()) for c in copies}) == 1, "one range spans one worker's ring"
+        start = min(c.start for c in copies)
+        ranges = [(copies[0].worker, copies[0].ring, start, max(c.start + c.num_bytes for c in copies) - start)]
+    else:
+        ranges = [(c.worker, c.ring, c.start, c.num_bytes) for c in copies]
+    # one device-to-host transfer for all of them (a checksum read back per region synchronised per region)
+    sums = range_checksums([ring[start:start + num_bytes] for _, ring, start, num_bytes in ranges])
+    return [(worker, start, num_bytes, total) for (worker, _, start, num_bytes), total in zip(ranges, sums)]
 
 
 def write_bucket(plan: SyncPlan, index: int, shards: dict[str, tuple[torch.Tensor, int]],
@@ -102,12 +113,12 @@ def write_bucket(plan: SyncPlan, index: int, shards: dict[str, tuple[torch.Tenso
 def write_local_shards(bucket: Bucket, shards: dict[str, tuple[torch.Tensor, int]],
                        ring: torch.Tensor) -> list[tuple[int, int]]:
     """Write this rank's rows of every full tensor in `bucket`; returns the (start, num_bytes) of each range."""
-    copies = _full_copies(bucket, shards, ring, 0)
+    copies = full_copies(bucket, shards, ring, 0)
     run_copies(copies, checksum=False)
     return [(c.start, c.num_bytes) for c in copies]
 
 
-def _full_copies(bucket: Bucket, shards: dict[str, tuple[torch.Tensor, int]], ring: torch.Tensor,
+def full_copies(bucket: Bucket, shards: dict[str, tuple[torch.Tensor, int]], ring: torch.Tensor,
                  worker: int) -> list[Copy]:
     copies = []
     for packed in bucket.tensors:
@@ -123,7 +134,7 @@ def _full_copies(bucket: Bucket, shards: dict[str, tuple[torch.Tensor, int]], ri
     return copies
 
 
-def _sliced_copies(regions: tuple[Region, ...], pieces: dict[str, list[Piece]],
+def sliced_copies(regions: tuple[Region, ...], pieces: dict[str, list[Piece]],
                    shards: dict[str, tuple[torch.Tensor, int]], ring: torch.Tensor, worker: int) -> list[Copy]:
     """For one worker's regions of a bucket, the rows this rank owns of every piece that lands there: engine rows
     [lo, hi) of a region <- HF rows of the piece, restricted to this rank's FSDP2 rows."""

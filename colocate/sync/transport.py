@@ -112,15 +112,28 @@ def range_checksum(data: torch.Tensor) -> int:
     words (the unaligned head and tail bytes summed one by one). It catches torn, stale or misplaced writes; it is
     no cryptographic hash. Both sides of the sync checksum the same ring offsets, so they split words alike.
     (zlib.crc32 runs at ~4 GB/s here and an int16 sum at ~0.4 GB/s: both would cost more than the copy.)"""
+    return int(_checksum(data).item())
+
+
+def range_checksums(ranges: list[torch.Tensor]) -> list[int]:
+    """`range_checksum` of several ranges of one device, read back in one transfer (on CUDA each `.item()` is a
+    synchronising copy)."""
+    if not ranges:
+        return []
+    return torch.stack([_checksum(r) for r in ranges]).tolist()
+
+
+def _checksum(data: torch.Tensor) -> torch.Tensor:
     num_bytes = data.numel()
     head = min((-data.storage_offset()) % 8, num_bytes)
     body = (num_bytes - head) // 8 * 8
-    total = data[head:head + body].view(torch.int64).sum() if body else torch.zeros((), dtype=torch.int64)
+    total = data[head:head + body].view(torch.int64).sum() if body else torch.zeros((), dtype=torch.int64,
+                                                                                      device=data.device)
     if head:
         total = total + data[:head].sum(dtype=torch.int64)
     if head + body < num_bytes:
         total = total + data[head + body:].sum(dtype=torch.int64)
-    return int(total.item())
+    return total
 
 
 def remove_stale_segments() -> list[str]:

@@ -1,6 +1,6 @@
 """WeightSync: stream the trainer's FSDP2 shards into every engine, layer by layer, through a ring of buckets.
 
-    sync = WeightSync(trainers, engines, specs, engine_dtype="bfloat16", cfg=sync_cfg)
+    sync = WeightSync(trainers, engines, specs, cfg=sync_cfg, hf_config=hf_config, transport="gather", pairs=pairs)
     sync.open()                  # once: rings allocated by the engines, mapped by every rank and worker
     timings = sync.run()         # every step, after training
 
@@ -14,6 +14,14 @@ Per bucket i (slot i % num_slots), as a Ray dependency graph the controller buil
 
 so writing bucket i+1 overlaps loading bucket i, and no controller round trip sits between them. Only bucket
 metadata and checksums cross Ray; the bytes go through the shared ring.
+
+Gather (CUDA, and on the CPU with `sync.transport=gather`; sync/gather.py): a rank sees only its own device, so
+every rank takes part in an all-gather of each layer group, and rank r writes only into the ring of the engine
+worker on its own device (`pairs[r]`, read back from the actors, placement.pair_devices):
+
+    every rank:    gather_write(i) ── all-gather bucket i's group if it starts one; write my worker's slice of i
+                      │                (after load(i - num_slots) of my worker's engine: the slot is free)
+    engine e:      load(i)          ── after the writes of the ranks that feed e's workers
 
 In place (CPU, `sync.transport=auto|in_place`): the engine workers' parameters live in shared memory
 (sync/arena.py) and the plan's regions address them, so there is no ring, no slot to wait for and no load:
@@ -35,7 +43,7 @@ import uuid
 import ray
 
 from colocate.config import SyncConfig
-from colocate.sync.buckets import TensorSpec
+from colocate.sync.buckets import ALIGN, TensorSpec
 from colocate.sync.plan import TPLayout
 from colocate.sync.reshard import SyncPlan, build_sync_plan
 
@@ -43,16 +51,27 @@ MIB = 1 << 20
 log = logging.getLogger("colocate")
 
 
+def _aligned(num_bytes: int) -> int:
+    """A slot size every later slot starts aligned after (a fractional sync.bucket_mb need not be)."""
+    return -(-num_bytes // ALIGN) * ALIGN
+
+
 class WeightSync:
+    """transport: "in_place" (CPU), "ring" (CPU: every rank writes its rows into every worker's ring) or
+    "gather" (every device; needs `pairs`: per trainer rank, the (engine, tp rank) on its device, or None)."""
+
     def __init__(self, trainers: list, engines: list, specs: list[TensorSpec], *, cfg: SyncConfig, hf_config,
-                 sliced: bool = True, in_place: bool = False):
+                 sliced: bool = True, transport: str = "ring", pairs: list[tuple[int, int] | None] | None = None):
+        assert transport in ("in_place", "ring", "gather"), transport
+        assert transport != "gather" or pairs is not None, "the gather protocol needs the trainer/worker pairs"
         self.trainers = trainers
         self.engines = engines
         self.specs = specs
         self.cfg = cfg
         self.hf_config = hf_config
         self.sliced = sliced
-        self.in_place = in_place and sliced
+        self.transport = "ring" if transport == "in_place" and not sliced else transport
+        self.pairs = pairs
         self.key = uuid.uuid4().hex[:8]
         self.plan: SyncPlan | None = None
 
@@ -61,7 +80,7 @@ class WeightSync:
         again after an engine restarts: the plan and rings are rebuilt, never reused stale."""
         layouts = ray.get(self.engines[0].param_layouts.remote())
         offsets = None
-        if self.in_place:
+        if self.transport == "in_place":
             # every engine holds the same model in the same order: one plan fits all their arenas
             shared = [sorted(ray.get(e.share_weights.remote()), key=lambda w: w["tp_rank"]) for e in self.engines]
             offsets = [w["offsets"] for w in shared[0]]
@@ -69,7 +88,8 @@ class WeightSync:
         self.plan = build_sync_plan(
             self.specs, layouts,
             lambda rank, size: TPLayout.from_hf_config(self.hf_config, tp_rank=rank, tp_size=size),
-            bucket_bytes=int(self.cfg.bucket_mb * MIB), num_slots=self.cfg.num_bucket_slots, sliced=self.sliced,
+            bucket_bytes=_aligned(int(self.cfg.bucket_mb * MIB)), num_slots=self.cfg.num_bucket_slots,
+            sliced=self.sliced,
             param_offsets=offsets)
         if self.plan.mode == "full" and self.sliced:
             log.warning("no reshard plan for %s: syncing full tensors through vLLM's load_weights",
@@ -78,31 +98,41 @@ class WeightSync:
         # memory with itself. What can go wrong there is a parameter leaving the arena, and verify_in_place
         # checks that on every sync. Through a ring, checksums guard the slot reuse and torn or stale writes.
         checksum = self.cfg.verify != "none" and not self.plan.in_place
+        if self.transport == "gather":
+            self._open_gather(checksum)
+            return self.plan
         for engine_index, engine in enumerate(self.engines):
-            handles = ray.get(engine.open_ring.remote(self.key, self.plan))
+            # full tensors written by every rank (CPU): one segment per engine, its workers read the same bytes
+            shared = self.plan.mode == "full" and self.transport == "ring"
+            handles = ray.get(engine.open_ring.remote(self.key, self.plan, shared=shared))
             ray.get([t.attach_ring.remote(self.key, engine_index, handles, self.plan, checksum=checksum)
                      for t in self.trainers])
             ray.get(engine.seal_ring.remote(self.key))
         return self.plan
 
+    def _open_gather(self, checksum: bool) -> None:
+        from colocate.sync.gather import plan_gather
+
+        groups = plan_gather(self.plan, self.specs, world_size=len(self.trainers))
+        handles = ray.get([engine.open_ring.remote(self.key, self.plan) for engine in self.engines])
+        ray.get([t.attach_gather.remote(self.key, self.plan, groups, pair,
+                                        handles[pair[0]][pair[1]] if pair is not None else None, checksum=checksum)
+                 for t, pair in zip(self.trainers, self.pairs)])
+        ray.get([engine.seal_ring.remote(self.key) for engine in self.engines])
+
     def run(self) -> dict:
         """One full sync into every engine; returns wall time and the summed per-bucket load time."""
         plan = self.plan
         started = time.perf_counter()
-        key = self.key  # (each trainer's write brings its state back first if a caller offloaded it)
-        loads_by_engine = []
-        for engine_index, engine in enumerate(self.engines):
-            if plan.in_place:  # engine e's check (and its post-load step) overlaps the writes into engine e + 1
-                writes = [t.write_in_place.remote(key, engine_index) for t in self.trainers]
-                loads_by_engine.append([engine.verify_in_place.remote(key, *writes)])
-                continue
-            loads: list = []
-            for index in range(len(plan.buckets)):
-                after = [loads[index - plan.num_slots]] if index >= plan.num_slots else []
-                writes = [t.write_bucket.remote(key, engine_index, index, *after) for t in self.trainers]
-                loads.append(engine.load_bucket.remote(key, index, *writes))
-            loads_by_engine.append(loads)
+        pending: list = []  # writes no load waits for (ranks feeding no worker): awaited for their errors
+        if self.transport == "gather":
+            loads_by_engine = self._schedule_gather(pending)
+        elif plan.in_place:
+            loads_by_engine = self._schedule_in_place()
+        else:
+            loads_by_engine = self._schedule_rings()
         per_bucket = [ray.get(loads) for loads in loads_by_engine]
+        ray.get(pending)
         if plan.in_place:
             post_s = max(b[0]["post_s"] for b in per_bucket)
         else:
@@ -112,7 +142,45 @@ class WeightSync:
                 "sync_load_s": sum(b["load_s"] for e in per_bucket for b in e),
                 "sync_verify_s": sum(b["verify_s"] for e in per_bucket for b in e),
                 "sync_post_s": post_s, "sync_bytes": plan.num_bytes, "sync_buckets": len(plan.buckets),
-                "sync_mode": plan.mode, "sync_in_place": plan.in_place}
+                "sync_mode": plan.mode, "sync_transport": self.transport}
+
+    def _schedule_in_place(self) -> list[list]:
+        """Engine e's check (and its post-load step) overlaps the writes into engine e + 1."""
+        loads = []
+        for engine_index, engine in enumerate(self.engines):
+            writes = [t.write_in_place.remote(self.key, engine_index) for t in self.trainers]
+            loads.append([engine.verify_in_place.remote(self.key, *writes)])
+        return loads
+
+    def _schedule_rings(self) -> list[list]:
+        """Every rank writes its rows of bucket i into every worker's ring slot; the engine loads it."""
+        plan, key = self.plan, self.key
+        loads_by_engine = []
+        for engine_index, engine in enumerate(self.engines):
+            loads: list = []
+            for index in range(len(plan.buckets)):
+                after = [loads[index - plan.num_slots]] if index >= plan.num_slots else []
+                writes = [t.write_bucket.remote(key, engine_index, index, *after) for t in self.trainers]
+                loads.append(engine.load_bucket.remote(key, index, *writes))
+            loads_by_engine.append(loads)
+        return loads_by_engine
+
+    def _schedule_gather(self, pending: list) -> list[list]:
+        """The gather protocol's Ray graph for one sync (see the module docstring)."""
+        plan, key = self.plan, self.key
+        feeders = [[r for r, pair in enumerate(self.pairs) if pair is not None and pair[0] == e]
+                   for e in range(len(self.engines))]
+        loads: list[list] = [[] for _ in self.engines]
+        for index in range(len(plan.buckets)):
+            writes = []
+            for trainer, pair in zip(self.trainers, self.pairs):
+                after = [loads[pair[0]][index - plan.num_slots]] if pair is not None and index >= plan.num_slots \
+                    else []
+                writes.append(trainer.gather_write.remote(key, index, *after))
+            pending += [w for w, pair in zip(writes, self.pairs) if pair is None]
+            for e, engine in enumerate(self.engines):
+                loads[e].append(engine.load_bucket.remote(key, index, *[writes[r] for r in feeders[e]]))
+        return loads
 
     def verify_full(self, engine_dtype: str) -> list[str]:
         """Compare every engine worker's parameters with the trainer's, cast to the engine dtype, through the
@@ -126,5 +194,6 @@ class WeightSync:
             layouts = ray.get(engine.param_layouts.remote())
             for layout, state in zip(layouts, ray.get(engine.state_dicts.remote())):
                 tp = TPLayout.from_hf_config(self.hf_config, tp_rank=layout["tp_rank"], tp_size=layout["tp_size"])
-                mismatched += [f"engine{e}/tp{layout['tp_rank']}/{n}" for n in compare_engine_state(state, trainer_state, tp)]
+                mismatched += [f"engine{e}/tp{layout['tp_rank']}/{n}"
+                               for n in compare_engine_state(state, trainer_state, tp)]
         return mismatched

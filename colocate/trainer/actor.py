@@ -11,6 +11,7 @@ decoder layer, then the root, with `fully_shard` on dim 0.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import deque
@@ -18,6 +19,7 @@ from datetime import timedelta
 
 import torch
 
+from colocate.devices import device_memory, device_name, local_cuda_device
 from colocate.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.sync.buckets import TensorSpec
 from colocate.sync.reshard import SyncPlan
@@ -36,8 +38,9 @@ class TrainerActor:
         self.model_path = model_path
         self.clip_eps = clip_eps
         self.pad_id = pad_id
-        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        self.device = local_cuda_device() if device == "cuda" else torch.device("cpu")
         self._rings = {}
+        self._gather_writers: dict = {}  # sync key -> GatherWriter (the gather protocol)
         self._copies: dict = {}
         self._offloader = None
         # bounded: a long run never asks for them (only the sync benchmark does)
@@ -70,19 +73,27 @@ class TrainerActor:
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=10))
         mesh = init_device_mesh(self.device.type, (self.world_size,))
 
+        # The checkpoint loads on the CPU; fully_shard moves each block's parameters to the mesh's device as it
+        # shards them (torch/distributed/fsdp/_fully_shard/_fsdp_init.py, `_move_states_to_device`), so the
+        # GPU holds one full block at a time, never the whole fp32 model.
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
-        model.to(self.device)
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if self.cfg.mixed_precision else MixedPrecisionPolicy()
-        for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        self._offloader = make_offloader(self.device, backend=self.cfg.offload_backend,
+                                         directory=self.cfg.offload_dir or None)
+        with self._offloader.allocation_region():  # torch_memory_saver pauses only what is allocated in it
+            for layer in decoder_layers(model):
+                fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+            fully_shard(model, mesh=mesh, mp_policy=mp_policy)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.params = dict(model.named_parameters())
         self.shards = local_shards(self.params)
-        self._offloader = make_offloader(self.device, self.cfg.offload_dir or None)
         return_free_memory_to_os()  # the full checkpoint every rank loaded before sharding it
+        if self.device.type == "cuda":
+            # the full blocks FSDP2 moved and sharded sit in torch's cache; the engine starts next and measures
+            # free memory from the driver, not from torch's cache
+            torch.cuda.empty_cache()
         return {"num_params": sum(p.numel() for p in model.parameters()),
                 "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters())}
 
@@ -130,7 +141,10 @@ class TrainerActor:
         if self.cfg.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             totals["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        self.optimizer.step()
+        # AdamW creates its state at the first step: inside the offloader's region, so it is paused with the rest
+        first = not self.optimizer.state
+        with self._offloader.allocation_region() if first else contextlib.nullcontext():
+            self.optimizer.step()
         return totals
 
     # ---------------------------------------------------------------------------------------- weight sync
@@ -176,6 +190,46 @@ class TrainerActor:
         assert plan.in_place
         return [c for index in range(len(plan.buckets)) for c in self.write_bucket(key, engine_index, index)]
 
+    def attach_gather(self, key: str, plan: SyncPlan, groups: dict, pair: tuple[int, int] | None, handle, *,
+                      checksum: bool) -> None:
+        """The gather protocol for sync `key`: this rank all-gathers every layer group with the other ranks and
+        feeds only `pair` (engine, tp rank), the worker on its own device, through that worker's ring
+        (`handle`); a rank with no worker beside it (pair None) takes part in the gather only."""
+        from colocate.sync.gather import GatherWriter
+        from colocate.sync.transport import attach
+
+        self._gather_writers[key] = GatherWriter(
+            plan, groups, rank=self.rank, world_size=self.world_size, device=self.device,
+            ring=attach(handle) if pair is not None else None, worker=pair[1] if pair is not None else None,
+            checksum=checksum)
+
+    def gather_write(self, key: str, index: int, *after) -> list[tuple[int, int, int, int]]:
+        """Bucket `index` of a gather sync (see attach_gather). `after`: the paired engine's load of the bucket
+        that last used this ring slot (Ray runs this call only once it returned: the slot is free)."""
+        self.onload()  # as in write_bucket: a caller may sync an offloaded trainer
+        started = time.perf_counter()
+        written = self._gather_writers[key].write(index, self.shards)
+        self.write_times.append((index, time.perf_counter() - started))
+        return written
+
+    def cast_floor_s(self, num_bytes: int, dtype: str, *, repeats: int = 5) -> float:
+        """Benchmark floor: median seconds for this process to cast fp32 values into `num_bytes` of `dtype` on its
+        device, the least any sync from fp32 shards to a bf16 engine costs it (it reads 2 bytes per byte)."""
+        target = DTYPES[dtype]
+        source = torch.ones(num_bytes // target.itemsize, dtype=torch.float32, device=self.device)
+        destination = torch.empty(source.shape, dtype=target, device=self.device)
+        destination.copy_(source)  # pages faulted in: the floor is the cast, not the first touch
+        times = []
+        for _ in range(repeats):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            started = time.perf_counter()
+            destination.copy_(source)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times.append(time.perf_counter() - started)
+        return sorted(times)[len(times) // 2]
+
     def take_write_times(self) -> list[tuple[int, float]]:
         """(bucket index, seconds) of every write since the last call (benchmark breakdown)."""
         times = list(self.write_times)
@@ -206,12 +260,14 @@ class TrainerActor:
         # and the step's activations, freed when it returned: without a trim glibc keeps all of it, and the
         # engine wakes next to memory the trainer no longer uses (measured: +4 GB during the bench preset's sync)
         return_free_memory_to_os()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # vLLM's wake allocates from the driver: torch's cache would starve it
         return released
 
     def offload(self) -> int:
         """Parameters and optimizer state out of the device's memory while the engine runs (to pinned host
         buffers on CUDA, to a file-backed tier on the CPU). Returns the bytes moved."""
-        if not self.cfg.offload or self._offloaded:
+        if self._offloaded:
             return 0
         self._offloaded = True
         return self._offloader.offload(self._state_tensors())
@@ -231,8 +287,15 @@ class TrainerActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def device_name(self) -> str:
+        """This rank's device, named alike in every process (trainer rank s lives in slot s)."""
+        return device_name(self.device, slot=self.rank)
+
     def rss_bytes(self) -> int:
         return process_rss_bytes(shared_memory=False)
+
+    def memory(self) -> dict[str, int]:
+        return {"rss_bytes": self.rss_bytes(), **device_memory(self.device)}
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -1,32 +1,105 @@
 """Trainer offload: move the trainer's parameters and optimizer state out of the device's memory and back.
 
-    offloader = make_offloader(device, directory)
+    offloader = make_offloader(device, backend=cfg.offload_backend, directory=cfg.offload_dir or None)
+    with offloader.allocation_region():   # torch_memory_saver pauses only what was allocated in here
+        shard the model; create the optimizer state
     offloader.offload(tensors)   # before the rollout: the engine gets the memory
     offloader.onload()           # before training: every tensor back, same objects, same values
+    offloader.close()
 
-- CUDA (`DeviceToHostOffload`): copies into pinned host buffers allocated once and reused every step (no
-  allocation on the hot path), then releases the device storages.
-- CPU (`FileOffload`): the host *is* the device, so the next tier is a file: bytes go to a file-backed mapping
-  in `directory` that is unmapped at once (the page cache keeps them while memory allows, and the kernel may
-  write them back and evict them under pressure), and the storages are released. The process's RSS drops by
-  the trainer's state.
+Backends (`make_offloader` picks one; `select_backend` is the pure choice):
+- CPU, always `FileOffload` ("file"): the host *is* the device, so the next tier is a file: bytes go to a
+  file-backed mapping in `directory` that is unmapped at once (the page cache keeps them while memory allows,
+  and the kernel may write them back and evict them under pressure), and the storages are released. The
+  process's RSS drops by the trainer's state.
+- CUDA "pinned", `PinnedOffload`: one exact-size host buffer, page-locked with cudaHostRegister, allocated on
+  the first offload and reused every step; each device storage has a 64-byte aligned slice of it
+  (`host_layout`). CPU-resident state (AdamW's `step` scalars) stays where it is.
+- CUDA "torch_memory_saver", `MemorySaverOffload`: the package's region/pause/resume. Tensors keep their
+  virtual addresses; pause unmaps the physical memory behind them after backing it up on the host.
+- CUDA "auto": torch_memory_saver when it is installed (and usable), else pinned.
 
-Both keep tensor identity: storages are resized to 0 and back (`untyped_storage().resize_`), so FSDP2's
-sharded parameters (views into its padded shard buffers) and the optimizer's state dict stay valid.
-Hazard: a storage shared by several tensors (FSDP2's shard buffer, tied weights) is released once, by storage.
+All keep tensor identity: file and pinned resize storages to 0 and back (`untyped_storage().resize_`), so
+FSDP2's sharded parameters (views into its padded shard buffers) and the optimizer's state dict stay valid;
+torch_memory_saver never frees the virtual addresses at all.
+Hazard: a storage shared by several tensors (FSDP2's shard buffer, tied weights) is moved once, by storage.
+Hazard: between offload and onload the state must not be touched (a resized-to-0 storage crashes a reader; a
+paused torch_memory_saver allocation faults on the device).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import mmap
 import os
 import tempfile
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from colocate.memory import advise_huge_pages, return_free_memory_to_os
 
 RETURN_EVERY_BYTES = 256 << 20  # trim the heap this often while offloading: bounds the transient double copy
+HOST_ALIGN = 64  # byte alignment of each storage's slice of the pinned host buffer
+BACKENDS = ("auto", "pinned", "torch_memory_saver")
+MEMORY_SAVER_TAG = "colocate-trainer"
+
+
+class Offloader(Protocol):
+    name: str
+
+    def allocation_region(self) -> AbstractContextManager:
+        """Allocations made inside belong to the offloader (only torch_memory_saver needs them there)."""
+
+    def offload(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Move the tensors' storages off the device; returns the bytes moved."""
+
+    def onload(self) -> int:
+        """Bring back what the last offload moved (same tensor objects, same values); returns the bytes."""
+
+    def close(self) -> None: ...
+
+
+def make_offloader(device: torch.device, *, backend: str = "auto", directory: str | None = None) -> Offloader:
+    """The offloader for `device`: `backend` ("auto", "pinned", "torch_memory_saver") chooses among the CUDA
+    ones; the CPU always gets the file tier in `directory` (None: the system's temporary directory)."""
+    problem = memory_saver_problem() if device.type == "cuda" else None
+    chosen = select_backend(device, backend=backend, memory_saver_problem=problem)
+    if chosen == "file":
+        return FileOffload(directory)
+    if device.index is None:  # storages report "cuda:N": compare like with like
+        device = torch.device("cuda", torch.cuda.current_device())
+    return PinnedOffload(device) if chosen == "pinned" else MemorySaverOffload(device)
+
+
+def select_backend(device: torch.device, *, backend: str = "auto", memory_saver_problem: str | None) -> str:
+    """The backend `device` gets for the configured `backend`: "file", "pinned" or "torch_memory_saver". Pure:
+    `memory_saver_problem` is why torch_memory_saver cannot run here (`memory_saver_problem()`), or None. Raises
+    ValueError for an unknown backend, or torch_memory_saver asked for where it cannot run."""
+    if backend not in BACKENDS:
+        raise ValueError(f"trainer.offload_backend={backend!r} is invalid; valid: {', '.join(BACKENDS)}")
+    if device.type != "cuda":
+        return "file"
+    problem = memory_saver_problem
+    if backend == "torch_memory_saver" and problem:
+        raise ValueError(f"trainer.offload_backend='torch_memory_saver' is invalid: {problem}; valid: auto, pinned")
+    if backend == "auto":
+        return "pinned" if problem else "torch_memory_saver"
+    return backend
+
+
+def memory_saver_problem() -> str | None:
+    """Why torch_memory_saver cannot run in this process, or None."""
+    # torch_memory_saver/entrypoint.py `_sanity_checks` raises at the first region() otherwise.
+    if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        return "it does not support PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    if importlib.util.find_spec("torch_memory_saver") is None:
+        return "the torch-memory-saver package is not installed"
+    return None
 
 
 def unique_storages(tensors) -> list[torch.UntypedStorage]:
@@ -39,7 +112,41 @@ def unique_storages(tensors) -> list[torch.UntypedStorage]:
     return out
 
 
+def device_storages(tensors, device: torch.device) -> list[torch.UntypedStorage]:
+    """The unique non-empty storages of `tensors` that live on `device` (in first-seen order). On CUDA the
+    optimizer's CPU tensors (AdamW's `step` scalars, unless fused or capturable) are not ours to move."""
+    return [s for s in unique_storages(tensors) if s.device == device]
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """Where each device storage goes in the one host buffer."""
+
+    storages: list[torch.UntypedStorage]
+    offsets: list[int]
+    sizes: tuple[int, ...]
+    total: int
+    """Bytes of the host buffer: the end of the last slice (aligned starts, no padding after the last)."""
+
+
+def host_layout(tensors, device: torch.device, *, align: int = HOST_ALIGN) -> HostLayout:
+    """Pack the unique storages of `tensors` that live on `device` back to back into one host buffer, each
+    slice starting at a multiple of `align`."""
+    storages = device_storages(tensors, device)
+    offsets, end = [], 0
+    for storage in storages:
+        offsets.append(-(-end // align) * align)
+        end = offsets[-1] + storage.nbytes()
+    return HostLayout(storages, offsets, tuple(s.nbytes() for s in storages), end)
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 class FileOffload:
+    name = "file"
+
     def __init__(self, directory: str | None = None):
         fd, self.path = tempfile.mkstemp(prefix="colocate-offload-", suffix=".bin", dir=directory)
         os.close(fd)
@@ -47,6 +154,9 @@ class FileOffload:
         self._fd = os.open(self.path, os.O_RDWR)
         os.unlink(self.path)
         self._held: list[tuple[torch.UntypedStorage, int, int]] = []  # storage, bytes, file offset
+
+    def allocation_region(self) -> AbstractContextManager:
+        return contextlib.nullcontext()
 
     def offload(self, tensors) -> int:
         storages = unique_storages(tensors)
@@ -107,44 +217,136 @@ def _drop_pages(mapping: mmap.mmap, offset: int, num_bytes: int) -> None:
         mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
-class DeviceToHostOffload:
-    def __init__(self):
-        # Pinned buffers, one per storage in the (stable) order the trainer lists its tensors; allocated on the
-        # first offload and reused. Not keyed by data_ptr: a storage restored by resize_ has a new address.
-        self._host: list[torch.Tensor] = []
-        self._held: list[tuple[torch.UntypedStorage, int]] = []
+class PinnedOffload:
+    """CUDA -> one exact-size, page-locked host buffer, allocated on the first offload and reused (reallocated
+    only when the device storages change, e.g. once the optimizer has created its state).
+
+    Why not `torch.empty(..., pin_memory=True)` per storage: torch's caching host allocator rounds every block
+    up to a power of two (aten/src/ATen/core/CachingHostAllocator.h, `allocate`: `roundSize` =
+    `c10::llvm::PowerOf2Ceil(size)` up to `pinned_max_round_threshold`, which defaults to SIZE_MAX), so pinned
+    buffers can cost up to 2x the state. Instead: one anonymous mmap of the exact total (page-aligned, pages of
+    its own, so no other allocation shares a registered page), page-locked with `cudaHostRegister` through
+    `torch.cuda.cudart()` (torch/csrc/cuda/shared/cudart.cpp binds cudaHostRegister/cudaHostUnregister;
+    `torch.cuda.check_error` turns the returned code into a CudaError).
+    """
+
+    name = "pinned"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._mapping: mmap.mmap | None = None
+        self._host: torch.Tensor | None = None  # uint8 view of the mapping, registered with CUDA
+        self._sizes: tuple[int, ...] | None = None  # the layout's storage sizes, fixed at the first offload
+        self._held: list[tuple[torch.UntypedStorage, int, int]] = []  # storage, offset, bytes
+
+    def allocation_region(self) -> AbstractContextManager:
+        return contextlib.nullcontext()
 
     def offload(self, tensors) -> int:
-        total = 0
-        for key, storage in enumerate(unique_storages(tensors)):
-            num_bytes = storage.nbytes()
-            if key == len(self._host):
-                self._host.append(torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True))
-            host = self._host[key]
-            assert host.numel() == num_bytes, "the trainer's tensors changed size between steps"
-            host.copy_(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage), non_blocking=True)
-            self._held.append((storage, key))
-            total += num_bytes
-        torch.cuda.synchronize()
-        for storage, _ in self._held:
+        assert not self._held, "offload twice without an onload"
+        layout = host_layout(tensors, self.device)
+        if not layout.total:
+            return 0
+        # Not keyed by data_ptr: a storage restored by resize_ has a new address; the trainer lists its tensors
+        # in a stable order. The set does change once: the controller offloads before the first step (the engine
+        # runs first) and AdamW creates its state at that step, so a changed layout gets a new exact-size buffer.
+        if self._host is None or layout.sizes != self._sizes:
+            self.close()  # the old buffer (if any) goes before the new one comes: nothing is held in it here
+            self._allocate(layout.total)
+            self._sizes = layout.sizes
+        for storage, offset, size in zip(layout.storages, layout.offsets, layout.sizes):
+            self._host[offset:offset + size].copy_(_bytes_of(storage), non_blocking=True)
+            self._held.append((storage, offset, size))
+        torch.cuda.synchronize(self.device)  # every copy landed before its source goes
+        for storage, _, _ in self._held:
             storage.resize_(0)
+        # The freed blocks go back to the driver: vLLM's wake allocates from the driver, not from torch's cache.
+        # Hazard: a cached segment still holding another live tensor stays reserved.
         torch.cuda.empty_cache()
-        return total
+        return sum(layout.sizes)
 
     def onload(self) -> int:
         total = 0
-        for storage, key in self._held:
-            host = self._host[key]
-            storage.resize_(host.numel())
-            torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).copy_(host, non_blocking=True)
-            total += host.numel()
-        torch.cuda.synchronize()
+        for storage, offset, size in self._held:
+            storage.resize_(size)
+            _bytes_of(storage).copy_(self._host[offset:offset + size], non_blocking=True)
+            total += size
+        torch.cuda.synchronize(self.device)  # the state is whole before anyone reads it, host buffer free again
         self._held = []
         return total
 
     def close(self) -> None:
-        self._host.clear()
+        if self._host is None:
+            return
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr()))
+        self._host = None  # drop the tensor (it exports the mapping's buffer) before unmapping
+        self._mapping.close()
+        self._mapping = None
+
+    def _allocate(self, num_bytes: int) -> None:
+        self._mapping = mmap.mmap(-1, num_bytes)
+        self._host = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        # flags 0 = cudaHostRegisterDefault; this pins (and faults in) the pages once, for the whole run
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self._host.data_ptr(), num_bytes, 0))
 
 
-def make_offloader(device: torch.device, directory: str | None = None):
-    return DeviceToHostOffload() if device.type == "cuda" else FileOffload(directory)
+class MemorySaverOffload:
+    """CUDA -> torch_memory_saver (0.0.10): pause/resume of everything allocated in its region, backed up on the
+    host. The trainer must allocate its parameters (FSDP2's sharded storages: `fully_shard`) and its optimizer
+    state inside `allocation_region()`: only allocations made in the region are paused, so state allocated
+    elsewhere silently stays on the device (and is not counted in what offload returns).
+
+    What the package's source says (torch_memory_saver/, read from the 0.0.10 wheel):
+    - `hook_mode="torch"` (hooks/mode_torch.py `HookUtilModeTorch`) routes the region's allocations through a
+      `CUDAPluggableAllocator` over the package's own library: no LD_PRELOAD. It is set on the singleton
+      (`torch_memory_saver.hook_mode = ...`), which only works before its first use (entrypoint.py
+      `TorchMemorySaver.hook_mode` setter; `_ensure_initialized` deletes the kwargs it reads).
+    - `region(tag, enable_cpu_backup=True)` (entrypoint.py `_TorchMemorySaverImpl.region`) allocates from a
+      `MemPool` keyed by (tag, backup, backend, *current device*); the host backup defaults to "pinned"
+      (cudaMallocHost, exact size, not torch's caching host allocator).
+    - `pause(tag)` / `resume(tag)` call `tms_pause` / `tms_resume` of the library; no byte count comes back
+      (the byte counters exist for XPU only), so offload reports the bytes of the device storages it was given.
+    Hazard: the pool is torch's caching allocator over the library, so whole segments are paused, including
+    blocks freed inside the region (temporaries of an optimizer step run in it): allocate the state in the
+    region, not the work.
+    """
+
+    name = "torch_memory_saver"
+
+    def __init__(self, device: torch.device, *, tag: str = MEMORY_SAVER_TAG):
+        from torch_memory_saver import torch_memory_saver
+
+        try:
+            torch_memory_saver.hook_mode = "torch"
+        except AttributeError:  # already started in this process (by its owner): keep the mode it chose
+            pass
+        self._saver = torch_memory_saver
+        self.device = device
+        self.tag = tag
+        self._paused_bytes: int | None = None
+
+    @contextlib.contextmanager
+    def allocation_region(self):
+        with torch.cuda.device(self.device), self._saver.region(tag=self.tag, enable_cpu_backup=True):
+            yield
+
+    def offload(self, tensors) -> int:
+        assert self._paused_bytes is None, "offload twice without an onload"
+        num_bytes = sum(s.nbytes() for s in device_storages(tensors, self.device))
+        torch.cuda.synchronize(self.device)  # no kernel may still write the state when its memory is unmapped
+        self._saver.pause(self.tag)
+        torch.cuda.empty_cache()  # the rest of torch's cache (activations, all-gather buffers) to the driver too
+        self._paused_bytes = num_bytes
+        return num_bytes
+
+    def onload(self) -> int:
+        if self._paused_bytes is None:
+            return 0
+        self._saver.resume(self.tag)
+        num_bytes, self._paused_bytes = self._paused_bytes, None
+        return num_bytes
+
+    def close(self) -> None:
+        # Nothing of ours to release: the pool and its backups belong to the process-wide singleton and go with
+        # the process. Not resumed here: at shutdown the engine may hold the memory a resume would need.
+        pass

@@ -21,6 +21,7 @@ def small_job(tmp_path: Path, *overrides: str) -> JobConfig:
     return load_config(str(ROOT / "configs" / "default.yaml"), [
         "rollout.num_prompts=4", "rollout.num_samples=4", "rollout.max_tokens=4", "algo.num_steps=2",
         "engine.kv_cache_gib=0.125", f"logging.output_dir={tmp_path / 'out'}", "logging.progress=false",
+        "engine.sleep_level=2", "trainer.offload=true",  # the full switching order (auto would move nothing here)
         f"model.cache_dir={ROOT / '.cache' / 'models'}", *overrides])
 
 

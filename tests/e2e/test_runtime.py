@@ -125,6 +125,27 @@ def test_sync_uses_the_reshard_plan_and_the_full_tensor_path_stays_correct(runti
     runtime.sync.open()  # back to the sliced plan for the tests after this one
 
 
+def test_the_gather_protocol_is_bit_exact_after_every_sync(runtime):
+    """The CUDA path's protocol on gloo and shared memory: each rank all-gathers every layer and feeds only the TP
+    worker on its own slot (pairs read back from the actors), through that worker's own ring."""
+    from colocate.sync.weight_sync import WeightSync
+
+    assert runtime.pairs == [(0, 0), (0, 1)]
+    specs = ray.get(runtime.trainers[0].param_specs.remote(runtime.cfg.engine.dtype))
+    gather = WeightSync(runtime.trainers, runtime.engines, specs, cfg=runtime.cfg.sync, hf_config=hf_config(runtime),
+                        transport="gather", pairs=runtime.pairs)
+    assert gather.open().mode == "sliced" and gather.plan.ring_bytes > 0
+    controller = Controller(runtime.cfg, runtime)
+    for step in range(2):
+        controller.step(step)  # trains, then syncs in place (the runtime's own sync)
+        ray.get(runtime.engines[0].sleep.remote(2))  # zeros: the gather sync alone must restore every byte
+        ray.get(runtime.engines[0].wake.remote(["weights"]))
+        stats = gather.run()
+        ray.get(runtime.engines[0].wake.remote(["kv_cache"]))
+        assert stats["sync_transport"] == "gather" and stats["sync_buckets"] == len(gather.plan.buckets)
+        assert_engine_equals_trainer(runtime)
+
+
 def test_restarted_engine_gets_a_fresh_plan(runtime):
     old_plan = runtime.sync.plan
     runtime.restart_engines()
@@ -141,7 +162,7 @@ def test_an_in_place_sync_whose_arena_was_replaced_fails_loudly(runtime):
     assert runtime.sync.plan.in_place
     specs = ray.get(runtime.trainers[0].param_specs.remote(runtime.cfg.engine.dtype))
     second = WeightSync(runtime.trainers, runtime.engines, specs, cfg=runtime.cfg.sync, hf_config=hf_config(runtime),
-                        in_place=True)
+                        transport="in_place")
     second.open()
     second.run()
     with pytest.raises(ray.exceptions.RayTaskError, match="a later sync replaced"):

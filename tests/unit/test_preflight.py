@@ -1,16 +1,30 @@
-"""Memory preflight: predicted phase peaks from the config, and one clear line when a phase cannot fit."""
+"""Memory preflight: predicted phase peaks from the config, the switch plan, and one clear line when a phase
+cannot fit (CPU and CUDA, the latter for GPU nodes described by size, not read from a device)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from colocate.cli import main
 from colocate.config import ConfigError, load_config
-from colocate.preflight import GIB, check_environment, check_fits, model_dims, predict_phases
+from colocate.preflight import (GIB, SwitchPlan, check_environment, check_fits, model_dims, plan_switch, predict_phases,
+                                preflight, switch_plan)
+
+QWEN_7B = str(Path(__file__).resolve().parents[2] / "configs" / "models" / "Qwen2.5-7B")
+H100, H200 = int(79.6 * GIB), int(139.7 * GIB)
 
 
 def phases(*overrides):
     cfg = load_config(None, list(overrides))
     return cfg, {p.name: p for p in predict_phases(cfg, model_dims(cfg), device="cpu")}
+
+
+def cuda_phases(*overrides, plan: SwitchPlan, gpu_bytes: int = H100):
+    cfg = load_config(None, [f"model.path={QWEN_7B}", *overrides])
+    return cfg, {p.name: p for p in predict_phases(cfg, model_dims(cfg), device="cuda", plan=plan,
+                                                   gpu_bytes=gpu_bytes)}
 
 
 def test_default_job_fits_this_machine():
@@ -46,3 +60,162 @@ def test_expandable_segments_trap_is_refused_on_cuda(monkeypatch):
     with pytest.raises(ConfigError, match="PYTORCH_CUDA_ALLOC_CONF"):
         check_environment("cuda")
     check_environment("cpu")  # irrelevant without CUDA
+
+
+# ------------------------------------------------------------------------------------------------ CUDA phases
+
+
+def test_qwen_config_gives_the_published_parameter_count():
+    dims = model_dims(load_config(None, [f"model.path={QWEN_7B}"]))
+    assert dims.num_params == 7_615_616_512  # Qwen2.5-7B's model card: 7.61B
+    assert dims.largest_sync_group == 152064 * 3584 + 3584  # the post block: untied lm_head + final norm
+
+
+def test_cuda_predicts_four_phases_with_their_parts():
+    _, by_name = cuda_phases("placement.num_slots=8", "engine.tp=2", plan=SwitchPlan(2, True, ""))
+    assert list(by_name) == ["startup", "rollout", "train", "sync"]
+    contexts = "cuda contexts (2 processes, est.)"
+    # the sharding transient is gone (torch's cache emptied) before the engine claims its share: the larger counts
+    assert set(by_name["startup"].parts) == {contexts, "trainer params (fp32 shard)", "sync ring",
+                                             "engine (gpu_memory_utilization)"}
+    assert set(by_name["rollout"].parts) == {contexts, "engine (gpu_memory_utilization)", "sync ring"}
+    assert set(by_name["train"].parts) == {contexts, "trainer params + grads + optimizer", "fsdp unsharded groups",
+                                           "activations", "engine outside its sleep pool (est.)", "sync ring"}
+    assert set(by_name["sync"].parts) == {contexts, "trainer params + optimizer", "engine weights (woken)",
+                                          "engine outside its sleep pool (est.)", "sync ring",
+                                          "gather buffer (largest group + send chunk)"}
+
+
+def test_cuda_startup_peak_is_the_sharding_transient_when_it_outweighs_the_engine():
+    _, by_name = cuda_phases("placement.num_slots=8", "engine.tp=2", "engine.gpu_memory_utilization=0.01",
+                             plan=SwitchPlan(2, True, ""))
+    parts = by_name["startup"].parts
+    assert "sharding transient (largest group, fp32)" in parts and "engine (gpu_memory_utilization)" not in parts
+
+
+def test_cuda_parts_are_per_gpu_shards_of_the_real_model():
+    _, by_name = cuda_phases("placement.num_slots=8", "engine.tp=2", plan=SwitchPlan(2, True, ""))
+    num_params, embedding = 7_615_616_512, 152064 * 3584 + 3584  # the largest group: lm_head + final norm
+    assert by_name["train"].parts["trainer params + grads + optimizer"] == 16 * num_params // 8
+    assert by_name["sync"].parts["trainer params + optimizer"] == 12 * num_params // 8
+    assert by_name["sync"].parts["engine weights (woken)"] == num_params * 2 // 2  # bf16, TP=2
+    assert by_name["sync"].parts["sync ring"] == 2 * embedding * 2 // 2  # 2 slots of the largest group's TP slice
+    assert by_name["sync"].parts["gather buffer (largest group + send chunk)"] == embedding * 2 + embedding * 2 // 8
+    assert by_name["rollout"].parts["engine (gpu_memory_utilization)"] == int(0.5 * H100)
+
+
+def test_cuda_switches_move_exactly_what_they_say():
+    plans = {(level, offload): cuda_phases("placement.num_slots=8", plan=SwitchPlan(level, offload, ""))[1]
+             for level in (0, 2) for offload in (False, True)}
+    awake, asleep = plans[0, False], plans[2, False]
+    assert awake["rollout"].total - plans[0, True]["rollout"].total == 12 * 7_615_616_512 // 8
+    assert awake["train"].total - asleep["train"].total == int(0.5 * H100) - int(0.5 * GIB)
+    # nothing moves: the sync is the rollout's memory plus the gather buffer; train adds grads, activations and
+    # FSDP's unsharded groups, and is the peak
+    gather = awake["sync"].parts["gather buffer (largest group + send chunk)"]
+    assert awake["sync"].total - awake["rollout"].total == gather
+    assert max(awake.values(), key=lambda p: p.total).name == "train"
+    # the sleeping engine wakes its weights for the sync, never its KV cache
+    assert asleep["sync"].total < awake["sync"].total
+
+
+@pytest.mark.parametrize("overrides, peak", [
+    pytest.param(["placement.num_slots=8", "engine.gpu_memory_utilization=0.6"], "rollout",
+                 id="big_engine_share_rollout_peaks"),
+    pytest.param(["placement.num_slots=2", "engine.gpu_memory_utilization=0.2", "engine.tp=1"], "train",
+                 id="few_slots_small_share_train_peaks"),
+])
+def test_cuda_peak_phase_with_a_sleeping_engine_and_a_resident_trainer(overrides, peak):
+    # the sync never peaks here: it adds only the woken weights and the gather buffer to the trainer's state,
+    # less than the engine's whole share that the rollout holds beside the same state
+    _, by_name = cuda_phases(*overrides, plan=SwitchPlan(2, False, ""), gpu_bytes=H200)
+    assert max(by_name.values(), key=lambda p: p.total).name == peak
+
+
+# ------------------------------------------------------------------------------------------------ switch plan
+
+
+@pytest.mark.parametrize("overrides, device, available, expected", [
+    pytest.param([], "cpu", 16 * GIB, (0, False), id="tiny_on_big_machine_nothing_moves"),
+    pytest.param(["model.preset=bench", "trainer.micro_batch_size=1", "engine.kv_cache_gib=1"], "cpu", 9 * GIB,
+                 (2, True), id="bench_on_small_budget_sleeps_and_offloads"),
+    pytest.param(["model.preset=bench", "trainer.micro_batch_size=1"], "cpu", 9 * GIB, (2, False),
+                 id="bench_small_kv_cache_sleeps_trainer_stays"),
+    pytest.param(["engine.sleep_level=1", "trainer.offload=true"], "cpu", 16 * GIB, (1, True),
+                 id="user_choices_obeyed_though_nothing_needs_to_move"),
+    pytest.param([f"model.path={QWEN_7B}", "engine.sleep_level=0", "trainer.offload=false",
+                  "placement.num_slots=1", "engine.tp=1"], "cuda", H200, (0, False),
+                 id="user_choices_obeyed_though_they_cannot_fit"),
+    pytest.param([f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2"], "cuda", H100, (0, False),
+                 id="qwen7b_8x80gib_nothing_moves"),
+    pytest.param([f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2",
+                  "engine.gpu_memory_utilization=0.85"], "cuda", H100, (2, True),
+                 id="qwen7b_8x80gib_big_engine_share_both_move"),
+    pytest.param([f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=1",
+                  "engine.gpu_memory_utilization=0.7"], "cuda", H100, (2, False),
+                 id="qwen7b_8x80gib_engine_sleeps_trainer_stays"),
+    pytest.param([f"model.path={QWEN_7B}", "placement.num_slots=1", "engine.tp=1"], "cuda", H200, (2, True),
+                 id="qwen7b_1xh200_everything_moves"),
+])
+def test_plan_switch(overrides, device, available, expected):
+    cfg = load_config(None, overrides)
+    plan = plan_switch(cfg, model_dims(cfg), device=device, available_bytes=available)
+    assert (plan.engine_sleep_level, plan.trainer_offload) == expected
+    assert "\n" not in plan.reason and plan.reason
+
+
+def test_the_chosen_plan_is_what_preflight_checks():
+    cfg = load_config(None, ["model.preset=bench", "trainer.micro_batch_size=1", "engine.kv_cache_gib=1"])
+    result = preflight(cfg, device="cpu", available_bytes=9 * GIB)  # fits only because both move
+    assert (result.plan.engine_sleep_level, result.plan.trainer_offload) == (2, True)
+    assert result.phases == predict_phases(cfg, model_dims(cfg), device="cpu", plan=result.plan)
+    with pytest.raises(ConfigError, match="phase 'train'.*use engine.sleep_level=auto or 2 \\(now 0"):
+        preflight(load_config(None, ["model.preset=bench", "trainer.micro_batch_size=1", "engine.kv_cache_gib=1",
+                                     "engine.sleep_level=0"]), device="cpu", available_bytes=9 * GIB)
+
+
+def test_unknown_model_dims_move_everything_unless_chosen():
+    plan = switch_plan(load_config(None, ["model.path=Qwen/Qwen2.5-7B"]), device="cuda", available_bytes=H100)
+    assert (plan.engine_sleep_level, plan.trainer_offload) == (2, True) and "unknown" in plan.reason
+    chosen = switch_plan(load_config(None, ["model.path=Qwen/Qwen2.5-7B", "engine.sleep_level=1",
+                                            "trainer.offload=false"]), device="cuda", available_bytes=H100)
+    assert (chosen.engine_sleep_level, chosen.trainer_offload) == (1, False)
+
+
+# ------------------------------------------------------------------------------- validate for a GPU node
+
+
+def test_validate_predicts_for_a_gpu_node_not_present(capsys):
+    code = main(["validate", f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2",
+                 "--gpus", "8", "--gpu-memory-gib", "79.6"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "# 8 cuda slot(s), 4 engine(s) x TP=2, FSDP2 over 8 rank(s)" in out
+    assert "# switch plan: engine sleep level 0, trainer offload false" in out
+    assert "budget 77.2 of 79.6 GiB" in out
+    for name in ("startup", "rollout", "train", "sync"):
+        assert any(line.startswith(f"#   {name} ") for line in out.splitlines()), name
+    assert "<- peak" in out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    pytest.param([f"model.path={QWEN_7B}", "placement.num_slots=1", "engine.tp=1", "--gpus", "1",
+                  "--gpu-memory-gib", "79.6"], "memory preflight: phase 'train'", id="7b_on_one_h100"),
+    pytest.param([f"model.path={QWEN_7B}", "placement.num_slots=8", "--gpus", "4", "--gpu-memory-gib", "80"],
+                 "placement.num_slots=8 is invalid: the node of --gpus 4 has 4 GPUs", id="more_slots_than_gpus"),
+    pytest.param(["--gpus", "8"], "--gpus and --gpu-memory-gib go together", id="gpus_without_size"),
+    pytest.param(["placement.device=cpu", "--gpus", "8", "--gpu-memory-gib", "80"], "placement.device='cpu'",
+                 id="cpu_device_with_gpus"),
+])
+def test_validate_for_a_gpu_node_refuses_with_one_line(capsys, argv, expected):
+    code = main(["validate", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and not out
+    assert err.count("\n") == 1 and err.startswith("colocate: error: ") and expected in err
+
+
+def test_validate_with_unknown_dims_prints_the_plan_and_no_prediction(capsys):
+    code = main(["validate", "model.path=Qwen/Qwen2.5-7B", "--gpus", "8", "--gpu-memory-gib", "80"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    assert "# switch plan: engine sleep level 2, trainer offload true" in out and "none" in out

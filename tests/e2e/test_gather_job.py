@@ -1,0 +1,29 @@
+"""The gather protocol as a job runs it: two engines of TP=1 on two slots, `sync.transport=gather` (what a GPU
+node runs by default), each trainer rank feeding the engine on its own slot. Every engine equals the trainer
+bit for bit after every step; the placement report says who feeds whom."""
+
+from __future__ import annotations
+
+import pytest
+
+from colocate.controller import Controller
+from colocate.runtime import Runtime
+from tests.e2e.conftest import assert_nothing_left, colocate_processes, shm_segments, small_job
+
+pytestmark = pytest.mark.e2e
+
+
+def test_two_tp1_engines_fed_by_their_own_ranks(tmp_path):
+    before = (colocate_processes(), shm_segments())
+    cfg = small_job(tmp_path, "engine.tp=1", "placement.num_slots=2", "sync.transport=gather",
+                    "engine.sleep_level=2", "trainer.offload=true")
+    with Runtime(cfg) as rt:
+        assert rt.pairs == [(0, 0), (1, 0)]
+        assert rt.placement_report["trainer_devices"] == ["cpu-slot0", "cpu-slot1"]
+        assert rt.placement_report["engine_worker_devices"] == [["cpu-slot0"], ["cpu-slot1"]]
+        controller = Controller(cfg, rt)
+        for step in range(2):
+            record = controller.step(step)
+            assert record["sync_transport"] == "gather"
+            assert rt.sync.verify_full(cfg.engine.dtype) == []
+    assert_nothing_left(*before)
