@@ -5,13 +5,16 @@
 
 Measured side by side on the same trainers and engine:
 - colocate: the job's own sync (`sync.transport=auto`): on the CPU in place, each FSDP2 rank casting its rows of
-  each worker's TP slice straight into the worker's parameters (kept in shared memory);
-- ring: the sliced, pipelined ring the CUDA path runs (ranks write TP slices into ring slots, workers verify
-  and copy into their parameters), run here on the CPU;
-- baseline "first version": full HF tensors through the ring, sliced by vLLM's `load_weights`;
+  each worker's TP slice straight into the worker's parameters (kept in shared memory); on CUDA the gather;
+- gather: the GPU protocol (all-gather each layer over the trainers' group, each rank feeds the worker on its
+  own device through that worker's ring, the worker copies into its parameters), on the CPU with gloo;
+- ring (CPU only): every rank writes its rows of every worker's TP slice into that worker's ring;
+- baseline "first version": full HF tensors through the rings, sliced by vLLM's `load_weights`;
 - baseline "naive": the whole state dict gathered on rank 0, shipped through Ray's object store, loaded with
   `load_weights`;
-- floor: one single-process memcpy of the engine's weight bytes.
+- floors, on the device that does the work: one memcpy of the engine's weight bytes (device to device on GPU),
+  and the cast floor: the trainer processes themselves casting their share of the weights from fp32 to the
+  engine dtype at once (the trainer keeps fp32, the engine bf16: every sync reads 2 bytes per byte written).
 Every method is also verified from scratch: the engine's weights are discarded (level-2 sleep: zeros), the
 method syncs alone, and each worker's parameters must then equal the trainer's after the cast.
 """
@@ -33,54 +36,75 @@ def run_sync_bench(cfg: JobConfig, *, num_syncs: int, num_warmup: int, out_dir: 
     with Runtime(cfg) as rt:
         worker_memory = [w for e in ray.get([e.memory.remote() for e in rt.engines]) for w in e]
         engine_bytes = sum(w["weight_bytes"] for w in worker_memory)
-        floor_s = memcpy_floor_s(engine_bytes)
+        device, rt_transport = rt.device, rt.sync.transport
+        floor_s = memcpy_floor_s(engine_bytes, device=device)
         pids = ray.get([t.pid.remote() for t in rt.trainers]) + [w["pid"] for w in worker_memory]
 
         specs = ray.get(rt.trainers[0].param_specs.remote(cfg.engine.dtype))
-        hf_config = rt.sync.hf_config
-        ring = WeightSync(rt.trainers, rt.engines, specs, cfg=cfg.sync, hf_config=hf_config)
-        first = WeightSync(rt.trainers, rt.engines, specs, cfg=cfg.sync, hf_config=hf_config, sliced=False)
-        ring.open()
-        first.open()
-        methods = {"colocate": rt.sync, "ring": ring, "baseline_first_version": first}
-        # Interleaved (colocate, ring, first version, colocate, ...): drift on a shared machine hits all alike.
+        cast_floor_s = max(ray.get([t.cast_floor_s.remote(engine_bytes // len(rt.trainers), cfg.engine.dtype)
+                                    for t in rt.trainers]))
+        methods = _methods(rt, cfg, specs)
+        # Interleaved (colocate, gather, ring, first version, colocate, ...): drift hits all alike.
         timed = dict(zip(methods, _time_syncs(list(methods.values()), num_syncs, num_warmup, pids)))
-        rt.sync.run()  # the breakdown comes from colocate's own last sync
-        timed["colocate"]["breakdown"] = _breakdown(rt, rt.sync)
-        ring.run()
-        timed["ring"]["breakdown"] = _breakdown(rt, ring)
+        for key in ("colocate", "gather"):
+            methods[key].run()  # the breakdown comes from the method's own last sync
+            timed[key]["breakdown"] = _breakdown(rt, methods[key])
         timed["baseline_naive"] = _time_naive(rt, num_syncs, num_warmup, cfg.engine.dtype)
         naive_sync = _NaiveSync(rt, cfg.engine.dtype)
         for key, sync in (*methods.items(), ("baseline_naive", naive_sync)):
             timed[key]["verified_equal"] = _verified_from_scratch(rt, sync, cfg.engine.dtype)
-        plan = rt.sync.plan
-        ring_bytes = {key: _ring_bytes(sync.plan, cfg) for key, sync in methods.items()}
+        plan, gather_plan = rt.sync.plan, methods["gather"].plan
+        ring_bytes = {key: _ring_bytes(sync, cfg) for key, sync in methods.items()}
 
     colocate = timed["colocate"]
     result = {
         "config": {"model": cfg.model.preset or cfg.model.path, "engine_dtype": cfg.engine.dtype,
-                   "engine_tp": cfg.engine.tp, "num_slots": cfg.placement.num_slots,
-                   "transport": "in_place" if plan.in_place else "ring", "plan_mode": plan.mode,
-                   "num_buckets": len(plan.buckets), "ring_bucket_slot_bytes": ring.plan.slot_bytes,
-                   "ring_num_bucket_slots": ring.plan.num_slots, "verify": cfg.sync.verify,
+                   "engine_tp": cfg.engine.tp, "num_slots": cfg.placement.num_slots, "device": device,
+                   "transport": rt_transport, "plan_mode": plan.mode,
+                   "num_buckets": len(plan.buckets), "ring_bucket_slot_bytes": gather_plan.slot_bytes,
+                   "ring_num_bucket_slots": gather_plan.num_slots, "verify": cfg.sync.verify,
                    "enforce_eager": cfg.engine.enforce_eager},
         "engine_weight_bytes": engine_bytes,
         "floor_memcpy_s": floor_s,
+        "floor_cast_s": cast_floor_s,
         **timed,
         "ratios": {
             **{f"{key.removeprefix('baseline_')}_over_floor": timed[key]["median_s"] / floor_s for key in timed},
+            **{f"{key.removeprefix('baseline_')}_over_cast_floor": timed[key]["median_s"] / cast_floor_s
+               for key in timed},
             "speedup_vs_naive": timed["baseline_naive"]["median_s"] / colocate["median_s"],
             "speedup_vs_first_version": timed["baseline_first_version"]["median_s"] / colocate["median_s"],
-            "speedup_vs_ring": timed["ring"]["median_s"] / colocate["median_s"],
+            **({"speedup_vs_ring": timed["ring"]["median_s"] / colocate["median_s"]} if "ring" in timed else {}),
+            "gather_over_colocate": timed["gather"]["median_s"] / colocate["median_s"],
             **{f"{key.removeprefix('baseline_')}_extra_bytes_over_model_bytes": n / engine_bytes
                for key, n in ring_bytes.items()},
         },
         "extra_bytes": ring_bytes,  # rings (bucket slots) allocated for the sync, all workers of all engines
     }
     path = write_result(result, out_dir, name)
-    _plot(colocate["breakdown"], timed["ring"]["breakdown"], Path(out_dir) / f"{name}.png")
+    _plot(colocate["breakdown"], timed["gather"]["breakdown"], rt_transport, Path(out_dir) / f"{name}.png")
     _print(result, path)
     return result
+
+
+def _methods(rt: Runtime, cfg: JobConfig, specs: list) -> dict[str, WeightSync]:
+    """The job's own sync, the gather protocol, the CPU's ring, and the first version (full tensors through
+    vLLM's load_weights: through the rings on the CPU, through the gather on CUDA). Each opened with its own key
+    beside the others."""
+    def make(**kwargs) -> WeightSync:
+        sync = WeightSync(rt.trainers, rt.engines, specs, cfg=cfg.sync, hf_config=rt.sync.hf_config, pairs=rt.pairs,
+                          **kwargs)
+        sync.open()
+        return sync
+
+    methods = {"colocate": rt.sync}
+    methods["gather"] = rt.sync if rt.sync.transport == "gather" else make(transport="gather")
+    if rt.device == "cpu":
+        methods["ring"] = make(transport="ring")
+        methods["baseline_first_version"] = make(transport="ring", sliced=False)
+    else:
+        methods["baseline_first_version"] = make(transport="gather", sliced=False)
+    return methods
 
 
 def _time_syncs(syncs: list[WeightSync], num_syncs: int, num_warmup: int, pids: list[int]) -> list[dict]:
@@ -145,10 +169,11 @@ def _verified_from_scratch(rt: Runtime, sync, dtype: str) -> bool:
     return rt.sync.verify_full(dtype) == []
 
 
-def _ring_bytes(plan, cfg: JobConfig) -> int:
-    """Bytes of ring allocated for a sync, over all workers of all engines (the CPU full-tensor plan shares one
-    ring per engine; in place there is none)."""
-    return plan.ring_bytes * cfg.num_engines * (cfg.engine.tp if plan.mode == "sliced" else 1)
+def _ring_bytes(sync: WeightSync, cfg: JobConfig) -> int:
+    """Bytes of ring allocated for a sync, over all workers of all engines (the CPU's full-tensor ring is one
+    per engine, shared by its workers; in place there is none)."""
+    shared = sync.plan.mode == "full" and sync.transport == "ring"
+    return sync.plan.ring_bytes * cfg.num_engines * (1 if shared else cfg.engine.tp)
 
 
 def _breakdown(rt: Runtime, sync: WeightSync) -> dict:
@@ -156,8 +181,9 @@ def _breakdown(rt: Runtime, sync: WeightSync) -> dict:
     sync (in place, the workers' check is one call after all buckets: it is reported as the last bucket's)."""
     buckets = sync.plan.buckets
     writes: dict[int, float] = {}
+    writes_per_sync = len(buckets) * (1 if sync.transport == "gather" else len(rt.engines))
     for rank_times in ray.get([t.take_write_times.remote() for t in rt.trainers]):
-        last = rank_times[-len(buckets) * len(rt.engines):]
+        last = rank_times[-writes_per_sync:]
         for index, seconds in last:
             writes[index] = max(writes.get(index, 0.0), seconds)
     checks = list(sync.last_buckets)
@@ -182,17 +208,17 @@ def _status_kib(pid: int, key: str) -> int:
     raise KeyError(key)
 
 
-def _plot(colocate: dict, ring: dict, path: Path) -> None:
+def _plot(colocate: dict, gather: dict, transport: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
-    titles = ("colocate (in place: ranks cast straight into the engine's parameters; the engine checks the layout "
-              "once at the end)", "ring (the CUDA path, on the CPU: write of bucket i+1 overlaps verify + load of "
-              "bucket i)")
-    for ax, breakdown, title in zip(axes, (colocate, ring), titles):
+    titles = (f"colocate ({transport}" + (": ranks cast straight into the engine's parameters; the engine checks "
+                                          "the layout once at the end)" if transport == "in_place" else ")"),
+              "gather (the GPU protocol: all-gather layer i+1 and write it while the workers verify + load layer i)")
+    for ax, breakdown, title in zip(axes, (colocate, gather), titles):
         x = range(len(breakdown["group"]))
         bottom = [0.0] * len(breakdown["group"])
         for key, color in (("write_s", "tab:blue"), ("verify_s", "tab:orange"), ("load_s", "tab:green")):
@@ -212,14 +238,19 @@ def _plot(colocate: dict, ring: dict, path: Path) -> None:
 def _print(result: dict, path: Path) -> None:
     r = result["ratios"]
     mb = result["engine_weight_bytes"] / 1e6
-    print(f"engine weights {mb:.0f} MB | floor (memcpy) {result['floor_memcpy_s'] * 1e3:.1f} ms")
-    for key, label in (("colocate", f"colocate ({result['config']['transport']})"), ("ring", "ring"),
-                       ("baseline_first_version", "first version"), ("baseline_naive", "naive")):
+    print(f"engine weights {mb:.0f} MB | floors on {result['config']['device']}: memcpy "
+          f"{result['floor_memcpy_s'] * 1e3:.1f} ms, cast fp32 -> {result['config']['engine_dtype']} in the trainer "
+          f"processes {result['floor_cast_s'] * 1e3:.1f} ms")
+    for key, label in (("colocate", f"colocate ({result['config']['transport']})"), ("gather", "gather"),
+                       ("ring", "ring"), ("baseline_first_version", "first version"), ("baseline_naive", "naive")):
+        if key not in result:
+            continue
         m = result[key]
         extra = result["extra_bytes"].get(key)
         print(f"{label:>20}: median {m['median_s'] * 1e3:8.1f} ms (min {m['min_s'] * 1e3:.1f}, max "
-              f"{m['max_s'] * 1e3:.1f}) | {m['median_s'] / result['floor_memcpy_s']:5.2f}x floor | verified "
+              f"{m['max_s'] * 1e3:.1f}) | {m['median_s'] / result['floor_memcpy_s']:5.2f}x memcpy, "
+              f"{m['median_s'] / result['floor_cast_s']:5.2f}x cast | verified "
               f"{m['verified_equal']}" + (f" | rings {extra / 1e6:.0f} MB" if extra is not None else ""))
     print(f"colocate: {r['speedup_vs_naive']:.1f}x faster than naive, {r['speedup_vs_first_version']:.2f}x than the "
-          f"first version, {r['speedup_vs_ring']:.2f}x than the ring")
+          f"first version; gather takes {r['gather_over_colocate']:.2f}x colocate's time")
     print(f"results: {path} (+ .png)")
