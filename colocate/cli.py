@@ -3,7 +3,7 @@
     colocate launch [CONFIG] [key=value ...]     run an RL job (no arguments: the embedded CPU default)
     colocate validate [CONFIG] [key=value ...]   print the resolved config and its placement; starts nothing
     colocate submit [CONFIG] [key=value ...]     run the job on a Ray cluster through the Job Submission API
-    colocate bench {sync,switch} ...             sync / switch benchmarks
+    colocate bench {sync,switch,mismatch} ...    sync, switch and mismatch benchmarks
     colocate config-docs                         print the table of every config key (docs/config.md)
 
 User mistakes (bad keys, values, paths, resources) print one line `colocate: error: ...` and exit with code 2
@@ -124,10 +124,15 @@ def cmd_bench(args) -> int:
 
         run_sync_bench(cfg, num_syncs=args.repeats, num_warmup=args.warmup, out_dir=args.out,
                        name=args.name or "sync")
-    else:
+    elif args.which == "switch":
         from colocate.bench.switch import run_switch_bench
 
         run_switch_bench(cfg, num_cycles=args.repeats, out_dir=args.out, name=args.name or "switch")
+    else:
+        from colocate.bench.mismatch import run_mismatch_bench
+
+        run_mismatch_bench(cfg, num_prompts=cfg.rollout.num_prompts, num_samples=cfg.rollout.num_samples,
+                           max_tokens=args.max_tokens, out_dir=args.out, name=args.name or "mismatch")
     return 0
 
 
@@ -170,15 +175,17 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--no-wait", action="store_true", help="print the job id and return at once")
     submit.set_defaults(func=cmd_submit, address=None)
 
-    bench = sub.add_parser("bench", help="benchmarks: sync (weight sync) or switch (sleep/wake)",
+    bench = sub.add_parser("bench", help="benchmarks: sync (weight sync), switch (sleep/wake), mismatch (logprobs)",
                            description="Benchmark against the floor measured in the same run; writes JSON and a PNG "
                            "plot. Without a CONFIG, the bench preset (24 layers, >= 0.4 GB bf16, TP=2).")
-    bench.add_argument("which", choices=["sync", "switch"])
+    bench.add_argument("which", choices=["sync", "switch", "mismatch"])
     bench.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
     bench.add_argument("--repeats", type=int, default=5, help="timed syncs per method / switch cycles (default 5)")
     bench.add_argument("--warmup", type=int, default=1, help="untimed syncs first (sync; default 1)")
     bench.add_argument("--out", default="benchmarks/results", help="output directory (default benchmarks/results)")
     bench.add_argument("--name", default="", help="result file name without extension (default: the benchmark)")
+    bench.add_argument("--max-tokens", type=int, default=120,
+                       help="mismatch: longest sampled answer (default 120, as in the published measurement)")
     bench.set_defaults(func=cmd_bench, command="bench")
 
     docs = sub.add_parser("config-docs", help="print the table of every config key (docs/config.md)")

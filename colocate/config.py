@@ -127,6 +127,18 @@ class AlgoConfig:
     """PPO/GRPO ratio clip."""
     normalize_advantages: bool = True
     """Divide group-relative advantages by the group's standard deviation."""
+    correction: str = "none"
+    """Training/inference mismatch correction: none (PPO ratio against the engine's logprobs), tis (truncated importance weights), mis (masked importance weights)."""
+    correction_level: str = "token"
+    """Importance weight per token, or per sequence (the product over its tokens)."""
+    tis_cap: float = 2.0
+    """TIS: importance weights are truncated at this value."""
+    mis_low: float = 0.5
+    """MIS: weights below this are masked (the token or sequence is dropped)."""
+    mis_high: float = 2.0
+    """MIS: weights above this are masked."""
+    mismatch_band: float = 1.1
+    """Monitor: report the fraction of tokens and sequences whose ratio p_trainer / p_engine lies outside [1/band, band]."""
 
 
 @dataclass
@@ -181,6 +193,15 @@ class JobConfig:
         _one_of(self, "engine.sleep_backend", ["auto", "vllm", "portable"])
         _one_of(self, "sync.verify", ["checksum", "full", "none"])
         _one_of(self, "sync.transport", ["auto", "gather", "in_place", "ring"])
+        _one_of(self, "algo.correction", ["none", "tis", "mis"])
+        _one_of(self, "algo.correction_level", ["token", "sequence"])
+        if self.algo.tis_cap < 1:
+            raise _bad("algo.tis_cap", self.algo.tis_cap, "must be >= 1 (weights are truncated at it)")
+        if not 0 <= self.algo.mis_low <= 1 <= self.algo.mis_high:
+            raise _bad("algo.mis_low", f"{self.algo.mis_low}..{self.algo.mis_high}",
+                       "need 0 <= algo.mis_low <= 1 <= algo.mis_high (the band must hold the ratio 1)")
+        if self.algo.mismatch_band <= 1:
+            raise _bad("algo.mismatch_band", self.algo.mismatch_band, "must be > 1 (the band is [1/band, band])")
         _one_of(self, "placement.device", ["auto", "cpu", "cuda"])
         _one_of(self, "logging.level", ["DEBUG", "INFO", "WARNING", "ERROR"])
         if not self.model.path:

@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import ray
+import torch
 
 from colocate.config import JobConfig
 from colocate.metrics import MetricsWriter
+from colocate.rl.corrections import mismatch_stats
 from colocate.rl.scoring import Rollout, Scored, score
 from colocate.rl.tasks import PromptStream, load_reward_fn, make_task
 from colocate.runtime import Runtime
@@ -120,8 +123,15 @@ class Controller:
                            for rank, t in enumerate(self.rt.trainers)])
         self.events.append("train")
         tokens = sum(r["tokens"] for r in results) or 1.0
+        monitor = mismatch_stats(torch.from_numpy(np.concatenate([r["token_log_w"] for r in results])),
+                                 torch.from_numpy(np.concatenate([r["seq_log_w"] for r in results])),
+                                 band=self.cfg.algo.mismatch_band)
         return {"loss": sum(r["loss_sum"] for r in results) / tokens,
                 "mismatch": sum(r["mismatch_abs_sum"] for r in results) / tokens,
+                "mismatch_monitor": monitor,
+                "correction": {"mode": self.cfg.algo.correction, "level": self.cfg.algo.correction_level,
+                               "fraction_affected": sum(r["corrected_sum"] for r in results) / tokens,
+                               "weight_mean": sum(r["weight_sum"] for r in results) / tokens},
                 "clip_fraction": sum(r["clipped_sum"] for r in results) / tokens,
                 "grad_norm": results[0].get("grad_norm", 0.0)}
 

@@ -37,7 +37,20 @@ class MetricsWriter:
                 f"(start {self._first_reward:.3f}) | len {r['response_len_mean']:.1f} | "
                 f"rollout {t['rollout']:.2f}s score {t['score']:.2f}s train {t['train']:.2f}s "
                 f"sync {t['sync']:.2f}s switch {t['switch']:.2f}s | {r['rollout_tokens_per_s']:.0f} tok/s | "
-                f"mismatch {r['mismatch']:.4f}")
+                f"mismatch {r['mismatch']:.4f}" + _outside_band(r))
 
     def close(self) -> None:
         self._file.close()
+
+
+def _outside_band(r: dict) -> str:
+    """The share of tokens whose ratio p_trainer / p_engine left the monitor's band, and what a correction
+    changed (TIS truncated, MIS masked)."""
+    monitor = r.get("mismatch_monitor", {})
+    if not monitor.get("token", {}).get("count"):
+        return ""
+    text = f" ({monitor['token']['fraction_outside_band']:.1%} outside x{monitor['band']:g})"
+    correction = r.get("correction", {})
+    if correction.get("mode", "none") != "none":
+        text += f" | {correction['mode']} {correction['fraction_affected']:.1%}"
+    return text

@@ -27,6 +27,7 @@ from colocate.preflight import switch_plan
 from colocate.sync.transport import remove_orphaned_entries, remove_stale_segments, shm_entries
 from colocate.sync.weight_sync import WeightSync
 from colocate.trainer.actor import TrainerActor
+from colocate.trainer.grpo import LossSettings
 
 log = logging.getLogger("colocate")
 
@@ -101,10 +102,12 @@ class Runtime:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
         env = {"OMP_NUM_THREADS": str(cfg.trainer.num_threads)}
         actor = ray.remote(TrainerActor)
+        gpu_share = TRAINER_SHARE if self.device == "cuda" else 0.0
         self.trainers = [
-            actor.options(**actor_options(self.group, rank, cpu_share=TRAINER_SHARE, env=env,
-                                          gpu_share=TRAINER_SHARE if self.device == "cuda" else 0.0)).remote(
-                rank, world, cfg.trainer, self.model_path, device=self.device, clip_eps=cfg.algo.clip_eps, pad_id=pad)
+            actor.options(**actor_options(self.group, rank, cpu_share=TRAINER_SHARE, gpu_share=gpu_share,
+                                          env=env)).remote(
+                rank, world, cfg.trainer, self.model_path, device=self.device, pad_id=pad,
+                loss=LossSettings.from_job(cfg))
             for rank in range(world)
         ]
         addr, port = ray.get(self.trainers[0].rendezvous.remote())

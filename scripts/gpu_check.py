@@ -351,7 +351,7 @@ def _train_and_offload(path: str, backend: str) -> dict:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cfg = TrainerConfig(micro_batch_size=2, mixed_precision=True, offload_backend=backend)
-    trainer = TrainerActor(0, 1, cfg, path, device="cuda", clip_eps=0.2, pad_id=0)
+    trainer = TrainerActor(0, 1, cfg, path, device="cuda", pad_id=0)
     try:
         t0 = time.perf_counter()
         out = {"setup": trainer.setup("127.0.0.1", port), "setup_s": time.perf_counter() - t0, "step_s": []}

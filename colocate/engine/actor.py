@@ -66,6 +66,9 @@ class EngineActor:
             seed=self.cfg.seed,
             skip_tokenizer_init=True,
             worker_extension_cls=EXTENSION,
+            # the logprobs of the distribution tokens were sampled from (after temperature and top-p), the
+            # behaviour policy of the loss; raw logprobs would be those of the unscaled logits
+            logprobs_mode="processed_logprobs",
         )
         if self.device == "cpu":
             kwargs.update(distributed_executor_backend="mp",

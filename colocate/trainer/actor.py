@@ -25,18 +25,18 @@ from colocate.sync.buckets import TensorSpec
 from colocate.sync.reshard import SyncPlan
 from colocate.sync.shards import bucket_copies, local_shards, run_copies
 from colocate.trainer.offload import make_offloader
-from colocate.trainer.grpo import Sequence, collate, policy_loss, token_logprobs
+from colocate.trainer.grpo import LossSettings, Sequence, collate, policy_loss, token_logprobs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class TrainerActor:
-    def __init__(self, rank: int, world_size: int, cfg, model_path: str, *, device: str, clip_eps: float,
-                 pad_id: int):
+    def __init__(self, rank: int, world_size: int, cfg, model_path: str, *, device: str, pad_id: int,
+                 loss: LossSettings = LossSettings()):
         self.rank, self.world_size = rank, world_size
         self.cfg = cfg
         self.model_path = model_path
-        self.clip_eps = clip_eps
+        self.loss = loss
         self.pad_id = pad_id
         self.device = local_cuda_device() if device == "cuda" else torch.device("cpu")
         self._rings = {}
@@ -122,7 +122,9 @@ class TrainerActor:
         self.optimizer.zero_grad(set_to_none=True)
         sequences = [Sequence(**s) for s in seqs]
         scale = self.world_size / max(num_tokens_all_ranks, 1)
-        totals = {"loss_sum": 0.0, "tokens": 0.0, "mismatch_abs_sum": 0.0, "clipped_sum": 0.0}
+        totals = {"loss_sum": 0.0, "tokens": 0.0, "mismatch_abs_sum": 0.0, "clipped_sum": 0.0, "corrected_sum": 0.0,
+                  "weight_sum": 0.0}
+        token_log_w, seq_log_w = [], []
         size = self.cfg.micro_batch_size
         assert num_micro_batches * size >= len(sequences)
         for i in range(num_micro_batches):
@@ -131,13 +133,20 @@ class TrainerActor:
             batch = collate(chunk or sequences[:1] or [_dummy_sequence(self.pad_id)], pad_id=self.pad_id,
                             device=self.device)
             logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-            loss, stats = policy_loss(token_logprobs(logits, batch.input_ids), batch, clip_eps=self.clip_eps)
+            logprobs = token_logprobs(logits, batch.input_ids, temperature=self.loss.temperature,
+                                      top_p=self.loss.top_p)
+            loss, stats = policy_loss(logprobs, batch, settings=self.loss)
             (loss * (0.0 if empty else scale)).backward()
             loss = loss.detach()
             if not empty:
                 totals["loss_sum"] += loss.item()
-                for key in ("tokens", "mismatch_abs_sum", "clipped_sum"):
+                for key in ("tokens", "mismatch_abs_sum", "clipped_sum", "corrected_sum", "weight_sum"):
                     totals[key] += stats[key]
+                token_log_w.append(stats["token_log_w"])
+                seq_log_w.append(stats["seq_log_w"])
+        # every token's and sequence's log(p_trainer / p_engine), for the controller's mismatch monitor
+        totals["token_log_w"] = torch.cat(token_log_w).numpy() if token_log_w else torch.zeros(0).numpy()
+        totals["seq_log_w"] = torch.cat(seq_log_w).numpy() if seq_log_w else torch.zeros(0).numpy()
         if self.cfg.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             totals["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
@@ -146,6 +155,23 @@ class TrainerActor:
         with self._offloader.allocation_region() if first else contextlib.nullcontext():
             self.optimizer.step()
         return totals
+
+    @torch.no_grad()
+    def score(self, seqs: list[dict], *, num_micro_batches: int, temperature: float,
+              top_p: float) -> list[list[float]]:
+        """The trainer's logprob of every response token of `seqs` under the sampling they came from (as the
+        loss sees them), without training. A collective, like train_step: every rank runs `num_micro_batches`."""
+        sequences = [Sequence(**s) for s in seqs]
+        size, out = self.cfg.micro_batch_size, []
+        for i in range(num_micro_batches):
+            chunk = sequences[i * size:(i + 1) * size]
+            batch = collate(chunk or [_dummy_sequence(self.pad_id)], pad_id=self.pad_id, device=self.device)
+            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            logprobs = token_logprobs(logits, batch.input_ids, temperature=temperature, top_p=top_p).cpu()
+            for row, s in enumerate(chunk):
+                first = len(s.prompt_ids) - 1
+                out.append(logprobs[row, first:first + len(s.response_ids)].tolist())
+        return out
 
     # ---------------------------------------------------------------------------------------- weight sync
 

@@ -10,7 +10,13 @@ Loss per response token (PPO-clip with group-relative advantages):
     loss  = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)
 
 Taking the engine's logprobs as the old policy makes the ratio carry the training/inference mismatch (bf16
-engine vs fp32 trainer, different kernels); `mismatch` reports its size every step.
+engine vs fp32 trainer, different kernels); rl/corrections.py measures it every step and, with
+`algo.correction=tis|mis`, takes the ratio against the trainer's own policy and weights each token by the
+truncated (TIS) or masked (MIS) importance weight instead.
+
+Behaviour logprobs must be those of the distribution the engine sampled from: the engine reports processed
+logprobs (after temperature and top-p, vLLM's `logprobs_mode="processed_logprobs"`), and `token_logprobs`
+applies the same temperature and nucleus to the trainer's logits.
 """
 
 from __future__ import annotations
@@ -18,6 +24,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from colocate.rl.corrections import importance_weights
+
+
+LOGPROB_FLOOR = -100.0  # a token outside the nucleus: probability e^-100, as good as impossible, and finite
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """What the policy loss needs of the job's config (algo.* and the rollout's sampling)."""
+
+    clip_eps: float = 0.2
+    temperature: float = 1.0
+    top_p: float = 1.0
+    correction: str = "none"  # none, tis, mis (see rl/corrections.py)
+    correction_level: str = "token"
+    tis_cap: float = 2.0
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+
+    @classmethod
+    def from_job(cls, cfg) -> LossSettings:
+        a, r = cfg.algo, cfg.rollout
+        return cls(a.clip_eps, r.temperature, r.top_p, a.correction, a.correction_level, a.tis_cap, a.mis_low,
+                   a.mis_high)
 
 
 @dataclass
@@ -54,25 +85,55 @@ def collate(seqs: list[Sequence], *, pad_id: int, device: torch.device) -> Micro
     return MicroBatch(*(t.to(device) for t in (input_ids, attention_mask, target_mask, old_logprobs, advantages)))
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """logprob of each next token: [B, T-1]."""
-    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return torch.gather(logprobs, 2, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, temperature: float = 1.0,
+                   top_p: float = 1.0) -> torch.Tensor:
+    """logprob of each next token, [B, T-1], under the distribution the engine samples from: logits divided by
+    the temperature, then restricted to the nucleus of mass `top_p` and renormalised (vLLM's
+    `apply_top_k_top_p`: drop the smallest tokens whose cumulative probability stays <= 1 - top_p, keep at
+    least one). A temperature of 0 (greedy) is scored as 1."""
+    logits = logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    if top_p < 1.0:
+        # Hazard (memory): sorts the vocabulary at every position; a [B, T, V] copy beside the logits
+        ordered, order = logits.sort(dim=-1)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1 - top_p
+        drop[..., -1] = False
+        logits = logits.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = torch.gather(logprobs, 2, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    # Hazard: outside the nucleus a token's logprob is -inf (a padding target, or a sampled token the trainer
+    # ranks just outside it): -inf * 0 in a mask is NaN. A floor keeps it finite and its gradient zero.
+    return chosen.clamp(min=LOGPROB_FLOOR) if top_p < 1.0 else chosen
 
 
-def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, clip_eps: float) -> tuple[torch.Tensor, dict]:
-    """Sum over response tokens of the clipped surrogate loss (the caller normalises by the token count)."""
+def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, settings: LossSettings) -> tuple[torch.Tensor, dict]:
+    """Sum over response tokens of the clipped surrogate loss (the caller normalises by the token count), and
+    the step's mismatch: every response token's log w = logp_trainer - logp_engine and every sequence's sum."""
     mask = batch.target_mask
-    log_ratio = (logprobs - batch.old_logprobs) * mask
+    log_w = (logprobs.detach() - batch.old_logprobs) * mask
+    if settings.correction == "none":
+        log_ratio, weights, affected = (logprobs - batch.old_logprobs) * mask, mask, torch.zeros_like(mask)
+    else:  # the ratio against the trainer's own policy (1 in value); the mismatch moves into the weights
+        log_ratio = (logprobs - logprobs.detach()) * mask
+        weights, affected = importance_weights(log_w, mask, mode=settings.correction,
+                                               level=settings.correction_level, cap=settings.tis_cap,
+                                               low=settings.mis_low, high=settings.mis_high)
     ratio = torch.exp(log_ratio)
     advantages = batch.advantages.unsqueeze(1)
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantages
-    loss = -(torch.minimum(unclipped, clipped) * mask).sum()
+    clipped = torch.clamp(ratio, 1 - settings.clip_eps, 1 + settings.clip_eps) * advantages
+    loss = -(torch.minimum(unclipped, clipped) * weights).sum()
     with torch.no_grad():
+        on = mask.bool()
         stats = {
             "tokens": float(mask.sum()),
-            "mismatch_abs_sum": float((log_ratio.abs() * mask).sum()),  # |logp_trainer - logp_engine|
+            "mismatch_abs_sum": float(log_w.abs().sum()),  # |logp_trainer - logp_engine|
             "clipped_sum": float(((unclipped != clipped).float() * mask).sum()),
+            "corrected_sum": float(affected.sum()),
+            "weight_sum": float(weights.sum()),
+            "token_log_w": log_w[on].cpu(),
+            "seq_log_w": log_w.sum(dim=1)[mask.sum(dim=1) > 0].cpu(),
         }
     return loss, stats

@@ -3,9 +3,11 @@ same as 1 rank with all of them: gradient averaging and the all-rank token norma
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from colocate.config import ModelConfig, TrainerConfig
+from colocate.trainer.grpo import LossSettings
 from colocate.models import ensure_model
 from tests.distributed.conftest import run_distributed
 
@@ -18,16 +20,17 @@ SEQS = [
 ]
 
 
-def _train(rank: int, world_size: int, port: int, model_path: str, out_path: str):
+def _train(rank: int, world_size: int, port: int, model_path: str, out_path: str, loss):
     from colocate.trainer.actor import TrainerActor
 
     cfg = TrainerConfig(lr=1e-2, micro_batch_size=2, grad_clip=0.0)
-    trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", clip_eps=0.2, pad_id=0)
+    trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0, loss=loss)
     trainer.setup("127.0.0.1", port)
     num_tokens = sum(len(s["response_ids"]) for s in SEQS)
-    stats = trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens, 
+    stats = trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens,
                                num_micro_batches=-(-len(SEQS[0::world_size]) // cfg.micro_batch_size))
     assert stats["tokens"] == sum(len(s["response_ids"]) for s in SEQS[rank::world_size])
+    assert len(stats["token_log_w"]) == stats["tokens"] and len(stats["seq_log_w"]) == len(SEQS[rank::world_size])
     grads = {n: p.grad.full_tensor() for n, p in trainer.model.named_parameters()}
     state = trainer.full_state_dict("float32")
     if rank == 0:
@@ -35,10 +38,16 @@ def _train(rank: int, world_size: int, port: int, model_path: str, out_path: str
     trainer.shutdown()
 
 
-def test_two_ranks_match_one_rank(tmp_path):
+@pytest.mark.parametrize("loss", [
+    pytest.param(LossSettings(), id="ppo_against_the_engine"),
+    # the engine logprobs above are far from the tiny model's (log w up to ~7): sequence weights get truncated
+    pytest.param(LossSettings(correction="tis", correction_level="sequence", tis_cap=2.0, temperature=0.8),
+                 id="tis_sequence_temperature"),
+])
+def test_two_ranks_match_one_rank(tmp_path, loss):
     path = ensure_model(ModelConfig(preset="tiny", cache_dir=str(tmp_path / "models")))
-    run_distributed(_train, path, str(tmp_path / "w1.pt"), world_size=1, init=False)
-    run_distributed(_train, path, str(tmp_path / "w2.pt"), world_size=2, init=False)
+    run_distributed(_train, path, str(tmp_path / "w1.pt"), loss, world_size=1, init=False)
+    run_distributed(_train, path, str(tmp_path / "w2.pt"), loss, world_size=2, init=False)
     one, two = torch.load(tmp_path / "w1.pt"), torch.load(tmp_path / "w2.pt")
     from transformers import AutoModelForCausalLM
 
@@ -56,8 +65,8 @@ def _offload_round_trip(rank: int, world_size: int, port: int, model_path: str):
     from colocate.memory import process_rss_bytes
     from colocate.trainer.actor import TrainerActor
 
-    cfg = TrainerConfig(lr=1e-3, micro_batch_size=2, offload=True)
-    trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", clip_eps=0.2, pad_id=0)
+    cfg = TrainerConfig(lr=1e-3, micro_batch_size=2, offload="true")
+    trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0)
     trainer.setup("127.0.0.1", port)
     num_tokens = sum(len(s["response_ids"]) for s in SEQS)
     trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens, num_micro_batches=2)

@@ -35,6 +35,11 @@ def test_a_full_run_ends_clean_and_writes_metrics(tmp_path, baseline):
     assert [r["step"] for r in records] == [0, 1]
     for key in ("reward_mean", "rollout_tokens_per_s", "sync_s", "mismatch", "memory", "times"):
         assert key in records[0]
+    for record in records:  # the mismatch monitor, every step: every response token and sequence counted
+        monitor = record["mismatch_monitor"]
+        assert monitor["token"]["count"] == record["num_response_tokens"] > 0
+        assert monitor["sequence"]["count"] == 4 * 4  # prompts x samples
+        assert 0 < monitor["token"]["ratio_quantiles"]["p50"] < 2 and record["correction"]["mode"] == "none"
     assert "Traceback" not in result.stderr
     assert_nothing_left(*baseline)
 
