@@ -75,8 +75,14 @@ class EngineConfig:
     """CPU: KV cache size per engine worker in GiB (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = 0.5
     """CUDA: fraction of GPU memory vLLM may use for weights + KV cache."""
-    enforce_eager: bool = True
-    """Skip graph capture / compilation (fast start; the CPU tests want it)."""
+    enforce_eager: str = "auto"
+    """Skip graph capture / compilation: true (fast start), false (CUDA graphs, compiled), auto (true on the CPU, false on CUDA)."""
+    max_num_seqs: int = 0
+    """Most sequences the engine decodes at once; 0 keeps vLLM's default."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of a shared prefix: the samples of one prompt share its prefill."""
+    extra_args: str = ""
+    """Other vLLM engine arguments as a JSON object, e.g. {"block_size": 32}; names are checked against vLLM's EngineArgs before anything starts."""
     sleep_level: str = "auto"
     """Engine sleep while training: 0 stays awake, 1 keeps a host copy of the weights, 2 discards them (the sync restores them), auto the least that lets the training phase fit (memory preflight)."""
     sleep_backend: str = "auto"
@@ -191,6 +197,9 @@ class JobConfig:
         _one_of(self, "trainer.offload", ["auto", "true", "false"])
         _one_of(self, "trainer.offload_backend", ["auto", "pinned", "torch_memory_saver"])
         _one_of(self, "engine.sleep_backend", ["auto", "vllm", "portable"])
+        _one_of(self, "engine.enforce_eager", ["auto", "true", "false"])
+        _non_negative(self, "engine.max_num_seqs")
+        engine_extra_args(self.engine)
         _one_of(self, "sync.verify", ["checksum", "full", "none"])
         _one_of(self, "sync.transport", ["auto", "gather", "in_place", "ring"])
         _one_of(self, "algo.correction", ["none", "tis", "mis"])
@@ -241,6 +250,48 @@ class JobConfig:
             # "org/name" may be a hub id; anything path-like must exist.
             raise _bad("model.path", self.model.path, "no such directory (give a Hugging Face model directory "
                        "or hub id, or leave empty for the embedded preset)")
+
+
+# vLLM engine arguments colocate sets itself (from the key named), so a pass-through must not
+_ENGINE_ARGS_OF_OURS = {
+    "model": "model.path", "tensor_parallel_size": "engine.tp", "dtype": "engine.dtype",
+    "max_model_len": "engine.max_model_len", "enforce_eager": "engine.enforce_eager", "seed": "engine.seed",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization", "enable_sleep_mode": "engine.sleep_backend",
+    "max_num_seqs": "engine.max_num_seqs", "enable_prefix_caching": "engine.enable_prefix_caching",
+    "kv_cache_memory_bytes": "engine.kv_cache_gib", "worker_extension_cls": None, "skip_tokenizer_init": None,
+    "distributed_executor_backend": None, "logprobs_mode": None}
+
+
+def engine_extra_args(engine: EngineConfig) -> dict:
+    """`engine.extra_args` as keyword arguments for vLLM, checked against vLLM's own EngineArgs fields (vLLM is
+    imported only when there are any)."""
+    if not engine.extra_args.strip():
+        return {}
+    import json
+
+    try:
+        extra = json.loads(engine.extra_args)
+    except json.JSONDecodeError as e:
+        raise _bad("engine.extra_args", engine.extra_args, f"not a JSON object ({e.msg}); e.g. "
+                   '{"block_size": 32}') from None
+    if not isinstance(extra, dict):
+        raise _bad("engine.extra_args", engine.extra_args, 'expected a JSON object, e.g. {"block_size": 32}')
+    for name in extra:
+        if name in _ENGINE_ARGS_OF_OURS:
+            ours = _ENGINE_ARGS_OF_OURS[name]
+            raise _bad("engine.extra_args", name, f"colocate sets {name} itself" +
+                       (f": use {ours}" if ours else " (the runtime depends on it)"))
+    import difflib
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = [f.name for f in dataclasses.fields(EngineArgs)]
+    for name in extra:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3)
+            raise _bad("engine.extra_args", name, "not an argument of vLLM's engine" +
+                       (f"; did you mean {', '.join(close)}?" if close else ""))
+    return extra
 
 
 def largest_tensor_bytes(cfg: JobConfig) -> int | None:
@@ -308,7 +359,11 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         if "=" not in item:
             raise ConfigError(f"override {item!r} is invalid: expected key=value, e.g. engine.tp=2")
         key, _, raw = item.partition("=")
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}={raw}"]))
+        try:  # the value is read as YAML (numbers, booleans, mappings)
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}={raw}"]))
+        except Exception as e:  # yaml's and OmegaConf's parse errors: one line naming the override
+            raise ConfigError(f"override {item!r} is invalid: its value is not valid YAML "
+                              f"({_first_line(e)}); quote it, e.g. {key}='...'") from None
     cfg = from_dict(OmegaConf.to_container(merged, resolve=True) or {})
     cfg.validate()
     return cfg
@@ -337,7 +392,15 @@ def _build(cls, data, *, prefix: str):
     return cls(**kwargs)
 
 
+# str keys that hold JSON: a YAML mapping given for them (engine.extra_args: {block_size: 32}) is kept as JSON text
+_JSON_KEYS = {"engine.extra_args"}
+
+
 def _coerce(key: str, value, hint):
+    if key in _JSON_KEYS and isinstance(value, (dict, list)):
+        import json
+
+        return json.dumps(value)
     if hint is bool:
         if isinstance(value, bool):
             return value

@@ -15,6 +15,8 @@ import os
 import re
 import time
 
+from colocate.config import engine_extra_args
+
 EXTENSION = "colocate.engine.extension.ColocateWorkerExtension"
 
 
@@ -62,13 +64,18 @@ class EngineActor:
             tensor_parallel_size=self.cfg.tp,
             dtype=self.cfg.dtype,
             max_model_len=self.cfg.max_model_len,
-            enforce_eager=self.cfg.enforce_eager,
+            # CUDA graphs on GPU by default; on the CPU eager mode starts in seconds instead of minutes
+            enforce_eager=self.cfg.enforce_eager == "true" or (self.cfg.enforce_eager == "auto"
+                                                               and self.device == "cpu"),
+            enable_prefix_caching=self.cfg.enable_prefix_caching,
             seed=self.cfg.seed,
             skip_tokenizer_init=True,
             worker_extension_cls=EXTENSION,
             # the logprobs of the distribution tokens were sampled from (after temperature and top-p), the
             # behaviour policy of the loss; raw logprobs would be those of the unscaled logits
             logprobs_mode="processed_logprobs",
+            **({"max_num_seqs": self.cfg.max_num_seqs} if self.cfg.max_num_seqs else {}),
+            **engine_extra_args(self.cfg),
         )
         if self.device == "cpu":
             kwargs.update(distributed_executor_backend="mp",

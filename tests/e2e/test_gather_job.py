@@ -16,7 +16,9 @@ pytestmark = pytest.mark.e2e
 def test_two_tp1_engines_fed_by_their_own_ranks(tmp_path):
     before = (colocate_processes(), shm_segments())
     cfg = small_job(tmp_path, "engine.tp=1", "placement.num_slots=2", "sync.transport=gather",
-                    "engine.sleep_level=2", "trainer.offload=true")
+                    "engine.sleep_level=2", "trainer.offload=true",
+                    # engine knobs reach vLLM (a name it did not know would fail the start)
+                    "engine.max_num_seqs=8", 'engine.extra_args={"max_logprobs": 5}')
     with Runtime(cfg) as rt:
         assert rt.pairs == [(0, 0), (1, 0)]
         assert rt.placement_report["trainer_devices"] == ["cpu-slot0", "cpu-slot1"]

@@ -61,6 +61,16 @@ def test_defaults_without_a_file():
         pytest.param(["rollout.task=copx"], "rollout.task", id="unknown_task"),
         pytest.param(["rollout.reward_fn=nowhere.mod:fn"], "rollout.reward_fn", id="unimportable_reward"),
         pytest.param(["enginetp"], "enginetp", id="override_without_equals"),
+        pytest.param(["engine.enforce_eager=sometimes"], "engine.enforce_eager", id="bad_eager"),
+        pytest.param(["engine.max_num_seqs=-1"], "engine.max_num_seqs", id="negative_max_num_seqs"),
+        pytest.param(["engine.extra_args={block_size: 32"], "engine.extra_args", id="extra_args_not_json"),
+        pytest.param(['engine.extra_args=[1, 2]'], "engine.extra_args", id="extra_args_not_an_object"),
+        pytest.param(['engine.extra_args={"block_sise": 32}'], "did you mean block_size", id="extra_args_typo"),
+        pytest.param(['engine.extra_args={"tensor_parallel_size": 4}'], "use engine.tp", id="extra_args_ours"),
+        pytest.param(["algo.correction=ppo"], "algo.correction", id="unknown_correction"),
+        pytest.param(["algo.mis_low=1.5"], "algo.mis_low", id="mis_band_without_one"),
+        pytest.param(["algo.tis_cap=0.5"], "algo.tis_cap", id="tis_cap_below_one"),
+        pytest.param(["algo.mismatch_band=1"], "algo.mismatch_band", id="empty_monitor_band"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(capsys, overrides, key):
@@ -116,3 +126,14 @@ def test_default_yaml_is_the_dataclass_default():
     from colocate.config import JobConfig
 
     assert load_config(DEFAULT, []) == JobConfig()
+
+
+def test_engine_extra_args_from_a_yaml_mapping_or_json(tmp_path):
+    from colocate.config import engine_extra_args
+
+    path = tmp_path / "job.yaml"
+    path.write_text("engine:\n  extra_args: {max_logprobs: 5, block_size: 16}\n")
+    assert engine_extra_args(load_config(str(path)).engine) == {"max_logprobs": 5, "block_size": 16}
+    cfg = load_config(None, ['engine.extra_args={"max_logprobs": 5}'])
+    assert engine_extra_args(cfg.engine) == {"max_logprobs": 5}
+    assert engine_extra_args(load_config(None, []).engine) == {}
