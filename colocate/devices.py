@@ -24,7 +24,9 @@ def local_cuda_device() -> torch.device:
     RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES, as vLLM's workers are)."""
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
     assigned = _ray_gpu_ids()
-    if assigned and visible and len(visible) > 1:
+    if assigned and not visible:  # every GPU visible (Ray told not to narrow it): indices are physical ids
+        return torch.device("cuda", int(assigned[0]))
+    if assigned and len(visible) > 1:
         assert assigned[0] in visible, f"Ray assigned GPU {assigned[0]}, not among CUDA_VISIBLE_DEVICES={visible}"
         return torch.device("cuda", visible.index(assigned[0]))
     return torch.device("cuda", 0)

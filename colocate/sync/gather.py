@@ -108,6 +108,7 @@ class Gatherer:
         self.send = torch.empty(largest, dtype=torch.uint8, device=device)
         self.received = torch.empty(world_size * largest, dtype=torch.uint8, device=device)
         self._sizes = [(t.untyped_storage(), t.untyped_storage().nbytes()) for t in (self.send, self.received)]
+        self.release()  # held only while a sync runs
 
     def rank_shards(self, group: str) -> list[dict[str, tuple[torch.Tensor, int]]]:
         """Per rank, name -> (that rank's rows as a 2-D view of the gathered buffer, first row): the shape of
@@ -142,9 +143,12 @@ class Gatherer:
         dist.all_gather_into_tensor(self.received[:self.world_size * g.rank_bytes], self.send[:g.rank_bytes])
 
     def release(self) -> None:
-        """Give the buffers' memory back between syncs (views into them stay valid)."""
+        """Give the buffers' memory back between syncs (views into them stay valid): to the driver on CUDA,
+        where vLLM's KV-cache wake allocates from the driver, not from torch's cache."""
         for storage, _ in self._sizes:
             storage.resize_(0)
+        if self.send.is_cuda:
+            torch.cuda.empty_cache()
 
     def restore(self) -> None:
         for storage, num_bytes in self._sizes:
@@ -164,17 +168,20 @@ class GatherWriter:
         self._copies: dict[int, list[Copy]] = {}  # bucket index -> copies; pure views, replayed every sync
         self._gathered: str | None = None
 
-    def write(self, index: int, shards: dict[str, tuple[torch.Tensor, int]]) -> list[tuple[int, int, int, int]]:
+    def write(self, index: int, shards: dict[str, tuple[torch.Tensor, int]], *,
+              copy: bool = True) -> list[tuple[int, int, int, int]]:
         """Bucket `index`: gather its group if it starts one, then write this rank's worker's slice. Returns one
-        (worker, start, num_bytes, checksum) for the whole range written (one transfer per bucket)."""
+        (worker, start, num_bytes, checksum) for the whole range written (one transfer per bucket). `copy=False`:
+        take part in the gather only (the slot is not free: the engine's load of it failed)."""
         bucket = self.plan.buckets[index]
-        if index == 0:
+        if index == 0:  # a new sync: nothing gathered before counts (an aborted sync may have left its group)
             self.gatherer.restore()
+            self._gathered = None
         if bucket.group != self._gathered:
             self.gatherer.gather(bucket.group, shards)
             self._gathered = bucket.group
         written = []
-        if self.ring is not None:
+        if self.ring is not None and copy:
             if index not in self._copies:
                 self._copies[index] = self._bucket_copies(index)
             written = run_copies(self._copies[index], checksum=self.checksum, one_range=True)

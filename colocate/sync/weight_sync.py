@@ -174,9 +174,12 @@ class WeightSync:
         for index in range(len(plan.buckets)):
             writes = []
             for trainer, pair in zip(self.trainers, self.pairs):
+                # Nested in a list, the load is not a Ray dependency (which would cancel this write if the load
+                # failed, and leave the other ranks alone in the next all-gather): the rank waits for it itself
+                # and, if it failed, still takes part in the gather.
                 after = [loads[pair[0]][index - plan.num_slots]] if pair is not None and index >= plan.num_slots \
                     else []
-                writes.append(trainer.gather_write.remote(key, index, *after))
+                writes.append(trainer.gather_write.remote(key, index, after))
             pending += [w for w, pair in zip(writes, self.pairs) if pair is None]
             for e, engine in enumerate(self.engines):
                 loads[e].append(engine.load_bucket.remote(key, index, *[writes[r] for r in feeders[e]]))

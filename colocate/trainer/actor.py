@@ -11,7 +11,6 @@ decoder layer, then the root, with `fully_shard` on dim 0.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections import deque
@@ -73,18 +72,19 @@ class TrainerActor:
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=10))
         mesh = init_device_mesh(self.device.type, (self.world_size,))
 
-        # The checkpoint loads on the CPU; fully_shard moves each block's parameters to the mesh's device as it
-        # shards them (torch/distributed/fsdp/_fully_shard/_fsdp_init.py, `_move_states_to_device`), so the
-        # GPU holds one full block at a time, never the whole fp32 model.
+        # The checkpoint loads on the CPU and goes to the device one block at a time, each sharded before the next
+        # moves: the GPU never holds the whole fp32 model. Each block moves *outside* the offloader's region and
+        # is sharded inside it: only the shards are the region's (torch_memory_saver pauses what is allocated in
+        # it, and its pool's freed blocks stay reserved, so the full block must not come from it).
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if self.cfg.mixed_precision else MixedPrecisionPolicy()
         self._offloader = make_offloader(self.device, backend=self.cfg.offload_backend,
                                          directory=self.cfg.offload_dir or None)
-        with self._offloader.allocation_region():  # torch_memory_saver pauses only what is allocated in it
-            for layer in decoder_layers(model):
-                fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-            fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        for block in [*decoder_layers(model), model]:
+            _move_unsharded(block, self.device)  # the root: what no layer holds (embeddings, norm, lm_head)
+            with self._offloader.allocation_region():
+                fully_shard(block, mesh=mesh, mp_policy=mp_policy)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.params = dict(model.named_parameters())
@@ -150,11 +150,23 @@ class TrainerActor:
         if self.cfg.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
             totals["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        # AdamW creates its state at the first step: inside the offloader's region, so it is paused with the rest
-        first = not self.optimizer.state
-        with self._offloader.allocation_region() if first else contextlib.nullcontext():
-            self.optimizer.step()
+        if not self.optimizer.state:
+            self._create_optimizer_state()
+        self.optimizer.step()
         return totals
+
+    def _create_optimizer_state(self) -> None:
+        """AdamW's lazy state, created by hand inside the offloader's region (torch_memory_saver pauses it with
+        the parameters), exactly as `Adam._init_group` creates it (torch/optim/adam.py: step a CPU scalar, the
+        moments zeros like the parameter), so the step itself and its temporaries run outside the region."""
+        with self._offloader.allocation_region():
+            for group in self.optimizer.param_groups:
+                assert not (group["fused"] or group["capturable"] or group["amsgrad"]), "mirror Adam._init_group"
+                for p in group["params"]:
+                    self.optimizer.state[p].update(
+                        step=torch.tensor(0.0, dtype=torch.float32),
+                        exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                        exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
 
     @torch.no_grad()
     def score(self, seqs: list[dict], *, num_micro_batches: int, temperature: float,
@@ -229,13 +241,24 @@ class TrainerActor:
             ring=attach(handle) if pair is not None else None, worker=pair[1] if pair is not None else None,
             checksum=checksum)
 
-    def gather_write(self, key: str, index: int, *after) -> list[tuple[int, int, int, int]]:
-        """Bucket `index` of a gather sync (see attach_gather). `after`: the paired engine's load of the bucket
-        that last used this ring slot (Ray runs this call only once it returned: the slot is free)."""
+    def gather_write(self, key: str, index: int, after: list) -> list[tuple[int, int, int, int]]:
+        """Bucket `index` of a gather sync (see attach_gather). `after`: [the paired engine's load of the bucket
+        that last used this ring slot], waited for here: the slot is free once it returned. If that load failed,
+        this rank still takes part in the all-gather (every rank must, or the group falls out of step), writes
+        nothing, and raises the load's error."""
+        import ray
+
         self.onload()  # as in write_bucket: a caller may sync an offloaded trainer
+        failed = None
+        try:
+            ray.get(after)
+        except Exception as e:  # the engine's error, raised again once the collective is done
+            failed = e
         started = time.perf_counter()
-        written = self._gather_writers[key].write(index, self.shards)
+        written = self._gather_writers[key].write(index, self.shards, copy=failed is None)
         self.write_times.append((index, time.perf_counter() - started))
+        if failed is not None:
+            raise failed
         return written
 
     def cast_floor_s(self, num_bytes: int, dtype: str, *, repeats: int = 5) -> float:
@@ -331,6 +354,21 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     layers = [m for m in model.modules() if type(m).__name__ in names]
     assert layers, f"{type(model).__name__} declares no decoder layer class (_no_split_modules)"
     return layers
+
+
+def _move_unsharded(module: torch.nn.Module, device: torch.device) -> None:
+    """Move the parameters and buffers of `module` that FSDP2 has not sharded yet to `device`, in place
+    (`.data`: the same Parameter objects, so tied weights stay tied), as fully_shard's own move does."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for param in module.parameters():
+            if not isinstance(param, DTensor) and param.device != device:
+                param.data = param.data.to(device)
+        for sub in module.modules():
+            for name, buffer in sub._buffers.items():
+                if buffer is not None and buffer.device != device:
+                    sub._buffers[name] = buffer.to(device)
 
 
 def _dummy_sequence(pad_id: int) -> Sequence:

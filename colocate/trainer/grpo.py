@@ -28,6 +28,7 @@ import torch
 from colocate.rl.corrections import importance_weights
 
 
+GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: below it a request is sampled greedily
 LOGPROB_FLOOR = -100.0  # a token outside the nucleus: probability e^-100, as good as impossible, and finite
 
 
@@ -90,9 +91,12 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, temperature
     """logprob of each next token, [B, T-1], under the distribution the engine samples from: logits divided by
     the temperature, then restricted to the nucleus of mass `top_p` and renormalised (vLLM's
     `apply_top_k_top_p`: drop the smallest tokens whose cumulative probability stays <= 1 - top_p, keep at
-    least one). A temperature of 0 (greedy) is scored as 1."""
+    least one). Greedy sampling (temperature below vLLM's 1e-5) is scored as vLLM reports it: the plain
+    distribution, no temperature, no nucleus (vllm/v1/sample/sampler.py, the all-greedy branch)."""
     logits = logits[:, :-1].float()
-    if temperature > 0 and temperature != 1.0:
+    if temperature < GREEDY_TEMPERATURE:
+        temperature, top_p = 1.0, 1.0
+    if temperature != 1.0:
         logits = logits / temperature
     if top_p < 1.0:
         # Hazard (memory): sorts the vocabulary at every position; a [B, T, V] copy beside the logits

@@ -119,13 +119,23 @@ def test_without_bundle_indices_and_shares_vllm_workers_cannot_be_placed(declare
 
 @ray.remote
 class FakeTrainer:
+    """The trainer's side of the gather protocol at the actor boundary: waits for the load it is given, as
+    TrainerActor.gather_write does, and logs when it gathered and when it would have written."""
+
     def __init__(self):
         self.log = []
 
-    def gather_write(self, key, index, *after):
+    def gather_write(self, key, index, after):
+        failed = None
+        try:
+            ray.get(after)
+        except Exception as e:
+            failed = e
         started = time.monotonic()
-        time.sleep(0.01)
-        self.log.append((index, started, time.monotonic()))
+        time.sleep(0.01)  # the gather every rank takes part in, failed load or not
+        self.log.append((index, started, time.monotonic(), failed is None))
+        if failed is not None:
+            raise failed
         return [(0, 0, 0, 0)]
 
     def take_log(self):
@@ -134,13 +144,15 @@ class FakeTrainer:
 
 @ray.remote
 class FakeEngine:
-    def __init__(self):
-        self.log = []
+    def __init__(self, fail_at: int | None = None):
+        self.log, self.fail_at = [], fail_at
 
     def load_bucket(self, key, index, *writes):
         started = time.monotonic()
         time.sleep(0.5 if index % 3 == 0 else 0.02)  # some loads finish late
         self.log.append((index, started, time.monotonic()))
+        if index == self.fail_at:
+            raise RuntimeError(f"checksum mismatch in bucket {index}")
         return {"verify_s": 0.0, "load_s": 0.0}
 
     def finish_sync(self):
@@ -150,20 +162,37 @@ class FakeEngine:
         return self.log
 
 
-def test_a_late_load_never_has_its_slot_rewritten(declared_gpus):
+def _fake_sync(engines, pairs):
     from types import SimpleNamespace
 
     from colocate.config import SyncConfig
     from colocate.sync.weight_sync import WeightSync
 
-    trainers = [FakeTrainer.remote() for _ in range(3)]
-    engines = [FakeEngine.remote() for _ in range(2)]
-    pairs = [(0, 0), (1, 0), None]  # rank 2 has no worker beside it: it only gathers
+    trainers = [FakeTrainer.remote() for _ in pairs]
     sync = WeightSync(trainers, engines, [], cfg=SyncConfig(), hf_config=None, transport="gather", pairs=pairs)
     sync.plan = SimpleNamespace(buckets=list(range(8)), num_slots=2, in_place=False, num_bytes=0, mode="sliced")
+    return sync, trainers
+
+
+def test_a_late_load_never_has_its_slot_rewritten(declared_gpus):
+    engines = [FakeEngine.remote() for _ in range(2)]
+    pairs = [(0, 0), (1, 0), None]  # rank 2 has no worker beside it: it only gathers
+    sync, trainers = _fake_sync(engines, pairs)
     sync.run()
     loads = [{i: (s, e) for i, s, e in ray.get(engine.take_log.remote())} for engine in engines]
     for trainer, pair in zip(trainers, pairs):
-        for index, started, _ in ray.get(trainer.take_log.remote()):
+        for index, started, _, _ in ray.get(trainer.take_log.remote()):
             if pair is not None and index >= 2:  # slot index % 2 was last loaded by bucket index - 2
                 assert started >= loads[pair[0]][index - 2][1], (pair, index)
+
+
+def test_a_failed_load_fails_the_sync_but_every_rank_still_gathers(declared_gpus):
+    """One engine's load fails: its feeder writes nothing after it, yet takes part in every later all-gather,
+    so the trainers' process group stays in step; the sync raises the engine's error."""
+    engines = [FakeEngine.remote(fail_at=2), FakeEngine.remote()]
+    sync, trainers = _fake_sync(engines, [(0, 0), (1, 0)])
+    with pytest.raises(ray.exceptions.RayTaskError, match="checksum mismatch in bucket 2"):
+        sync.run()
+    logs = [ray.get(t.take_log.remote()) for t in trainers]
+    assert all(sorted(i for i, *_ in log) == list(range(8)) for log in logs)  # every rank, every gather
+    assert [i for i, _, _, wrote in logs[0] if not wrote] == [4, 6]  # slot of bucket 2 never freed again
