@@ -62,8 +62,8 @@ def test_ranks_write_their_rows_into_the_bucket():
         owner.unlink()
 
 
-def _sharded(full: dict[str, torch.Tensor], world_size: int):
-    """HF-named tensors as one FSDP2-sharded module: (name -> sharded parameter, bf16 specs)."""
+def _sharded(full: dict[str, torch.Tensor], world_size: int, device: str = "cpu"):
+    """HF-named tensors as one FSDP2-sharded module on `device`: (name -> sharded parameter, bf16 specs)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -74,7 +74,7 @@ def _sharded(full: dict[str, torch.Tensor], world_size: int):
                                              for n, t in full.items()})
 
     model = Flat()
-    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
+    fully_shard(model, mesh=init_device_mesh(device, (world_size,)))
     params = {n.replace("__", "."): p for n, p in model.p.items()}
     return params, [TensorSpec(n, tuple(t.shape), torch.bfloat16) for n, t in full.items()]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from tests.distributed.conftest import run_distributed
+from tests.distributed.test_shards import _sharded
 from tests.unit.test_reshard import HD, NKV, NQ, engine_shapes, hf_state
 
 VOCAB = 49
@@ -14,10 +15,7 @@ VOCAB = 49
 
 def _gather_on_gpu(rank: int, world_size: int, port: int) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from colocate.sync.buckets import TensorSpec
     from colocate.sync.gather import GatherWriter, plan_gather
     from colocate.sync.load import load_regions
     from colocate.sync.plan import TPLayout, engine_tensor
@@ -29,17 +27,7 @@ def _gather_on_gpu(rank: int, world_size: int, port: int) -> None:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
     full = hf_state(VOCAB, tied=False, num_layers=2)
-
-    class Flat(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.p = torch.nn.ParameterDict({n.replace(".", "__"): torch.nn.Parameter(t.clone())
-                                             for n, t in full.items()})
-
-    model = Flat()
-    fully_shard(model, mesh=init_device_mesh("cuda", (world_size,)))
-    params = {n.replace("__", "."): p for n, p in model.p.items()}
-    specs = [TensorSpec(n, tuple(t.shape), torch.bfloat16) for n, t in full.items()]
+    params, specs = _sharded(full, world_size, device="cuda")
     layout = TPLayout(0, 1, NQ, NKV, HD, VOCAB)
     layouts = [{"tp_rank": 0, "tp_size": 1, "params": [(n, s, "bf16") for n, s in engine_shapes(full, layout, False)]}]
     plan = build_sync_plan(specs, layouts, lambda r, s: TPLayout(r, s, NQ, NKV, HD, VOCAB), bucket_bytes=4096,
