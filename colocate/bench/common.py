@@ -22,16 +22,20 @@ BENCH_DEFAULTS = ["model.preset=bench", "engine.kv_cache_gib=0.25", "engine.max_
 def memcpy_floor_s(num_bytes: int, *, device: str = "cpu", repeats: int = 5) -> float:
     """Median time of one single-process copy of `num_bytes` (the physical floor of moving those bytes once)."""
     src = torch.ones(num_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in: the floor is the copy, not the first touch
+    return copy_seconds(torch.empty_like(src), src, repeats=repeats)
+
+
+def copy_seconds(destination: torch.Tensor, source: torch.Tensor, *, repeats: int = 5) -> float:
+    """Median seconds of `destination.copy_(source)` (a cast when the dtypes differ), device work included."""
+    destination.copy_(source)  # fault the pages in: the floor is the copy, not the first touch
     times = []
     for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
+        if destination.is_cuda:
+            torch.cuda.synchronize(destination.device)
         started = time.perf_counter()
-        dst.copy_(src)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        destination.copy_(source)
+        if destination.is_cuda:
+            torch.cuda.synchronize(destination.device)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 

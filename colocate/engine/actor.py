@@ -197,26 +197,27 @@ class EngineActor:
         """Free weights and KV cache (level 2: weights discarded, sync restores them). Returns bytes freed."""
         self._asleep = {"weights", "kv_cache"}
         if self.sleep_backend == "vllm":
-            # vLLM's sleep returns nothing: what it freed is what the driver now reports free on the workers' GPUs
-            before = self.llm.collective_rpc("colocate_device_free_bytes")
-            self.llm.sleep(level=level)
-            after = self.llm.collective_rpc("colocate_device_free_bytes")
-            return sum(a - b for a, b in zip(after, before))
+            return self._freed_on_devices(lambda: self.llm.sleep(level=level))
         return sum(self.llm.collective_rpc("colocate_sleep", args=(level,)))
 
     def wake(self, tags: list[str], commit: bool = False) -> int:
         """Wake by tags: "weights" before the sync writes them, "kv_cache" after (never both copies at once)."""
         if self.sleep_backend == "vllm":
-            before = self.llm.collective_rpc("colocate_device_free_bytes")
-            self.llm.wake_up(tags=tags)
-            after = self.llm.collective_rpc("colocate_device_free_bytes")
-            restored = sum(b - a for a, b in zip(after, before))
+            restored = -self._freed_on_devices(lambda: self.llm.wake_up(tags=tags))
         else:
             restored = sum(self.llm.collective_rpc("colocate_wake", args=(tags, commit)))
         if "kv_cache" in tags:
             self.llm.reset_prefix_cache()  # the KV cache came back without its contents
         self._asleep -= set(tags)
         return restored
+
+    def _freed_on_devices(self, action) -> int:
+        """Bytes the driver reports freed on the workers' GPUs by `action` (vLLM's sleep and wake return nothing;
+        negative: memory taken)."""
+        before = self.llm.collective_rpc("colocate_device_free_bytes")
+        action()
+        after = self.llm.collective_rpc("colocate_device_free_bytes")
+        return sum(a - b for a, b in zip(after, before))
 
     def memory(self) -> list[dict]:
         return self.llm.collective_rpc("colocate_memory")

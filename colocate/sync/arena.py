@@ -31,12 +31,8 @@ import mmap
 
 import torch
 
-from colocate.sync.buckets import ALIGN
+from colocate.sync.buckets import ALIGN, aligned
 from colocate.sync.transport import ShmBuffer, ShmHandle
-
-
-def _aligned(num_bytes: int) -> int:
-    return (num_bytes + ALIGN - 1) // ALIGN * ALIGN
 
 
 class WeightArena:
@@ -44,7 +40,7 @@ class WeightArena:
         offsets, total = {}, 0
         for name, param in params.items():
             offsets[name] = total
-            total = _aligned(total + param.numel() * param.element_size())
+            total = aligned(total + param.numel() * param.element_size())
         self.offsets = offsets
         self.buffer = ShmBuffer.create(max(total, ALIGN), tag=tag)
         self._params = params

@@ -78,12 +78,13 @@ def group_order(group: str) -> tuple[int, int]:
     return (1, int(group.split(".")[1]))
 
 
-def _aligned(num_bytes: int) -> int:
+def aligned(num_bytes: int) -> int:
+    """`num_bytes` rounded up to a multiple of ALIGN."""
     return (num_bytes + ALIGN - 1) // ALIGN * ALIGN
 
 
 def largest_layer_bytes(specs: list[TensorSpec]) -> int:
-    return max(sum(_aligned(s.num_bytes) for s in group) for _, group in group_by_layer(specs))
+    return max(sum(aligned(s.num_bytes) for s in group) for _, group in group_by_layer(specs))
 
 
 def plan_buckets(groups: list[tuple[str, list[TensorSpec]]], *, slot_bytes: int, num_slots: int) -> list[Bucket]:
@@ -97,7 +98,7 @@ def plan_buckets(groups: list[tuple[str, list[TensorSpec]]], *, slot_bytes: int,
         packed = []
         for spec in tensors:
             packed.append(PackedTensor(spec, offset))
-            offset += _aligned(spec.num_bytes)
+            offset += aligned(spec.num_bytes)
         assert offset <= (slot + 1) * slot_bytes
         buckets.append(Bucket(index, slot, group, tuple(packed)))
 
@@ -105,7 +106,7 @@ def plan_buckets(groups: list[tuple[str, list[TensorSpec]]], *, slot_bytes: int,
         current: list[TensorSpec] = []
         used = 0
         for spec in specs:
-            size = _aligned(spec.num_bytes)
+            size = aligned(spec.num_bytes)
             if size > slot_bytes:
                 raise ValueError(f"tensor {spec.name} ({spec.num_bytes} bytes) is larger than a bucket slot "
                                  f"({slot_bytes} bytes): raise sync.bucket_mb")
@@ -191,7 +192,7 @@ def _chunk(runs: list[Run], slot_bytes: int) -> list[list[Run]]:
                 used = 0
                 continue
             chunks[-1].append(Run(run.engine_name, start, fit, run.num_cols, run.dtype))
-            used = _aligned(used + fit * row_bytes)
+            used = aligned(used + fit * row_bytes)
             start, left = start + fit, left - fit
     return [c for c in chunks if c]
 
@@ -206,7 +207,7 @@ def group_runs(runs: list[Run]) -> list[tuple[str, list[Run]]]:
 def largest_group_bytes(worker_runs: list[list[Run]]) -> int:
     """The slot that holds every worker's share of any layer group whole: `_chunk` starts each region at an
     aligned offset, so a group needs at most the sum of its runs' aligned sizes (one region per run)."""
-    return max(sum(_aligned(r.num_bytes) for r in runs) for worker in worker_runs for _, runs in group_runs(worker))
+    return max(sum(aligned(r.num_bytes) for r in runs) for worker in worker_runs for _, runs in group_runs(worker))
 
 
 def plan_sliced_buckets(worker_runs: list[list[Run]], *, slot_bytes: int, num_slots: int) -> list[SlicedBucket]:
@@ -228,7 +229,7 @@ def plan_sliced_buckets(worker_runs: list[list[Run]], *, slot_bytes: int, num_sl
                 for run in chunked[w][k] if k < len(chunked[w]) else []:
                     worker_regions.append(Region(run.engine_name, run.row_start, run.num_rows, run.num_cols,
                                                  run.dtype, offset))
-                    offset += _aligned(run.num_bytes)
+                    offset += aligned(run.num_bytes)
                 regions.append(tuple(worker_regions))
             buckets.append(SlicedBucket(index, slot, group, tuple(regions)))
     return buckets

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from colocate.sync.buckets import ALIGN, TensorSpec
+from colocate.sync.buckets import ALIGN, TensorSpec, aligned
 from colocate.sync.reshard import SyncPlan, as_2d
 from colocate.sync.shards import Copy, full_copies, run_copies, sliced_copies
 
@@ -62,10 +62,6 @@ class GatherGroup:
     tensors: tuple[GatheredTensor, ...]
     rank_bytes: int  # every rank's chunk: the all-gather's input size
     dtype: torch.dtype
-
-
-def _aligned(num_bytes: int) -> int:
-    return (num_bytes + ALIGN - 1) // ALIGN * ALIGN
 
 
 def group_tensor_names(plan: SyncPlan) -> dict[str, list[str]]:
@@ -94,7 +90,7 @@ def plan_gather(plan: SyncPlan, specs: list[TensorSpec], *, world_size: int) -> 
             num_rows, num_cols = as_2d(shapes[name])
             rows_per_rank = -(-num_rows // world_size)
             tensors.append(GatheredTensor(name, offset, rows_per_rank, num_rows, num_cols))
-            offset = _aligned(offset + rows_per_rank * num_cols * dtype.itemsize)
+            offset = aligned(offset + rows_per_rank * num_cols * dtype.itemsize)
         groups[group] = GatherGroup(group, tuple(tensors), max(offset, ALIGN), dtype)
     return groups
 

@@ -43,17 +43,12 @@ import uuid
 import ray
 
 from colocate.config import SyncConfig
-from colocate.sync.buckets import ALIGN, TensorSpec
+from colocate.sync.buckets import TensorSpec, aligned
 from colocate.sync.plan import TPLayout
 from colocate.sync.reshard import SyncPlan, build_sync_plan
 
 MIB = 1 << 20
 log = logging.getLogger("colocate")
-
-
-def _aligned(num_bytes: int) -> int:
-    """A slot size every later slot starts aligned after (a fractional sync.bucket_mb need not be)."""
-    return -(-num_bytes // ALIGN) * ALIGN
 
 
 class WeightSync:
@@ -88,9 +83,9 @@ class WeightSync:
         self.plan = build_sync_plan(
             self.specs, layouts,
             lambda rank, size: TPLayout.from_hf_config(self.hf_config, tp_rank=rank, tp_size=size),
-            bucket_bytes=_aligned(int(self.cfg.bucket_mb * MIB)), num_slots=self.cfg.num_bucket_slots,
-            sliced=self.sliced,
-            param_offsets=offsets)
+            # aligned: a fractional sync.bucket_mb would start every later slot unaligned
+            bucket_bytes=aligned(int(self.cfg.bucket_mb * MIB)), num_slots=self.cfg.num_bucket_slots,
+            sliced=self.sliced, param_offsets=offsets)
         if self.plan.mode == "full" and self.sliced:
             log.warning("no reshard plan for %s: syncing full tensors through vLLM's load_weights",
                         getattr(self.hf_config, "architectures", None))
@@ -126,7 +121,7 @@ class WeightSync:
         started = time.perf_counter()
         pending: list = []  # writes no load waits for (ranks feeding no worker): awaited for their errors
         if self.transport == "gather":
-            loads_by_engine = self._schedule_gather(pending)
+            loads_by_engine, pending = self._schedule_gather()
         elif plan.in_place:
             loads_by_engine = self._schedule_in_place()
         else:
@@ -165,9 +160,11 @@ class WeightSync:
             loads_by_engine.append(loads)
         return loads_by_engine
 
-    def _schedule_gather(self, pending: list) -> list[list]:
-        """The gather protocol's Ray graph for one sync (see the module docstring)."""
+    def _schedule_gather(self) -> tuple[list[list], list]:
+        """The gather protocol's Ray graph for one sync (see the module docstring): the loads per engine, and
+        the writes of ranks that feed no worker (no load waits for them)."""
         plan, key = self.plan, self.key
+        pending = []
         feeders = [[r for r, pair in enumerate(self.pairs) if pair is not None and pair[0] == e]
                    for e in range(len(self.engines))]
         loads: list[list] = [[] for _ in self.engines]
@@ -183,7 +180,7 @@ class WeightSync:
             pending += [w for w, pair in zip(writes, self.pairs) if pair is None]
             for e, engine in enumerate(self.engines):
                 loads[e].append(engine.load_bucket.remote(key, index, *[writes[r] for r in feeders[e]]))
-        return loads
+        return loads, pending
 
     def verify_full(self, engine_dtype: str) -> list[str]:
         """Compare every engine worker's parameters with the trainer's, cast to the engine dtype, through the

@@ -264,20 +264,11 @@ class TrainerActor:
     def cast_floor_s(self, num_bytes: int, dtype: str, *, repeats: int = 5) -> float:
         """Benchmark floor: median seconds for this process to cast fp32 values into `num_bytes` of `dtype` on its
         device, the least any sync from fp32 shards to a bf16 engine costs it (it reads 2 bytes per byte)."""
+        from colocate.bench.common import copy_seconds
+
         target = DTYPES[dtype]
         source = torch.ones(num_bytes // target.itemsize, dtype=torch.float32, device=self.device)
-        destination = torch.empty(source.shape, dtype=target, device=self.device)
-        destination.copy_(source)  # pages faulted in: the floor is the cast, not the first touch
-        times = []
-        for _ in range(repeats):
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            started = time.perf_counter()
-            destination.copy_(source)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            times.append(time.perf_counter() - started)
-        return sorted(times)[len(times) // 2]
+        return copy_seconds(torch.empty(source.shape, dtype=target, device=self.device), source, repeats=repeats)
 
     def take_write_times(self) -> list[tuple[int, float]]:
         """(bucket index, seconds) of every write since the last call (benchmark breakdown)."""
