@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from colocate.config import ConfigError, JobConfig
-from colocate.placement import sync_in_place
+from colocate.placement import sync_in_place, sync_transport
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -192,7 +192,7 @@ def _cuda_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan, gpu_bytes: i
     awake = plan.engine_sleep_level == 0
     # the CUDA sync all-gathers each layer group over the trainers, in the engine dtype: the full group plus this
     # rank's send chunk
-    gathered = dims.largest_sync_group * engine_dtype if cfg.sync.transport in ("auto", "gather") else 0
+    gathered = dims.largest_sync_group * engine_dtype if sync_transport(cfg, "cuda") == "gather" else 0
     return [
         # the trainers shard (and empty torch's cache) before the engines start: the transient and the engine's
         # claim are never resident together; the larger of the two is the startup peak
