@@ -123,6 +123,14 @@ class RolloutConfig:
     """Operand length (characters) of the toy tasks."""
     seed: int = 0
     """Seed of the prompt stream."""
+    oversample: float = 1.0
+    """Over-sampling: groups in flight per step, as a multiple of num_prompts; the rollout stops once num_prompts groups are complete (exactly that many are trained) and the rest are carried or dropped (rollout.leftover)."""
+    leftover: str = "carry"
+    """Groups a step does not train (unfinished, or complete beyond num_prompts): carry (they keep their tokens and go on next step) or drop."""
+    partial_tokens: int = 0
+    """Partial rollout: the most new tokens an answer gets in one pass (a step makes another pass only while none of its groups is complete); an answer still unfinished keeps its tokens and continues next step under the newer policy. 0: answers run to their end within the step."""
+    max_lag: int = 1
+    """An answer (finished or not) whose oldest token was sampled more than this many policy versions ago is restarted from its prompt; tokens within the lag are trained, corrected by the loss's ratio to their behaviour logprobs."""
 
 
 @dataclass
@@ -215,6 +223,20 @@ class JobConfig:
         _one_of(self, "logging.level", ["DEBUG", "INFO", "WARNING", "ERROR"])
         if not self.model.path:
             _one_of(self, "model.preset", sorted(models.PRESETS))
+        if self.rollout.oversample < 1:
+            raise _bad("rollout.oversample", self.rollout.oversample,
+                       "must be >= 1 (a multiple of rollout.num_prompts groups in flight)")
+        _one_of(self, "rollout.leftover", ["carry", "drop"])
+        _non_negative(self, "rollout.partial_tokens", "rollout.max_lag")
+        if self.rollout.partial_tokens and self.rollout.leftover == "drop":
+            raise _bad("rollout.leftover", "drop", "partial rollout (rollout.partial_tokens > 0) carries unfinished "
+                       "answers over; valid with it: carry")
+        partial, lag = self.rollout.partial_tokens, self.rollout.max_lag
+        if partial and self.rollout.max_tokens > (lag + 1) * partial:
+            raise _bad("rollout.partial_tokens", partial,
+                       f"an answer of rollout.max_tokens={self.rollout.max_tokens} needs more than rollout.max_lag + 1 = "
+                       f"{lag + 1} passes and would be restarted forever; valid: partial_tokens >= "
+                       f"{-(-self.rollout.max_tokens // (lag + 1))}, or a larger rollout.max_lag")
         if self.rollout.top_p > 1:
             raise _bad("rollout.top_p", self.rollout.top_p, "must be in (0, 1]")
         if self.sync.num_bucket_slots < 2:

@@ -31,6 +31,7 @@ import torch
 from colocate.config import JobConfig
 from colocate.metrics import MetricsWriter
 from colocate.rl.corrections import mismatch_stats
+from colocate.rl.rollout import Rollouts
 from colocate.rl.scoring import Rollout, Scored, score
 from colocate.rl.tasks import PromptStream, load_reward_fn, make_task
 from colocate.runtime import Runtime
@@ -43,7 +44,8 @@ class Controller:
         self.metrics = metrics
         self.task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
         self.reward_fn = load_reward_fn(cfg.rollout.reward_fn) if cfg.rollout.reward_fn else self.task.reward
-        self.prompts = PromptStream(self.task, seed=cfg.rollout.seed)
+        self.rollouts = Rollouts(cfg, runtime.engines, runtime.tokenizer,
+                                 PromptStream(self.task, seed=cfg.rollout.seed))
         self.events: list[str] = []  # the switching order, as it happened (tests assert it)
         self.history: list[dict] = []
 
@@ -61,7 +63,7 @@ class Controller:
     def step(self, step: int) -> dict:
         times: dict[str, float] = {}
         with _timed(times, "rollout"):
-            groups = self.rollout(step)
+            groups, rollout_stats = self.rollout(step)
         with _timed(times, "score"):
             scored = self.score(groups)
         with _timed(times, "switch"):
@@ -74,7 +76,7 @@ class Controller:
             sync_stats = self.sync()
         with _timed(times, "switch"):
             self.switch_to_rollout()
-        record = self._record(step, times, scored, train_stats, sync_stats)
+        record = self._record(step, times, scored, rollout_stats, train_stats, sync_stats)
         self.history.append(record)
         if self.metrics:
             self.metrics.step(record)
@@ -82,21 +84,12 @@ class Controller:
 
     # -------------------------------------------------------------------------------------------- phases
 
-    def rollout(self, step: int) -> list[Rollout]:
-        rollout = self.cfg.rollout
-        samples = self.prompts.next_batch(rollout.num_prompts)
-        prompt_ids = [self.rt.tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples]
-        num_engines = len(self.rt.engines)
-        futures = []
-        for e, engine in enumerate(self.rt.engines):
-            sampling = {"n": rollout.num_samples, "temperature": rollout.temperature, "top_p": rollout.top_p,
-                        "max_tokens": rollout.max_tokens, "seed": self.cfg.engine.seed * 1_000_003 + step}
-            futures.append(engine.generate.remote(prompt_ids[e::num_engines], sampling))
-        completions: list = [None] * len(samples)
-        for e, result in enumerate(ray.get(futures)):
-            completions[e::num_engines] = result
+    def rollout(self, step: int) -> tuple[list[Rollout], dict]:
+        """The step's groups, sampled by the policy of version `step` (the weights after `step` syncs), or by
+        older ones for answers carried over (partial rollout, over-sampling)."""
+        groups, stats = self.rollouts.collect(version=step)
         self.events.append("rollout")
-        return [Rollout(s, p, c) for s, p, c in zip(samples, prompt_ids, completions)]
+        return groups, stats
 
     def score(self, groups: list[Rollout]) -> Scored:
         scored = score(groups, reward_fn=self.reward_fn, decode=self.rt.tokenizer.decode,
@@ -166,11 +159,13 @@ class Controller:
     def _call(actors: list, method: str, *args):
         return ray.get([getattr(a, method).remote(*args) for a in actors])
 
-    def _record(self, step: int, times: dict, scored: Scored, train_stats: dict, sync_stats: dict) -> dict:
+    def _record(self, step: int, times: dict, scored: Scored, rollout_stats: dict, train_stats: dict,
+                sync_stats: dict) -> dict:
         stats = scored.stats()
         return {
             "step": step,
             **stats,
+            "rollout": rollout_stats,
             **train_stats,
             **sync_stats,
             "rollout_tokens_per_s": stats["num_response_tokens"] / max(times["rollout"], 1e-9),

@@ -124,6 +124,17 @@ class EngineActor:
             for out in outputs
         ]
 
+    def run_pass(self, requests: list, sampling: dict, num_groups_wanted: int | None = None) -> dict:
+        """One rollout pass, step by step (engine.requests): stops once `num_groups_wanted` groups are complete
+        and aborts the rest, keeping their tokens and random states for a continuation."""
+        from colocate.engine.requests import run_pass
+
+        assert not self._asleep, f"run_pass() while the engine's {sorted(self._asleep)} sleep: wake them first"
+        started = time.perf_counter()
+        results, timeline = run_pass(self.llm, requests, sampling, num_groups_wanted=num_groups_wanted,
+                                     eos_token_id=self.eos_token_id)
+        return {"results": results, "timeline": timeline, "seconds": time.perf_counter() - started}
+
     # ----------------------------------------------------------------------------------------- weight sync
 
     def share_weights(self) -> list[dict]:

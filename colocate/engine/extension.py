@@ -189,6 +189,20 @@ class ColocateWorkerExtension:
             "params": [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model_runner.model.named_parameters()],
         }
 
+    # ------------------------------------------------------------------------------------ partial rollout
+
+    def colocate_read_random_states(self, num_tokens: dict[str, int]) -> dict[str, bytes]:
+        """Before an abort: the random state of each request to be continued (engine.random_streams)."""
+        from colocate.engine.random_streams import read_states
+
+        return read_states(self.model_runner, num_tokens)
+
+    def colocate_expect_random_states(self, states: dict[str, bytes]) -> None:
+        """Before the step that schedules them: continuations resume these random states."""
+        from colocate.engine.random_streams import expect_states
+
+        expect_states(self.model_runner, states)
+
     # ------------------------------------------------------------------------------------- portable sleep
 
     def colocate_sleep(self, level: int) -> int:

@@ -1,0 +1,102 @@
+"""The rollout phase of a step: passes over the engines until the step has its groups.
+
+    rollouts = Rollouts(cfg, engines, tokenizer, prompts)
+    groups, stats = rollouts.collect(version=step)      # exactly rollout.num_prompts complete groups
+
+Each pass sends every unfinished answer's next segment to the engine that holds its group (EngineActor.run_pass)
+with the number of complete groups that engine must reach; an engine stops there and aborts the rest, which
+stay in the pool (rl.rollout_pool) for the next pass or step. Without partial rollout or over-sampling one pass
+runs every answer to its end, as `LLM.generate` would. With partial rollout a step trains on the groups
+complete after its first pass that completes any (at most num_prompts); over-sampling keeps more groups in
+flight and stops at exactly num_prompts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import ray
+
+from colocate.config import JobConfig
+from colocate.rl.rollout_pool import Group, PoolSettings, RolloutPool
+from colocate.rl.scoring import Rollout
+from colocate.rl.tasks import PromptStream, Sample
+
+BudgetFn = Callable[[Sample, int], list[int]]
+"""(sample, number of answers) -> each answer's token budget; the long-tail benchmark draws them."""
+
+
+class Rollouts:
+    def __init__(self, cfg: JobConfig, engines: list, tokenizer, prompts: PromptStream, *,
+                 budgets: BudgetFn | None = None, ignore_eos: bool = False):
+        r = cfg.rollout
+        self.engines, self.tokenizer, self.prompts = engines, tokenizer, prompts
+        self.pool = RolloutPool(PoolSettings(
+            num_groups=r.num_prompts, num_samples=r.num_samples, oversample=r.oversample,
+            partial_tokens=r.partial_tokens, max_lag=r.max_lag, leftover=r.leftover, max_tokens=r.max_tokens,
+            max_model_len=cfg.engine.max_model_len, seed=cfg.engine.seed))
+        self.budgets = budgets or (lambda sample, n: [r.max_tokens] * n)
+        self.sampling = {"temperature": r.temperature, "top_p": r.top_p, "ignore_eos": ignore_eos}
+        self.timelines: list[list[list[tuple[float, int]]]] = []  # last collect: per pass, per engine
+
+    def collect(self, version: int) -> tuple[list[Rollout], dict]:
+        """The step's complete groups (answers sampled by policy `version` or, carried over, older ones)."""
+        pool = self.pool
+        pool.stats.reset()
+        samples = self.prompts.next_batch(pool.num_missing)
+        prompt_ids = [self.tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples]
+        pool.top_up([(s, p, self.budgets(s, pool.settings.num_samples)) for s, p in zip(samples, prompt_ids)])
+        pool.expire(version)
+        self.timelines = []
+        started = time.perf_counter()
+        while pool.num_complete() < pool.settings.num_groups:
+            self.timelines.append(self._pass(version))
+            if pool.settings.partial_tokens and pool.num_complete():
+                break  # partial rollout: the step ends with what is complete; the rest goes on next step
+        groups = pool.take()
+        return [_as_rollout(g) for g in groups], self._stats(groups, version, time.perf_counter() - started)
+
+    def _pass(self, version: int) -> list[list[tuple[float, int]]]:
+        num_engines = len(self.engines)
+        requests = self.pool.requests(version)
+        quotas = self.pool.quotas(num_engines)
+        per_engine = [[r for r in requests if r.group % num_engines == e] for e in range(num_engines)]
+        busy = [e for e in range(num_engines) if quotas[e] and per_engine[e]]
+        assert busy, "a pass with nothing to do: the pool cannot complete the groups the step lacks"
+        outs = ray.get([self.engines[e].run_pass.remote(per_engine[e], self.sampling, quotas[e]) for e in busy])
+        for e, out in zip(busy, outs):
+            self.pool.apply(per_engine[e], out["results"], version)
+        return [out["timeline"] for out in outs]
+
+    def _stats(self, groups: list[Group], version: int, seconds: float) -> dict:
+        answers = [a for g in groups for a in g.answers]
+        versions = [v for a in answers for v in a.versions]
+        steps = [n for passes in self.timelines for timeline in passes for _, n in timeline]
+        peak = max(steps, default=0)
+        return {
+            "num_groups": len(groups),
+            "num_passes": len(self.timelines),
+            **self.pool.carried(),
+            "num_tokens_generated": self.pool.stats.num_tokens_generated,
+            "num_aborted": self.pool.stats.num_aborted,
+            "num_lag_restarts": self.pool.stats.num_lag_restarts,
+            "num_dropped_groups": self.pool.stats.num_dropped_groups,
+            # tokens sampled by an older policy than the one being trained (partial rollout carries them)
+            "stale_token_fraction": sum(v < version for v in versions) / max(len(versions), 1),
+            "max_lag": max((version - v for v in versions), default=0),
+            # prefix sharing, from the engine's own count of prompt tokens served by its prefix cache
+            "prefill_computed_per_group": sum(a.num_prefill_computed for a in answers) / max(len(groups), 1),
+            "prefill_cached_per_group": sum(a.num_prefill_cached for a in answers) / max(len(groups), 1),
+            # the long tail: engine steps decoding fewer than half the sequences of the busiest step
+            "mean_running": statistics.fmean(steps) if steps else 0.0,
+            "tail_step_fraction": sum(n < peak / 2 for n in steps) / max(len(steps), 1),
+            "seconds": seconds,
+        }
+
+
+def _as_rollout(group: Group) -> Rollout:
+    return Rollout(group.sample, group.prompt_ids, [
+        {"token_ids": a.token_ids, "logprobs": a.logprobs, "finish_reason": a.finish_reason, "versions": a.versions}
+        for a in group.answers])

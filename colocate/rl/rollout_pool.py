@@ -1,0 +1,205 @@
+"""The groups in flight between rollout passes: their answers so far, tagged with the policy that sampled each
+token, and what each engine request of the next pass must be.
+
+    pool = RolloutPool(settings)
+    pool.top_up(new_groups)                      # new prompts fill the places of the groups trained
+    pool.expire(version)                         # the lag cap
+    requests = pool.requests(version)            # unfinished answers' next segments (context guard)
+    pool.apply(requests, results, version)       # engine results: tokens, logprobs, finish, random state
+    groups = pool.take()                         # complete groups, oldest first; the rest carried or dropped
+
+Partial rollout: an answer gets at most `partial_tokens` new tokens per pass (a step makes another pass only
+while none of its groups is complete); unfinished, it keeps its tokens (and its random stream,
+engine.random_streams) and goes on next step under the newer policy. Each token keeps the behaviour logprob of
+the policy that sampled it, so the loss's ratio (and TIS/MIS) corrects the stale ones; an answer whose oldest
+token is more than `max_lag` policy versions old, finished or not, is restarted from its prompt instead (so
+`max_tokens` must fit in (max_lag + 1) passes, or a long answer could never finish: config.py checks it).
+Over-sampling: `oversample` x the groups a step trains are in flight; the pass stops once enough are complete.
+Context guard: an answer's budget is fixed when it is created, from the model's length, and every segment is
+cut to what is left of it: a continued answer never gets a fresh budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from colocate.engine.requests import EngineRequest, RequestResult
+from colocate.rl.tasks import Sample
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    num_groups: int
+    """Complete groups a step trains on."""
+    num_samples: int
+    oversample: float = 1.0
+    partial_tokens: int = 0
+    """New tokens per answer per pass; 0: answers run to their end within the pass."""
+    max_lag: int = 1
+    leftover: str = "carry"
+    """carry (unfinished and surplus groups stay for the next step) or drop."""
+    max_tokens: int = 16
+    max_model_len: int = 128
+    seed: int = 0
+
+    @property
+    def num_in_flight(self) -> int:
+        return math.ceil(self.num_groups * self.oversample)
+
+
+@dataclass
+class Answer:
+    seed: int
+    max_tokens: int
+    """The whole answer's budget, fixed at creation (never renewed by a continuation)."""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """Policy version that sampled each token."""
+    finish_reason: str | None = None
+    random_state: bytes | None = None
+    num_prefill_computed: int = 0
+    num_prefill_cached: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def restart(self) -> None:
+        self.token_ids, self.logprobs, self.versions = [], [], []
+        self.finish_reason, self.random_state = None, None
+
+
+@dataclass
+class Group:
+    group_id: int
+    sample: Sample
+    prompt_ids: list[int]
+    answers: list[Answer]
+
+    @property
+    def complete(self) -> bool:
+        return all(a.done for a in self.answers)
+
+
+@dataclass
+class PoolStats:
+    """Counters since the last `take`."""
+    num_lag_restarts: int = 0
+    num_aborted: int = 0
+    num_dropped_groups: int = 0
+    num_tokens_generated: int = 0
+
+    def reset(self) -> None:
+        self.num_lag_restarts = self.num_aborted = self.num_dropped_groups = self.num_tokens_generated = 0
+
+
+class RolloutPool:
+    def __init__(self, settings: PoolSettings):
+        self.settings = settings
+        self.groups: list[Group] = []
+        self.stats = PoolStats()
+        self._next_group_id = 0
+
+    # ------------------------------------------------------------------------------------------ filling
+
+    @property
+    def num_missing(self) -> int:
+        return max(0, self.settings.num_in_flight - len(self.groups))
+
+    def top_up(self, new_groups: list[tuple[Sample, list[int], list[int]]]) -> None:
+        """Add groups: (sample, prompt ids, each answer's token budget before the context guard)."""
+        for sample, prompt_ids, budgets in new_groups:
+            assert len(budgets) == self.settings.num_samples
+            room = self.settings.max_model_len - len(prompt_ids)
+            if room < 1:
+                raise ValueError(f"prompt {sample.prompt!r} is {len(prompt_ids)} tokens, leaving no room to answer "
+                                 f"within engine.max_model_len={self.settings.max_model_len}")
+            gid = self._next_group_id
+            self._next_group_id += 1
+            seeds = [(self.settings.seed * 1_000_003 + gid * self.settings.num_samples + i) % 2**31
+                     for i in range(len(budgets))]
+            self.groups.append(Group(gid, sample, prompt_ids,
+                                     [Answer(seed, min(budget, room)) for seed, budget in zip(seeds, budgets)]))
+
+    # ------------------------------------------------------------------------------------------ a pass
+
+    def expire(self, version: int) -> None:
+        """At the start of a step under policy `version`: restart every answer whose oldest token is more than
+        max_lag versions old, finished ones too (a group waiting on its longest answer, or a complete group
+        carried over, must not train stale tokens)."""
+        for group in self.groups:
+            for answer in group.answers:
+                if answer.versions and version - answer.versions[0] > self.settings.max_lag:
+                    answer.restart()
+                    self.stats.num_lag_restarts += 1
+
+    def requests(self, version: int) -> list[EngineRequest]:
+        """The next segment of every unfinished answer, under policy `version`."""
+        out = []
+        for group in self.groups:
+            for i, answer in enumerate(group.answers):
+                if answer.done:
+                    continue
+                left = answer.max_tokens - len(answer.token_ids)
+                assert left > 0, "an answer with no budget left must have been finished"
+                segment = min(left, self.settings.partial_tokens or left)
+                out.append(EngineRequest(
+                    request_id=f"g{group.group_id}-a{i}-v{version}-t{len(answer.token_ids)}", group=group.group_id,
+                    index=i, prompt_ids=group.prompt_ids + answer.token_ids, max_tokens=segment, final=segment == left,
+                    seed=answer.seed, random_state=answer.random_state))
+        return out
+
+    def apply(self, requests: list[EngineRequest], results: list[RequestResult], version: int) -> None:
+        groups = {g.group_id: g for g in self.groups}
+        for request, result in zip(requests, results):
+            assert request.request_id == result.request_id
+            group = groups[request.group]
+            answer = group.answers[request.index]
+            answer.token_ids += result.token_ids
+            answer.logprobs += result.logprobs
+            answer.versions += [version] * len(result.token_ids)
+            answer.num_prefill_computed += len(request.prompt_ids) - result.num_cached_tokens
+            answer.num_prefill_cached += result.num_cached_tokens
+            answer.random_state = result.random_state
+            if result.done(request):
+                answer.finish_reason = result.finish_reason
+            self.stats.num_aborted += result.finish_reason is None
+            self.stats.num_tokens_generated += len(result.token_ids)
+            assert len(group.prompt_ids) + len(answer.token_ids) <= self.settings.max_model_len
+
+    def num_complete(self) -> int:
+        return sum(g.complete for g in self.groups)
+
+    def quotas(self, num_engines: int) -> list[int]:
+        """Complete groups each engine must reach in the next pass (groups go to engine group_id % num_engines,
+        so a continuation finds its engine's prefix cache): together what the step still lacks, none more than
+        an engine has unfinished."""
+        wanted = max(0, self.settings.num_groups - self.num_complete())
+        unfinished = [0] * num_engines
+        for g in self.groups:
+            unfinished[g.group_id % num_engines] += not g.complete
+        quotas = [0] * num_engines
+        for _ in range(min(wanted, sum(unfinished))):  # round-robin over engines with unfinished groups left
+            e = max(range(num_engines), key=lambda i: unfinished[i] - quotas[i])
+            quotas[e] += 1
+        return quotas
+
+    # ------------------------------------------------------------------------------------------ taking
+
+    def take(self) -> list[Group]:
+        """Up to `num_groups` complete groups, oldest first. The rest stay for the next step (carry) or go."""
+        complete = [g for g in self.groups if g.complete][:self.settings.num_groups]
+        taken = {g.group_id for g in complete}
+        self.groups = [g for g in self.groups if g.group_id not in taken]
+        if self.settings.leftover == "drop":
+            self.stats.num_dropped_groups += len(self.groups)
+            self.groups = []
+        return complete
+
+    def carried(self) -> dict:
+        """What stays in flight: answers and tokens carried to the next step."""
+        unfinished = [a for g in self.groups for a in g.answers if not a.done]
+        return {"num_groups_carried": len(self.groups), "num_answers_carried": len(unfinished),
+                "num_tokens_carried": sum(len(a.token_ids) for a in unfinished)}

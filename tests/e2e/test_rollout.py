@@ -1,0 +1,118 @@
+"""Rollout on the real engine (vLLM CPU, TP=2, fp32): a continued answer equals an uninterrupted one, partial
+rollout and over-sampling inside real steps (train and sync between them), the context guard, and prefix
+sharing counted by the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import ray
+
+from colocate.controller import Controller
+from colocate.engine.requests import EngineRequest
+from colocate.runtime import Runtime
+from tests.e2e.conftest import assert_nothing_left, colocate_processes, shm_segments, small_job
+
+pytestmark = pytest.mark.e2e
+
+MAX_MODEL_LEN = 48
+IGNORE_EOS = {"temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    before = (colocate_processes(), shm_segments())
+    cfg = small_job(tmp_path_factory.mktemp("job"), "engine.dtype=float32", f"engine.max_model_len={MAX_MODEL_LEN}",
+                    'engine.extra_args={"block_size": 32}')
+    with Runtime(cfg) as rt:
+        yield rt
+    assert_nothing_left(*before)
+
+
+def run_pass(rt, requests, sampling=IGNORE_EOS, quota=None):
+    return ray.get(rt.engines[0].run_pass.remote(requests, sampling, quota))["results"]
+
+
+def test_a_continued_answer_equals_one_uninterrupted_generation(runtime):
+    """Same seed, same weights: aborted after a few tokens and continued from its random state, an answer is
+    the uninterrupted one, token for token (both TP workers carry the stream)."""
+    prompt = [5, 6, 7, 16]
+    (whole,) = run_pass(runtime, [EngineRequest("whole", 0, 0, prompt, 40, True, seed=99)])
+    assert len(whole.token_ids) == 40
+
+    # a one-token group completes first; with a quota of one group the long answer is aborted mid-way
+    head, _ = run_pass(runtime, [EngineRequest("head", 0, 0, prompt, 40, True, seed=99),
+                                 EngineRequest("short", 1, 0, prompt, 1, True, seed=5)], quota=1)
+    assert head.finish_reason is None and 0 < len(head.token_ids) < 40 and head.random_state is not None
+    (tail,) = run_pass(runtime, [EngineRequest("tail", 0, 0, prompt + head.token_ids, 40 - len(head.token_ids),
+                                               True, seed=99, random_state=head.random_state)])
+    assert head.token_ids + tail.token_ids == whole.token_ids
+    np.testing.assert_allclose(head.logprobs + tail.logprobs, whole.logprobs, atol=1e-4)
+
+    # without the carried stream the continuation replays the seed's first draws: a different answer
+    (fresh,) = run_pass(runtime, [EngineRequest("fresh", 0, 0, prompt + head.token_ids, 40 - len(head.token_ids),
+                                                True, seed=99)])
+    assert head.token_ids + fresh.token_ids != whole.token_ids
+
+
+def test_samples_of_a_prompt_share_its_prefill(runtime):
+    """G samples of a 70-token prompt (block size 32): the engine serves the first two blocks of all but the
+    first sample from its prefix cache."""
+    prompt = [5 + i % 10 for i in range(40)]
+    results = run_pass(runtime, [EngineRequest(f"s{i}", 0, i, prompt, 2, True, seed=i) for i in range(4)])
+    cached = sorted(r.num_cached_tokens for r in results)
+    assert cached[-1] == 32 and sum(cached) >= 3 * 32 - 32, cached  # at most the first computes the block
+
+
+def steps(controller: Controller, num_steps: int):
+    """Controller.step's phases, keeping each step's groups."""
+    for step in range(num_steps):
+        groups, stats = controller.rollout(step)
+        scored = controller.score(groups)
+        controller.switch_to_train()
+        controller.train(scored)
+        controller.switch_to_sync()
+        controller.sync()
+        controller.switch_to_rollout()
+        yield step, groups, stats
+
+
+def job(runtime, **rollout) -> Controller:
+    cfg = runtime.cfg
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **rollout))
+    cfg.validate()
+    return Controller(cfg, runtime)
+
+
+def test_over_sampling_trains_exactly_the_groups_asked_for(runtime):
+    # 12 one-answer groups in flight, stopping at EOS (an untrained model samples it now and then) or at 40:
+    # the third to stop ends the pass
+    controller = job(runtime, num_prompts=3, num_samples=1, max_tokens=40, oversample=4.0, leftover="carry")
+    aborted = 0
+    for step, groups, stats in steps(controller, 3):
+        assert len(groups) == 3 == stats["num_groups"]
+        assert all(c["finish_reason"] in ("stop", "length") for g in groups for c in g.completions)
+        aborted += stats["num_aborted"]
+    assert aborted > 0  # the passes stopped before every group in flight was complete
+
+
+def test_partial_rollout_carries_answers_over_steps_within_the_context(runtime):
+    """Budgets: max_tokens=45 but a 4-token prompt leaves 44 in a 48-token context; answers get 12 tokens per
+    pass and finish over several steps, sampled by several policy versions, never past the context. One-answer
+    groups, so groups complete at different passes (a step ends at the first pass that completes one)."""
+    controller = job(runtime, num_prompts=6, num_samples=1, max_tokens=45, partial_tokens=12, max_lag=3)
+    mixed_versions = longest = 0
+    for step, groups, stats in steps(controller, 5):
+        assert 1 <= len(groups) <= 6
+        for group in groups:
+            for completion in group.completions:
+                total = len(group.prompt_ids) + len(completion["token_ids"])
+                assert total <= MAX_MODEL_LEN
+                longest = max(longest, total)
+                versions = completion["versions"]
+                assert step - versions[0] <= 3
+                mixed_versions += versions[0] != versions[-1]
+    assert mixed_versions > 0, "no trained answer was continued across a weight sync"
+    assert longest == MAX_MODEL_LEN, "no answer reached the context limit: the guard was not exercised"

@@ -1,0 +1,165 @@
+"""The rollout pool: over-sampling trains exactly the groups asked for, partial rollout carries answers with
+their tokens and version tags, the lag cap restarts stale answers, and no continued answer outgrows the context.
+
+The engine pass is replaced at the actor boundary by `fake_pass`, which follows EngineActor.run_pass's contract
+(engine.requests): every running request decodes one token per engine step, stops at EOS (its natural length)
+or max_tokens, and the pass aborts what runs once the quota of complete groups is reached. A token depends only
+on (seed, absolute position), as a carried random stream makes it on the real engine (tested there in
+tests/e2e/test_rollout.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from colocate.engine.requests import EngineRequest, RequestResult
+from colocate.rl.rollout_pool import PoolSettings, RolloutPool
+from colocate.rl.tasks import Sample
+
+EOS = 2
+
+
+def natural_length(seed: int) -> int:
+    """How long the answer of this seed wants to be: log-normal-ish, a few very long."""
+    return 1 + int(random.Random(seed).lognormvariate(1.5, 0.9))
+
+
+def token(seed: int, position: int) -> int:
+    return 3 + (seed * 7919 + position * 104729) % 40
+
+
+def fake_pass(requests: list[EngineRequest], num_groups_wanted: int | None, prompt_len: dict) -> list:
+    results = {r.request_id: RequestResult(r.request_id, [], [], None, 0) for r in requests}
+    running = {r.request_id: r for r in requests}
+    left = {}
+    for r in requests:
+        left.setdefault(r.group, set()).add(r.request_id)
+    num_complete = 0
+    while running and (num_groups_wanted is None or num_complete < num_groups_wanted):
+        for rid, r in list(running.items()):
+            res = results[rid]
+            position = len(r.prompt_ids) - prompt_len[r.group] + len(res.token_ids)
+            stop = position + 1 >= natural_length(r.seed)
+            res.token_ids.append(EOS if stop else token(r.seed, position))
+            res.logprobs.append(-1.0)
+            if stop or len(res.token_ids) == r.max_tokens:
+                res.finish_reason = "stop" if stop else "length"
+                del running[rid]
+                if res.done(r):
+                    left[r.group].discard(rid)
+                    num_complete += not left[r.group]
+    for rid in running:
+        results[rid].random_state = b"state"
+    return [results[r.request_id] for r in requests]
+
+
+def run_step(pool: RolloutPool, version: int, rng: random.Random, prompt_len: dict, num_engines: int = 1):
+    """What Rollouts.collect does, with fake engines."""
+    new = []
+    for _ in range(pool.num_missing):
+        n = rng.randint(3, 6)
+        new.append((Sample("p", "a"), list(range(5, 5 + n)), [pool.settings.max_tokens] * pool.settings.num_samples))
+    first_id = pool._next_group_id
+    pool.top_up(new)
+    for i, (_, prompt, _) in enumerate(new):
+        prompt_len[first_id + i] = len(prompt)
+    pool.expire(version)
+    while pool.num_complete() < pool.settings.num_groups:
+        requests = pool.requests(version)
+        quotas = pool.quotas(num_engines)
+        for e in range(num_engines):
+            mine = [r for r in requests if r.group % num_engines == e]
+            if quotas[e] and mine:
+                pool.apply(mine, fake_pass(mine, quotas[e], prompt_len), version)
+        if pool.settings.partial_tokens and pool.num_complete():
+            break
+    return pool.take()
+
+
+def answer_of(seed: int, max_tokens: int) -> list[int]:
+    """The uninterrupted answer of this seed."""
+    length = min(natural_length(seed), max_tokens)
+    return [EOS if p + 1 >= natural_length(seed) else token(seed, p) for p in range(length)]
+
+
+@pytest.mark.parametrize("leftover", ["carry", "drop"])
+@pytest.mark.parametrize("num_engines", [1, 2])
+def test_over_sampling_trains_exactly_the_groups_asked_for(leftover, num_engines):
+    settings = PoolSettings(num_groups=4, num_samples=3, oversample=2.0, leftover=leftover, max_tokens=30,
+                            max_model_len=64)
+    pool, rng, prompt_len = RolloutPool(settings), random.Random(0), {}
+    for version in range(6):
+        groups = run_step(pool, version, rng, prompt_len, num_engines)
+        assert len(groups) == 4
+        assert all(g.complete for g in groups)
+        assert pool.stats.num_aborted > 0 or version > 0  # the pass stopped early at least once
+        if leftover == "drop":
+            assert pool.groups == []
+        else:
+            assert len(pool.groups) == 4  # 8 in flight, 4 trained
+        pool.stats.reset()
+
+
+def test_partial_rollout_continues_answers_as_if_uninterrupted_and_tags_versions():
+    settings = PoolSettings(num_groups=4, num_samples=4, partial_tokens=3, max_lag=100, max_tokens=40,
+                            max_model_len=64)
+    pool, rng, prompt_len = RolloutPool(settings), random.Random(1), {}
+    carried_any = False
+    for version in range(12):
+        for group in run_step(pool, version, rng, prompt_len):
+            for answer in group.answers:
+                assert answer.token_ids == answer_of(answer.seed, answer.max_tokens)
+                assert len(answer.versions) == len(answer.token_ids)
+                assert answer.versions == sorted(answer.versions) and answer.versions[-1] <= version
+                carried_any |= answer.versions[0] < version
+        # every segment asked of the engine is at most 3 tokens
+        assert all(r.max_tokens <= 3 for r in pool.requests(version + 1))
+    assert carried_any
+
+
+@pytest.mark.parametrize("max_lag", [0, 1])
+def test_lag_cap_restarts_answers_older_than_k_versions(max_lag):
+    # over-sampled and partial: aborted and capped answers wait for later steps, finished ones for their group
+    settings = PoolSettings(num_groups=2, num_samples=3, oversample=2.0, partial_tokens=10, max_lag=max_lag,
+                            max_tokens=10 * (max_lag + 1), max_model_len=64)
+    pool, rng, prompt_len = RolloutPool(settings), random.Random(2), {}
+    restarts, lags = 0, set()
+    for version in range(20):
+        for group in run_step(pool, version, rng, prompt_len):
+            for answer in group.answers:
+                lags.add(version - answer.versions[0])
+        restarts += pool.stats.num_lag_restarts
+        pool.stats.reset()
+    assert max(lags) == max_lag, "trained tokens are never older than max_lag, and the cap is reached"
+    assert restarts > 0
+
+
+def test_a_continued_answer_never_exceeds_the_context():
+    # prompts of 3-6 tokens, max_model_len 12: budgets shrink to what the context leaves, carried or not
+    settings = PoolSettings(num_groups=3, num_samples=4, partial_tokens=2, max_lag=100, max_tokens=30,
+                            max_model_len=12)
+    pool, rng, prompt_len = RolloutPool(settings), random.Random(3), {}
+    for version in range(10):
+        for group in run_step(pool, version, rng, prompt_len):
+            for answer in group.answers:
+                assert len(group.prompt_ids) + len(answer.token_ids) <= 12
+                assert answer.max_tokens == min(30, 12 - len(group.prompt_ids))
+        for request in pool.requests(version + 1):
+            assert len(request.prompt_ids) + request.max_tokens <= 12
+
+
+def test_a_prompt_that_fills_the_context_is_refused_with_the_key():
+    pool = RolloutPool(PoolSettings(num_groups=1, num_samples=1, max_tokens=4, max_model_len=8))
+    with pytest.raises(ValueError, match="engine.max_model_len=8"):
+        pool.top_up([(Sample("long", "x"), list(range(8)), [4])])
+
+
+def test_quotas_split_what_the_step_lacks_over_the_engines_with_work():
+    settings = PoolSettings(num_groups=5, num_samples=1, oversample=2.0, max_tokens=4, max_model_len=16)
+    pool = RolloutPool(settings)
+    pool.top_up([(Sample("p", "a"), [5], [4]) for _ in range(10)])
+    assert pool.quotas(2) == [3, 2] or pool.quotas(2) == [2, 3]
+    assert sum(pool.quotas(3)) == 5
+    pool.groups[0].answers[0].finish_reason = "stop"  # one complete already: the step lacks 4
+    assert sum(pool.quotas(2)) == 4
