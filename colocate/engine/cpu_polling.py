@@ -8,6 +8,14 @@ CPU per sync on polling, more than the trainers' cast-and-write itself, and afte
 keep spinning for a second into the training phase. With the busy loop off, a reader blocks on the queue's
 zmq notification, which every write already sends; an RPC costs tens of microseconds more.
 
+Hazard: a notification can be lost (the writer's PUB socket keeps at most one unsent message, SNDHWM=1, and
+drops the rest), and a blocked reader then sleeps until its recheck interval, 5 s in vLLM 0.32
+(`SHM_READER_RECHECK_INTERVAL_MS`), with the message already in the buffer. vLLM's own spinning readers never
+wait on the socket right after a read, so they never meet it; without the spin it stalled engine steps by 5 s
+whenever requests of a batch finished at different times (measured: 128 requests of mixed lengths, 0.5 s
+decoding became 21 s). So the recheck interval goes down to 10 ms too: a lost notification costs at most that,
+and an idle reader wakes 100 times a second to look at one flag instead of spinning.
+
 Applied in the engine process (before the LLM is built) and in each TP worker (vLLM imports the worker
 extension before it creates the worker's queues).
 """
@@ -18,6 +26,8 @@ import inspect
 import logging
 
 log = logging.getLogger("colocate")
+
+RECHECK_INTERVAL_MS = 10
 
 
 def stop_busy_polling() -> bool:
@@ -31,4 +41,5 @@ def stop_busy_polling() -> bool:
         log.warning("vLLM's message queue has no busy_loop_s knob in this release: readers keep spinning")
         return False
     spin.__init__.__defaults__ = (0.0,)
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = RECHECK_INTERVAL_MS  # read on every wait, at call time
     return True
