@@ -38,14 +38,15 @@ from colocate.runtime import Runtime
 
 
 class Controller:
-    def __init__(self, cfg: JobConfig, runtime: Runtime, metrics: MetricsWriter | None = None):
+    def __init__(self, cfg: JobConfig, runtime: Runtime, metrics: MetricsWriter | None = None,
+                 rollouts: Rollouts | None = None):
         self.cfg = cfg
         self.rt = runtime
         self.metrics = metrics
         self.task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
         self.reward_fn = load_reward_fn(cfg.rollout.reward_fn) if cfg.rollout.reward_fn else self.task.reward
-        self.rollouts = Rollouts(cfg, runtime.engines, runtime.tokenizer,
-                                 PromptStream(self.task, seed=cfg.rollout.seed))
+        self.rollouts = rollouts or Rollouts(cfg, runtime.engines, runtime.tokenizer,
+                                             PromptStream(self.task, seed=cfg.rollout.seed))
         self.events: list[str] = []  # the switching order, as it happened (tests assert it)
         self.history: list[dict] = []
 
