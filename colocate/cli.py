@@ -3,7 +3,8 @@
     colocate launch [CONFIG] [key=value ...]     run an RL job (no arguments: the embedded CPU default)
     colocate validate [CONFIG] [key=value ...]   print the resolved config and its placement; starts nothing
     colocate submit [CONFIG] [key=value ...]     run the job on a Ray cluster through the Job Submission API
-    colocate bench {sync,switch,mismatch} ...    sync, switch and mismatch benchmarks
+    colocate jobs | logs JOB [-f] | stop JOB     list, read or follow, and stop the jobs on a Ray cluster
+    colocate bench {sync,switch,mismatch,rollout}  sync, switch, mismatch and long-tail rollout benchmarks
     colocate config-docs                         print the table of every config key (docs/config.md)
 
 User mistakes (bad keys, values, paths, resources) print one line `colocate: error: ...` and exit with code 2
@@ -109,15 +110,75 @@ def cmd_launch(args) -> int:
 def cmd_submit(args) -> int:
     from colocate.submit import submit_job
 
-    cfg = resolve(args)
-    return submit_job(cfg, address=args.dashboard, wait=not args.no_wait)
+    # Not resolve(): the job joins the cluster from inside it (`--address auto`), so neither the job server's URL
+    # nor this shell's RAY_ADDRESS belongs in its config.
+    path, overrides = _split(args.items)
+    cfg = load_config(path, overrides)
+    return _job_command(lambda: submit_job(cfg, args.items, address=args.job_server, token_file=args.token_file,
+                                           wait=not args.no_wait))
+
+
+def cmd_jobs(args) -> int:
+    from colocate.submit import show_jobs
+
+    return _job_command(lambda: show_jobs(address=args.job_server, token_file=args.token_file))
+
+
+def cmd_logs(args) -> int:
+    from colocate.submit import show_logs
+
+    return _job_command(lambda: show_logs(args.job, follow=args.follow, address=args.job_server,
+                                          token_file=args.token_file))
+
+
+def cmd_stop(args) -> int:
+    from colocate.submit import stop_job
+
+    if args.timeout <= 0:
+        raise ConfigError(f"--timeout {args.timeout:g} is invalid: expected seconds > 0")
+    return _job_command(lambda: stop_job(args.job, timeout_s=args.timeout, address=args.job_server,
+                                         token_file=args.token_file))
+
+
+def _job_command(run) -> int:
+    """The job server's failures are one line and exit 1 (user mistakes are ConfigErrors, exit 2, in main);
+    Ctrl-C is exit 130 (while following a job, follow_or_detach says first that the job keeps running)."""
+    from colocate.submit import JobServerError
+
+    try:
+        code = run()
+        sys.stdout.flush()
+        return code
+    except JobServerError as e:
+        print(f"colocate: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("\ncolocate: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # `colocate logs JOB | head`: the reader left, which is no error; stdout goes nowhere so that Python's
+        # last flush at exit does not complain either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _job_server_args(parser: argparse.ArgumentParser, *aliases: str) -> None:
+    """--address and --token-file, the same for every command that talks to a cluster's job server."""
+    parser.add_argument("--address", *aliases, dest="job_server", metavar="URL",
+                        help="the cluster's job server, http(s)://HOST:PORT (default: $RAY_API_SERVER_ADDRESS, else "
+                        "$RAY_ADDRESS if it is an http(s) URL, else http://127.0.0.1:8265)")
+    parser.add_argument("--token-file", metavar="PATH",
+                        help="file holding the cluster's token (Ray's RAY_AUTH_MODE=token), for this command only "
+                        "(default: RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH when RAY_AUTH_MODE=token)")
 
 
 def cmd_bench(args) -> int:
     from colocate.bench.common import BENCH_DEFAULTS
+    from colocate.bench.rollout import ROLLOUT_DEFAULTS
 
     path, overrides = _split(args.items)
-    cfg = load_config(path, (BENCH_DEFAULTS if path is None else []) + overrides)
+    defaults = ROLLOUT_DEFAULTS if args.which == "rollout" else BENCH_DEFAULTS
+    cfg = load_config(path, (defaults if path is None else []) + overrides)
     local_preflight(cfg)
     if args.which == "sync":
         from colocate.bench.sync import run_sync_bench
@@ -128,6 +189,10 @@ def cmd_bench(args) -> int:
         from colocate.bench.switch import run_switch_bench
 
         run_switch_bench(cfg, num_cycles=args.repeats, out_dir=args.out, name=args.name or "switch")
+    elif args.which == "rollout":
+        from colocate.bench.rollout import run_rollout_bench
+
+        run_rollout_bench(cfg, num_steps=args.repeats, out_dir=args.out, name=args.name or "rollout")
     else:
         from colocate.bench.mismatch import run_mismatch_bench
 
@@ -170,17 +235,42 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Validate the config here, then submit `colocate launch` with the resolved "
                             "config to a Ray cluster's job server and (by default) follow its logs.")
     submit.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
-    submit.add_argument("--dashboard", default=os.environ.get("RAY_API_SERVER_ADDRESS", "http://127.0.0.1:8265"),
-                        help="the cluster's job server (default: $RAY_API_SERVER_ADDRESS or http://127.0.0.1:8265)")
+    _job_server_args(submit, "--dashboard")
     submit.add_argument("--no-wait", action="store_true", help="print the job id and return at once")
+    # address=None: the job server's URL is args.job_server, never the job's placement.ray_address.
     submit.set_defaults(func=cmd_submit, address=None)
 
-    bench = sub.add_parser("bench", help="benchmarks: sync (weight sync), switch (sleep/wake), mismatch (logprobs)",
+    jobs = sub.add_parser("jobs", help="list the jobs on a Ray cluster",
+                          description="List the jobs on a Ray cluster's job server: id, status, start time, command.")
+    _job_server_args(jobs)
+    jobs.set_defaults(func=cmd_jobs)
+
+    logs = sub.add_parser("logs", help="print a job's logs (-f: follow them until it ends)",
+                          description="Print a job's logs. With --follow, print them as they come until the job "
+                          "ends, and exit with its status (0 succeeded, 1 failed, 143 stopped; Ctrl-C: 130, the job "
+                          "keeps running).")
+    logs.add_argument("job", metavar="JOB", help="the job's id (as `colocate submit` and `colocate jobs` print it)")
+    logs.add_argument("-f", "--follow", action="store_true", help="follow the logs until the job ends")
+    _job_server_args(logs)
+    logs.set_defaults(func=cmd_logs)
+
+    stop = sub.add_parser("stop", help="stop a job and wait until it has ended",
+                          description="Stop a job (Ray sends its entrypoint SIGTERM, then SIGKILL) and wait until "
+                          "it has ended; exit 1 if it is still running after --timeout.")
+    stop.add_argument("job", metavar="JOB", help="the job's id")
+    stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the job to end (default 60)")
+    _job_server_args(stop)
+    stop.set_defaults(func=cmd_stop)
+
+    bench = sub.add_parser("bench", help="benchmarks: sync (weight sync), switch (sleep/wake), mismatch (logprobs), "
+                           "rollout (long tail)",
                            description="Benchmark against the floor measured in the same run; writes JSON and a PNG "
-                           "plot. Without a CONFIG, the bench preset (24 layers, >= 0.4 GB bf16, TP=2).")
-    bench.add_argument("which", choices=["sync", "switch", "mismatch"])
+                           "plot. Without a CONFIG, the bench preset (24 layers, >= 0.4 GB bf16, TP=2); rollout: the "
+                           "tiny model with long-tailed answer lengths.")
+    bench.add_argument("which", choices=["sync", "switch", "mismatch", "rollout"])
     bench.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
-    bench.add_argument("--repeats", type=int, default=5, help="timed syncs per method / switch cycles (default 5)")
+    bench.add_argument("--repeats", type=int, default=5,
+                       help="timed syncs per method / switch cycles / rollout steps per mode (default 5)")
     bench.add_argument("--warmup", type=int, default=1, help="untimed syncs first (sync; default 1)")
     bench.add_argument("--out", default="benchmarks/results", help="output directory (default benchmarks/results)")
     bench.add_argument("--name", default="", help="result file name without extension (default: the benchmark)")

@@ -4,7 +4,7 @@
 #   bash launch/ray_cluster.sh [CONFIG] [key=value ...]       # e.g. bash launch/ray_cluster.sh algo.num_steps=20
 #
 # On a real cluster, start the head once (`ray start --head`), join the workers (`ray start --address=HEAD:6379`),
-# then `colocate launch --address auto ...` on the head, or `colocate submit --dashboard http://HEAD:8265 ...`
+# then `colocate launch --address auto ...` on the head, or `colocate submit --address http://HEAD:8265 ...`
 # from anywhere. Ray 2.60 refuses job submission without a token: head and clients share RAY_AUTH_TOKEN_PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."

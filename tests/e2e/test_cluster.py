@@ -49,7 +49,7 @@ def test_launch_joins_submit_runs_and_a_local_job_stays_local(head, tmp_path):
     assert joined.returncode == 0, joined.stderr[-2000:]
     assert steps(tmp_path / "joined" / "metrics.jsonl") == [0]
 
-    submitted = subprocess.run([str(BIN / "colocate"), "submit", "--dashboard", "http://127.0.0.1:8265", *SMALL,
+    submitted = subprocess.run([str(BIN / "colocate"), "submit", "--address", "http://127.0.0.1:8265", *SMALL,
                                 f"logging.output_dir={tmp_path / 'submitted'}"],
                                cwd=ROOT, env=head, capture_output=True, text=True, timeout=420)
     assert submitted.returncode == 0, submitted.stderr[-2000:]

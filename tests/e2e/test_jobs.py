@@ -1,0 +1,317 @@
+"""`colocate jobs | logs | stop` and the follow/exit-status logic of `colocate submit`, against one Ray head of
+our own (token auth, loopback, free ports), with small jobs sent directly through Ray's JobSubmissionClient.
+
+The head is started with `ray start --block` in a session of its own and ended through that process only:
+`ray stop` would end every Ray on the machine, including other tests' heads."""
+
+from __future__ import annotations
+
+import io
+import os
+import secrets
+import select
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from colocate.submit import follow_job
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+BIN = Path(sys.executable).parent
+PY = shlex.quote(sys.executable)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        tree.setdefault(ppid, []).append(int(pid))
+    return tree
+
+
+def _descendants(root: int) -> set[int]:
+    tree, found, todo = _children(), set(), [root]
+    while todo:
+        pid = todo.pop()
+        found.add(pid)
+        todo += tree.get(pid, [])
+    return found
+
+
+def _with_marker(marker: str) -> set[int]:
+    """Processes whose command line names our temp dir (Ray's daemons pass their session and log dirs)."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.add(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    """Still running (a zombie waiting for init to reap it has no command line and no longer counts)."""
+    alive = set()
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes():
+                alive.add(pid)
+        except OSError:
+            continue
+    return alive
+
+
+class Head:
+    def __init__(self, url: str, token_file: Path, env: dict[str, str]):
+        self.url, self.token_file, self.env = url, token_file, env
+        self.headers = {"Authorization": f"Bearer {token_file.read_text()}"}
+
+    def client(self):
+        from ray.job_submission import JobSubmissionClient
+
+        return JobSubmissionClient(self.url, headers=self.headers)
+
+    def colocate(self, *args: str, env: dict[str, str] | None = None, timeout: float = 60):
+        """The colocate command line as a user runs it (no Ray auth variables: only --token-file, if given)."""
+        return subprocess.run([str(BIN / "colocate"), *args], env=env or _client_env(), capture_output=True,
+                              text=True, timeout=timeout, check=False)
+
+
+def _client_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RAY_AUTH", "RAY_ADDRESS", "RAY_API_SERVER"))}
+    return {**env, **extra}
+
+
+@pytest.fixture(scope="module")
+def head():
+    tmp = Path(tempfile.mkdtemp(prefix="cj-", dir="/tmp"))  # short: Ray's socket paths live under it
+    token = tmp / "token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    dashboard = _free_port()
+    env = {**_client_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
+           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    # Every port chosen here, so a head that another test started with Ray's defaults cannot collide with ours.
+    ports = {f"--{name}": _free_port() for name in (
+        "port", "ray-client-server-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+        "metrics-export-port", "runtime-env-agent-port", "node-manager-port", "object-manager-port")}
+    with open(tmp / "head.log", "w") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                                 "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=2",
+                                 f"--temp-dir={tmp / 'ray'}", "--disable-usage-stats",
+                                 *(f"{k}={v}" for k, v in ports.items())],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{dashboard}"
+    try:
+        _wait_ready(url, token, proc, tmp / "head.log")
+        yield Head(url, token, env)
+    finally:
+        _stop_jobs(Head(url, token, env))
+        killed = _end_head(proc, _descendants(proc.pid) | _with_marker(str(tmp)))
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert not killed, f"processes of our Ray head still there after it stopped (killed): {killed}"
+
+
+def _stop_jobs(head: Head, timeout_s: float = 20) -> None:
+    """A job still running when the head goes would outlive it (Ray starts entrypoints in sessions of their own),
+    as one would if a test failed before stopping its job."""
+    try:
+        client = head.client()
+        running = [j.submission_id for j in client.list_jobs() if not j.status.is_terminal() and j.submission_id]
+        for job in running:
+            client.stop_job(job)
+        for job in running:
+            _wait_status(client, job, {"STOPPED", "SUCCEEDED", "FAILED"}, timeout_s)
+    except Exception as e:  # noqa: BLE001 -- the head may be what failed; ending it is what matters now
+        print(f"could not stop the jobs on {head.url}: {e}", file=sys.stderr)
+
+
+def _wait_ready(url: str, token: Path, proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if requests.get(f"{url}/api/version", headers={"Authorization": f"Bearer {token.read_text()}"},
+                            timeout=2).ok:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"the Ray head at {url} was not ready after {timeout_s} s:\n{log.read_text()[-3000:]}")
+
+
+def _end_head(proc: subprocess.Popen, ours: set[int], timeout_s: float = 30) -> dict[int, str]:
+    """SIGTERM to `ray start --block` alone: it stops what it started (a signal to the whole group at once
+    leaves it waiting on daemons already gone); then anything of ours still there is killed and returned."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    deadline = time.monotonic() + timeout_s
+    while _alive(ours) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    killed = {}
+    for pid in _alive(ours):
+        try:
+            killed[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return killed
+
+
+def _wait_status(client, job_id: str, wanted: set[str], timeout_s: float = 60) -> str:
+    deadline = time.monotonic() + timeout_s
+    while (status := str(client.get_job_status(job_id))) not in wanted:
+        assert time.monotonic() < deadline, f"{job_id} still {status}, expected one of {wanted}"
+        time.sleep(0.3)
+    return status
+
+
+def _job_output(logs: str) -> list[str]:
+    """The entrypoint's own lines: Ray's job log starts with two of its own (runtime env, entrypoint)."""
+    lines = logs.splitlines()
+    assert "Runtime env is setting up" in lines[0] and lines[1].startswith("Running entrypoint for job"), lines[:2]
+    return lines[2:]
+
+
+def _read_until(proc: subprocess.Popen, text: str, timeout_s: float = 30) -> str:
+    """Read proc's stdout until `text` appears (without blocking past the deadline)."""
+    seen, deadline = "", time.monotonic() + timeout_s
+    while text not in seen:
+        assert time.monotonic() < deadline, f"{text!r} not in the output after {timeout_s} s: {seen!r}"
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            chunk = os.read(proc.stdout.fileno(), 65536).decode()
+            assert chunk, f"output closed before {text!r}: {seen!r}"
+            seen += chunk
+    return seen
+
+
+def test_jobs_logs_follow_detach_and_stop(head):
+    client = head.client()
+    job = client.submit_job(entrypoint=f"{PY} -u -c \"print('hello'); import time; time.sleep(120)\"")
+    _wait_status(client, job, {"RUNNING"})
+    flags = ["--address", head.url, "--token-file", str(head.token_file)]
+
+    listed = head.colocate("jobs", *flags)
+    assert listed.returncode == 0, listed.stderr
+    header, *rows = listed.stdout.splitlines()
+    assert header.split() == ["JOB", "STATUS", "START", "ENTRYPOINT"]
+    row = next(r for r in rows if r.startswith(job))
+    assert row.split()[1] == "RUNNING" and row.endswith("...")  # the long entrypoint is shortened
+
+    # Ctrl-C while following leaves the job running and says how to stop it.
+    follower = subprocess.Popen([str(BIN / "colocate"), "logs", job, "--follow", *flags], env=_client_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _read_until(follower, "hello")
+    follower.send_signal(signal.SIGINT)
+    _, err = follower.communicate(timeout=30)
+    assert follower.returncode == 130, err.decode()
+    lines = [line for line in err.decode().splitlines() if line.strip()]
+    assert len(lines) == 1 and "keeps running" in lines[0] and f"colocate stop {job}" in lines[0], lines
+    assert str(client.get_job_status(job)) == "RUNNING"
+
+    logs = head.colocate("logs", job, *flags)
+    assert logs.returncode == 0 and _job_output(logs.stdout) == ["hello"], (logs.stdout, logs.stderr)
+
+    start = time.monotonic()
+    stopped = head.colocate("stop", job, "--timeout", "30", *flags)
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stderr.strip() == f"colocate: job {job} stopped"
+    assert time.monotonic() - start < 30
+    assert str(client.get_job_status(job)) == "STOPPED"
+
+    # Following a stopped job replays its logs once and exits 143.
+    replay = head.colocate("logs", job, "--follow", *flags)
+    assert replay.returncode == 143 and _job_output(replay.stdout) == ["hello"], (replay.stdout, replay.stderr)
+    again = head.colocate("stop", job, *flags)
+    assert again.returncode == 0 and "already ended (STOPPED)" in again.stderr
+
+    unknown = head.colocate("logs", "raysubmit_nope", *flags)
+    assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1 and "no job 'raysubmit_nope'" in unknown.stderr
+
+
+def test_follow_job_prints_each_line_once_and_exits_with_the_status(head, capsys):
+    client = head.client()
+    count = 40
+    # Lines spread over ~2 s, so they come in many chunks of the log stream, not one.
+    ok = client.submit_job(entrypoint=f"{PY} -u -c \"import time; "
+                                      f"[print('line', i) or time.sleep(0.05) for i in range({count})]\"")
+    failing = client.submit_job(entrypoint=f"{PY} -u -c \"import sys; print('about to fail'); sys.exit(3)\"")
+
+    out = io.StringIO()
+    assert follow_job(client, ok, out=out) == 0
+    assert _job_output(out.getvalue()) == [f"line {i}" for i in range(count)]
+    assert f"colocate: job {ok} succeeded" in capsys.readouterr().err
+
+    out = io.StringIO()
+    assert follow_job(client, failing, out=out) == 1
+    assert _job_output(out.getvalue()) == ["about to fail"]
+    err = capsys.readouterr().err
+    assert f"colocate: job {failing} failed:" in err and "exit code 3" in err
+
+
+def test_token_and_address_from_the_environment_and_refused_tokens(head, tmp_path):
+    # Ray's own variables: RAY_API_SERVER_ADDRESS, RAY_AUTH_MODE=token with RAY_AUTH_TOKEN_PATH.
+    env = _client_env(RAY_API_SERVER_ADDRESS=head.url, RAY_AUTH_MODE="token",
+                      RAY_AUTH_TOKEN_PATH=str(head.token_file), RAY_ADDRESS="auto")
+    listed = head.colocate("jobs", env=env)
+    assert listed.returncode == 0 and listed.stdout.startswith("JOB"), listed.stderr
+
+    wrong = tmp_path / "wrong"
+    wrong.write_text(secrets.token_hex(32))
+    wrong.chmod(0o600)
+    for args, env, why in [(["--token-file", str(wrong)], _client_env(), "HTTP 403"),
+                           ([], _client_env(), "HTTP 401, no token sent"),
+                           ([], _client_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32)),
+                            "HTTP 403: the token from RAY_AUTH_TOKEN")]:
+        start = time.monotonic()
+        refused = head.colocate("jobs", "--address", head.url, *args, env=env)
+        assert time.monotonic() - start < 5
+        assert refused.returncode == 2 and refused.stdout == ""
+        assert refused.stderr.startswith(f"colocate: error: the job server at {head.url} refused the token ({why}")
+        assert refused.stderr.count("\n") == 1, refused.stderr
+
+
+def test_submit_prints_the_job_id_follows_it_and_exits_with_its_status(head, tmp_path):
+    # A real `colocate submit`, with a job the cluster refuses at once (more slots than its 2 CPUs): the job
+    # runs `colocate launch --address auto` there, which exits 2 before any actor starts -> FAILED -> exit 1.
+    root = Path(__file__).resolve().parents[2]
+    submitted = subprocess.run([str(BIN / "colocate"), "submit", "--address", head.url, "--token-file",
+                                str(head.token_file), "placement.num_slots=64", "engine.tp=2",
+                                f"model.cache_dir={root / '.cache' / 'models'}"],
+                               cwd=tmp_path, env=_client_env(), capture_output=True, text=True, timeout=180,
+                               check=False)
+    assert submitted.returncode == 1, submitted.stderr[-3000:]
+    job, *job_logs = submitted.stdout.splitlines()
+    assert job.startswith("raysubmit_")
+    assert any("placement.num_slots=64" in line for line in job_logs), submitted.stdout[-3000:]
+    assert f"colocate: job {job} failed: Job entrypoint command failed with exit code 2" in submitted.stderr
+
+    listed = head.colocate("jobs", "--address", head.url, "--token-file", str(head.token_file))
+    row = next(r for r in listed.stdout.splitlines() if r.startswith(job))
+    assert row.split()[1] == "FAILED" and "colocate launch placement.num_slots=64 engine.tp=2" in row
