@@ -87,6 +87,7 @@ def run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_w
     while unfinished and (num_groups_wanted is None or num_complete < num_groups_wanted):
         outputs = engine.step()
         timeline.append((time.perf_counter() - started, sum(1 for o in outputs if o.outputs[0].token_ids)))
+        capped = []  # stopped at this step's share of their budget: they go on next pass, from where they are
         for out in outputs:
             result, completion = results[out.request_id], out.outputs[0]
             result.token_ids += completion.token_ids
@@ -100,17 +101,24 @@ def run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_w
                     left = groups_left[by_id[out.request_id].group]
                     left.discard(out.request_id)
                     num_complete += not left
+                else:
+                    capped.append(result)
+        if capped:
+            # Hazard: the runner frees a finished request's state (and generator) at the next engine step, so
+            # its random state is read now.
+            _read_random_states(llm, capped, internal_ids)
     if unfinished:
-        _abort(llm, [results[i] for i in unfinished], internal_ids)
+        still_running = [results[i] for i in unfinished]
+        _read_random_states(llm, still_running, internal_ids)
+        engine.abort_request([r.request_id for r in still_running])
     return [results[r.request_id] for r in requests], timeline
 
 
-def _abort(llm, unfinished: list[RequestResult], internal_ids: dict[str, str]) -> None:
-    """Abort what is still running, keeping each request's random state for its continuation. Every TP worker
-    samples the same tokens with the same generator, so their states agree; the first worker's is kept."""
-    num_tokens = {internal_ids[r.request_id]: len(r.token_ids) for r in unfinished}
+def _read_random_states(llm, results: list[RequestResult], internal_ids: dict[str, str]) -> None:
+    """Each request's random state, for its continuation. Every TP worker samples the same tokens with the same
+    generator, so their states agree; the first worker's is kept."""
+    num_tokens = {internal_ids[r.request_id]: len(r.token_ids) for r in results}
     states = llm.collective_rpc("colocate_read_random_states", args=(num_tokens,))
     assert all(s == states[0] for s in states[1:]), "TP workers' random streams diverged"
-    for r in unfinished:
+    for r in results:
         r.random_state = states[0].get(internal_ids[r.request_id])
-    llm.llm_engine.abort_request([r.request_id for r in unfinished])

@@ -98,5 +98,6 @@ class Rollouts:
 
 def _as_rollout(group: Group) -> Rollout:
     return Rollout(group.sample, group.prompt_ids, [
-        {"token_ids": a.token_ids, "logprobs": a.logprobs, "finish_reason": a.finish_reason, "versions": a.versions}
+        {"token_ids": a.token_ids, "logprobs": a.logprobs, "finish_reason": a.finish_reason, "versions": a.versions,
+         "seed": a.seed, "max_tokens": a.max_tokens}
         for a in group.answers])

@@ -116,3 +116,25 @@ def test_partial_rollout_carries_answers_over_steps_within_the_context(runtime):
                 mixed_versions += versions[0] != versions[-1]
     assert mixed_versions > 0, "no trained answer was continued across a weight sync"
     assert longest == MAX_MODEL_LEN, "no answer reached the context limit: the guard was not exercised"
+
+
+def test_answers_continued_across_steps_equal_uninterrupted_ones_when_weights_do_not_change(runtime):
+    """Partial rollout over real steps with every switch and sync between them but no training (the weights
+    stay the same, though level-2 sleep discards them and the sync writes them back): every trained answer is
+    the one an uninterrupted request with its seed and budget generates."""
+    controller = job(runtime, num_prompts=4, num_samples=2, max_tokens=40, partial_tokens=8, max_lag=4)
+    continued = 0
+    for step in range(4):
+        groups, _ = controller.rollout(step)
+        controller.switch_to_train()
+        controller.switch_to_sync()
+        controller.sync()
+        controller.switch_to_rollout()
+        for group in groups:
+            requests = [EngineRequest(f"whole-{step}-{i}", 0, i, group.prompt_ids, c["max_tokens"], True,
+                                      seed=c["seed"]) for i, c in enumerate(group.completions)]
+            sampling = {"temperature": 1.0, "top_p": 1.0}
+            for completion, whole in zip(group.completions, run_pass(runtime, requests, sampling)):
+                assert completion["token_ids"] == whole.token_ids
+                continued += len(set(completion["versions"])) > 1
+    assert continued > 0, "no answer was continued across a step"
