@@ -110,11 +110,42 @@ def plan_slots(cfg: JobConfig, *, device: str, num_devices: int, where: str = "t
     return SlotPlan(device=device, num_slots=cfg.placement.num_slots, tp=cfg.engine.tp)
 
 
-def sync_transport(cfg: JobConfig, device: str) -> str:
-    """gather (all-gather, then each rank feeds the worker on its device), in_place or ring (CPU only)."""
+def plan_nodes(plan: SlotPlan, node_devices: dict[str, int]) -> list[str]:
+    """The node of every slot on a Ray cluster: each engine's TP group lies within one node (its workers'
+    communication and every IPC handover stay on a node; only the trainers' process group crosses nodes).
+    Engines fill the nodes with the most devices first. ConfigError names the shortfall, before any actor."""
+    kind = "GPUs" if plan.device == "cuda" else "CPU cores"
+    order = sorted(node_devices, key=lambda node: (-node_devices[node], node))
+    listed = ", ".join(f"{node[:8]} {node_devices[node]}" for node in order)
+    largest = max(node_devices.values(), default=0)
+    if plan.tp > largest:
+        raise ConfigError(f"engine.tp={plan.tp} is invalid on this Ray cluster: an engine's TP workers must share one "
+                          f"node, and its largest node has {largest} {kind} (nodes: {listed}); valid: engine.tp <= "
+                          f"{largest}")
+    free = {node: node_devices[node] // plan.tp for node in order}  # engines each node can still hold
+    if sum(free.values()) < plan.num_engines:
+        raise ConfigError(f"placement.num_slots={plan.num_slots} is invalid on this Ray cluster: its "
+                          f"{plan.num_engines} engine(s) of engine.tp={plan.tp} need {plan.tp} {kind} each within "
+                          f"one node, and its nodes ({listed} {kind}) hold {sum(free.values())}; valid: "
+                          f"placement.num_slots <= {sum(free.values()) * plan.tp}")
+    slots = []
+    for _ in range(plan.num_engines):
+        node = next(n for n in order if free[n])
+        free[node] -= 1
+        slots += [node] * plan.tp
+    return slots
+
+
+def sync_transport(cfg: JobConfig, device: str, *, multi_node: bool = False) -> str:
+    """gather (all-gather, then each rank feeds the worker on its device), in_place or ring (CPU, one node:
+    every rank writes into every worker's shared memory)."""
     if cfg.sync.transport != "auto":
+        if multi_node and cfg.sync.transport in ("in_place", "ring"):
+            raise ConfigError(f"sync.transport={cfg.sync.transport!r} is invalid for a job across several nodes: "
+                              "every trainer rank would write into engines on other nodes' shared memory; valid: "
+                              "auto, gather")
         return cfg.sync.transport
-    return "in_place" if device == "cpu" else "gather"
+    return "in_place" if device == "cpu" and not multi_node else "gather"
 
 
 def sync_in_place(cfg: JobConfig, device: str) -> bool:
@@ -178,17 +209,21 @@ def sleep_backend(cfg: JobConfig, device: str) -> str:
 # Ray side
 
 
-def cluster_device_count(device: str) -> int:
+def cluster_nodes(device: str) -> dict[str, int]:
+    """Devices (GPUs, or CPU cores) of every alive node of the Ray cluster, by node id."""
     import ray
 
-    return int(ray.cluster_resources().get("GPU" if device == "cuda" else "CPU", 0))
+    key = "GPU" if device == "cuda" else "CPU"
+    return {n["NodeID"]: int(n["Resources"].get(key, 0)) for n in ray.nodes() if n["Alive"]}
 
 
-def create_placement_group(plan: SlotPlan, *, timeout_s: float = 120):
+def create_placement_group(plan: SlotPlan, *, slot_nodes: list[str] | None = None, timeout_s: float = 120):
+    """One bundle per slot; on a cluster, each bundle pinned to its node (plan_nodes) by Ray's node-id label."""
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group
 
-    group = placement_group(plan.bundles(), strategy="PACK")
+    selectors = [{NODE_ID_LABEL_KEY: node} for node in slot_nodes] if slot_nodes else None
+    group = placement_group(plan.bundles(), strategy="PACK", bundle_label_selector=selectors)
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         ray.util.remove_placement_group(group)

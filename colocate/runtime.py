@@ -11,8 +11,11 @@ free memory for its KV cache at start), then the ring is opened and sealed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
 import time
 
 import ray
@@ -20,9 +23,9 @@ import ray
 from colocate.config import JobConfig
 from colocate.engine.actor import EngineActor, engine_env
 from colocate.models import ensure_model, load_tokenizer
-from colocate.placement import (ENGINE_SHARE, TRAINER_SHARE, actor_options, cluster_device_count,
-                                create_placement_group, engine_placement, local_device_count, pair_devices,
-                                plan_slots, resolve_device, sleep_backend, sync_transport)
+from colocate.placement import (ENGINE_SHARE, TRAINER_SHARE, actor_options, cluster_nodes, create_placement_group,
+                                engine_placement, local_device_count, pair_devices, plan_nodes, plan_slots,
+                                resolve_device, sleep_backend, sync_transport)
 from colocate.preflight import switch_plan
 from colocate.sync.transport import remove_orphaned_entries, remove_stale_segments, shm_entries
 from colocate.sync.weight_sync import WeightSync
@@ -38,6 +41,7 @@ class Runtime:
         self.trainers: list = []
         self.engines: list = []
         self.group = None
+        self.slot_nodes: list[str] | None = None  # on a Ray cluster: each slot's node (placement.plan_nodes)
         self.sync: WeightSync | None = None
         self._started_ray = False
         self._shm_before = shm_entries()  # what /dev/shm held before us: close() leaves those alone
@@ -64,11 +68,15 @@ class Runtime:
             raise RuntimeError(f"cannot load the tokenizer of model.path={self.model_path!r}: {e}") from None
         self.switch = switch_plan(cfg, device=self.device)  # what must leave the device between phases
         self._init_ray()
-        num_devices = cluster_device_count(self.device) if cfg.placement.ray_address else \
-            local_device_count(self.device)
-        self.plan = plan_slots(cfg, device=self.device, num_devices=num_devices,
-                               where="the Ray cluster" if cfg.placement.ray_address else "this machine")
-        self.group = create_placement_group(self.plan)
+        if cfg.placement.ray_address:
+            nodes = cluster_nodes(self.device)
+            self.plan = plan_slots(cfg, device=self.device, num_devices=sum(nodes.values()), where="the Ray cluster")
+            self.slot_nodes = plan_nodes(self.plan, nodes)
+        else:
+            self.plan = plan_slots(cfg, device=self.device, num_devices=local_device_count(self.device))
+        # across nodes only the gather protocol works: every handover stays on the rank's own node
+        self.transport = sync_transport(cfg, self.device, multi_node=len(set(self.slot_nodes or ())) > 1)
+        self.group = create_placement_group(self.plan, slot_nodes=self.slot_nodes)
         self._start_trainers()
         self._start_engines()
         specs = ray.get(self.trainers[0].param_specs.remote(cfg.engine.dtype))
@@ -76,7 +84,7 @@ class Runtime:
 
         self.sync = WeightSync(self.trainers, self.engines, specs, cfg=cfg.sync,
                                hf_config=AutoConfig.from_pretrained(self.model_path),
-                               transport=sync_transport(cfg, self.device), pairs=self.pairs)
+                               transport=self.transport, pairs=self.pairs)
         self.sync.open()
 
     def _init_ray(self) -> None:
@@ -85,6 +93,10 @@ class Runtime:
         verbose = self.cfg.logging.level in ("DEBUG", "INFO")
         common = dict(log_to_driver=verbose, logging_level=logging.WARNING,
                       runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(_python_path())}})
+        with _sigterm_handler_kept():
+            self._connect_ray(common)
+
+    def _connect_ray(self, common: dict) -> None:
         if self.cfg.placement.ray_address:
             ray.init(address=self.cfg.placement.ray_address, **common)
         else:
@@ -136,7 +148,9 @@ class Runtime:
         worker_devices = ray.get([e.device_names.remote() for e in self.engines])
         pairs = pair_devices(trainer_devices, worker_devices)
         self.placement_report = {"trainer_devices": trainer_devices, "engine_worker_devices": worker_devices,
-                                 "pairs": pairs}
+                                 "pairs": pairs, "slot_nodes": self.slot_nodes,
+                                 "trainer_nodes": ray.get([t.node_id.remote() for t in self.trainers]),
+                                 "engine_nodes": ray.get([e.node_id.remote() for e in self.engines])}
         return pairs
 
     def restart_engines(self) -> None:
@@ -177,6 +191,17 @@ class Runtime:
             new -= set(remove_orphaned_entries(new))
             if new:
                 time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def _sigterm_handler_kept():
+    """ray.init installs Ray's crash handler for SIGTERM in the driver, which logs and ends the process without
+    unwinding: the caller's handler (train.catch_sigterm, which releases actors and segments) is put back."""
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main else None
+    yield
+    if main and callable(handler):
+        signal.signal(signal.SIGTERM, handler)
 
 
 def _python_path() -> list[str]:

@@ -43,6 +43,7 @@ EXCLUDES = [".venv/", ".git/", "outputs/", ".cache/", "__pycache__/"]
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 143}
 EXIT_INTERRUPTED = 130
 ENTRYPOINT_WIDTH = 60
+STOP_WAIT_S = 60  # a stopped job's time to release its actors and segments (train.catch_sigterm)
 
 
 class JobServerError(Exception):
@@ -236,7 +237,10 @@ def submit_job(cfg: JobConfig, items: list[str], *, address: str | None, token_f
                 entrypoint=entrypoint(cfg),
                 # The user's own modules (tasks, reward functions) travel with the working directory; colocate
                 # itself must be installed in the cluster's environment (see docker/).
-                runtime_env={"working_dir": os.getcwd(), "excludes": EXCLUDES},
+                # RAY_JOB_STOP_WAIT_TIME_S: how long Ray's job supervisor (which runs with these variables) waits
+                # after `stop`'s SIGTERM before SIGKILL; its default, 3 s, is shorter than releasing the engines.
+                runtime_env={"working_dir": os.getcwd(), "excludes": EXCLUDES,
+                             "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(STOP_WAIT_S)}},
                 # What the user typed, for `colocate jobs` (the entrypoint spells out every key).
                 metadata={"colocate_command": shlex.join(["colocate", "launch", *items])},
             )

@@ -8,7 +8,9 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from colocate.config import ConfigError, JobConfig, to_dict
@@ -28,6 +30,7 @@ def run_job(cfg: JobConfig) -> int:
     (out / "config.yaml").write_text(OmegaConf.to_yaml(to_dict(cfg)))
     metrics = MetricsWriter(cfg.logging.output_dir, progress=cfg.logging.progress, num_steps=cfg.algo.num_steps)
     controller = None
+    restore_sigterm = catch_sigterm()
     try:
         with Runtime(cfg) as runtime:
             metrics.write({"event": "startup", "trainers": runtime.trainer_info, "engines": runtime.engine_info,
@@ -49,6 +52,10 @@ def run_job(cfg: JobConfig) -> int:
         print(f"colocate: interrupted; {_num_steps(controller)} finished step(s) kept in {metrics.path}",
               file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"colocate: stopped (SIGTERM); {_num_steps(controller)} finished step(s) kept in {metrics.path}",
+              file=sys.stderr)
+        return 143
     except Exception as e:
         metrics.write({"event": "error", "step": _num_steps(controller), "error": one_line(e)})
         print(f"colocate: error: {one_line(e)}\ncolocate: {_num_steps(controller)} finished step(s) kept in "
@@ -57,6 +64,25 @@ def run_job(cfg: JobConfig) -> int:
         return 1
     finally:
         metrics.close()
+        restore_sigterm()
+
+
+class Terminated(BaseException):
+    """SIGTERM (`colocate stop`, `ray job stop`, a scheduler's preemption): unwinds like Ctrl-C, so the runtime
+    releases every actor and shared segment before the process exits."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def catch_sigterm():
+    """Turn SIGTERM into `Terminated` in the main thread; returns the restore function. Python's default for
+    SIGTERM ends the process at once, leaving vLLM's segments in /dev/shm."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def one_line(e: BaseException) -> str:

@@ -142,6 +142,12 @@ class EngineActor:
         handle, offsets."""
         return self.llm.collective_rpc("colocate_share_weights")
 
+    def node_id(self) -> str:
+        """The Ray node of this engine (its TP workers share it: placement.plan_nodes)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def device_names(self) -> list[str]:
         """Each worker's device (by TP rank), named alike in every process (devices.device_name)."""
         return self.llm.collective_rpc("colocate_device_name")

@@ -327,6 +327,11 @@ class TrainerActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def device_name(self) -> str:
         """This rank's device, named alike in every process (trainer rank s lives in slot s)."""
         return device_name(self.device, slot=self.rank)

@@ -86,7 +86,11 @@ def test_reward_function_that_raises_keeps_finished_steps(tmp_path, baseline):
     assert_nothing_left(*baseline)
 
 
-def test_ctrl_c_stops_cleanly(tmp_path, baseline):
+@pytest.mark.parametrize("signum, code, said", [
+    pytest.param(signal.SIGINT, 130, "interrupted", id="ctrl_c"),  # a terminal's Ctrl-C: the whole group
+    pytest.param(signal.SIGTERM, 143, "stopped (SIGTERM)", id="sigterm"),  # kill, a scheduler, `ray job stop`
+])
+def test_ctrl_c_and_sigterm_stop_cleanly(tmp_path, baseline, signum, code, said):
     metrics = tmp_path / "out" / "metrics.jsonl"
     proc = subprocess.Popen(
         [os.path.join(os.path.dirname(os.sys.executable), "colocate"), "launch", "configs/default.yaml",
@@ -98,11 +102,14 @@ def test_ctrl_c_stops_cleanly(tmp_path, baseline):
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
             assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "timeout"
             time.sleep(0.5)
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole foreground group
+        if signum == signal.SIGINT:
+            os.killpg(proc.pid, signum)
+        else:
+            proc.send_signal(signum)  # to the job's process only, as Ray's job supervisor or `kill` sends it
         _, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, stderr[-2000:]
-    assert "interrupted" in stderr and "finished step(s) kept" in stderr
+    assert proc.returncode == code, stderr[-2000:]
+    assert said in stderr and "finished step(s) kept" in stderr
     assert_nothing_left(*baseline)

@@ -213,15 +213,17 @@ def test_token_from_rays_variables_only_in_token_mode(tmp_path, monkeypatch):
     token = tmp_path / "token"
     token.write_text("fromfile")
     token.chmod(0o600)
-    assert jobs.token_headers(None)[0] == {}  # RAY_AUTH_MODE unset: Ray sends none, nor do we
-    # RAY_AUTH_TOKEN and RAY_AUTH_TOKEN_PATH are read in a child: Ray's token loader caches per process.
+    # Read in a child each time: Ray's token loader caches per process, and a Ray started earlier in this
+    # process (the e2e tests run before the unit tests) switches it to token mode.
     probe = ("import colocate.submit as j; h, s = j.token_headers(None); "
              "print(list(h.values())[0] if h else '', s, sep='|')")
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_API_SERVER", "RAY_AUTH"))}
-    for extra, expected in [({"RAY_AUTH_TOKEN_PATH": str(token)}, f"Bearer fromfile|RAY_AUTH_TOKEN_PATH={token}"),
-                            ({"RAY_AUTH_TOKEN": "fromenv", "RAY_AUTH_TOKEN_PATH": str(token)},
+    for extra, expected in [({}, "|no token (RAY_AUTH_MODE is not 'token' and no --token-file)"),
+                            ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)},
+                             f"Bearer fromfile|RAY_AUTH_TOKEN_PATH={token}"),
+                            ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "fromenv", "RAY_AUTH_TOKEN_PATH": str(token)},
                              "Bearer fromenv|RAY_AUTH_TOKEN")]:
-        out = subprocess.run([sys.executable, "-c", probe], env={**base, "RAY_AUTH_MODE": "token", **extra},
+        out = subprocess.run([sys.executable, "-c", probe], env={**base, **extra},
                              capture_output=True, text=True, timeout=60, check=False)
         assert out.stdout.strip() == expected, out.stderr
 

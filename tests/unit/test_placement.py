@@ -7,7 +7,7 @@ import pytest
 
 from colocate.config import ConfigError, load_config
 from colocate.placement import (ENGINE_SHARE, TRAINER_SHARE, PlacementError, SlotPlan, engine_placement,
-                                pair_devices, plan_slots, sync_transport)
+                                pair_devices, plan_nodes, plan_slots, sync_transport)
 
 
 @pytest.mark.parametrize("device, tp, engine, bundle, driver_share, bundles", [
@@ -70,3 +70,37 @@ def test_cpu_only_transports_are_refused_on_cuda(transport):
     message = f"sync.transport='{transport}' is invalid on a CUDA run.*valid: auto, gather"
     with pytest.raises(ConfigError, match=message):
         plan_slots(cfg, device="cuda", num_devices=8)
+
+
+@pytest.mark.parametrize("device, num_slots, tp, nodes, expected", [
+    pytest.param("cuda", 16, 2, {"b": 8, "a": 8}, ["a"] * 8 + ["b"] * 8, id="two_8gpu_nodes"),
+    pytest.param("cuda", 4, 2, {"b": 8, "a": 8}, ["a"] * 4, id="packs_onto_one_node"),
+    pytest.param("cpu", 2, 1, {"n1": 1, "n0": 1}, ["n0", "n1"], id="one_slot_per_node"),
+    # 6 GPUs + 2 GPUs at TP=4: the 6-GPU node holds one engine, the 2-GPU node none
+    pytest.param("cuda", 4, 4, {"big": 6, "small": 2}, ["big"] * 4, id="uneven_nodes"),
+])
+def test_every_engine_lies_within_one_node(device, num_slots, tp, nodes, expected):
+    slot_nodes = plan_nodes(SlotPlan(device, num_slots, tp), nodes)
+    assert slot_nodes == expected
+    for engine in range(num_slots // tp):
+        assert len(set(slot_nodes[engine * tp:(engine + 1) * tp])) == 1
+
+
+@pytest.mark.parametrize("num_slots, tp, nodes, message", [
+    pytest.param(2, 2, {"n0": 1, "n1": 1}, r"engine.tp=2 is invalid on this Ray cluster: .* largest node has 1 CPU "
+                 r"cores .*valid: engine.tp <= 1", id="tp_larger_than_every_node"),
+    # 12 cores in total, as 12 slots need, but a TP=4 engine cannot straddle the two 6-core nodes
+    pytest.param(12, 4, {"n0": 6, "n1": 6}, r"placement.num_slots=12 is invalid on this Ray cluster: its 3 "
+                 r"engine\(s\) of engine.tp=4 need 4 CPU cores each within one node.* hold 2; valid: "
+                 r"placement.num_slots <= 8", id="enough_devices_in_total_but_not_per_node"),
+])
+def test_a_cluster_of_the_wrong_shape_is_refused_in_one_line(num_slots, tp, nodes, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        plan_nodes(SlotPlan("cpu", num_slots, tp), nodes)
+    assert "\n" not in str(info.value)
+
+
+def test_across_nodes_the_sync_gathers():
+    assert sync_transport(load_config(None, []), "cpu", multi_node=True) == "gather"
+    with pytest.raises(ConfigError, match="sync.transport='in_place' is invalid for a job across several nodes"):
+        sync_transport(load_config(None, ["sync.transport=in_place"]), "cpu", multi_node=True)

@@ -1,0 +1,128 @@
+"""A job across two Ray nodes on this machine: two raylets with one CPU slot each (Ray's own
+`ray.cluster_utils.Cluster`), one engine (TP=1) per node, FSDP2 over both,
+submitted with `colocate submit`; the weights must equal the trainers' on both nodes after every sync. A cluster
+of the wrong shape is refused in one line before any actor starts. The cluster goes down whatever happened, and
+no Ray process may be left."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import ROOT, assert_nothing_left, colocate_processes, shm_segments
+
+pytestmark = pytest.mark.e2e
+BIN = Path(sys.executable).parent
+SMALL = ["algo.num_steps=2", "rollout.num_prompts=4", "rollout.num_samples=4", "rollout.max_tokens=4",
+         "engine.kv_cache_gib=0.125", "placement.num_slots=2", "engine.tp=1", "sync.verify=full",
+         f"model.cache_dir={ROOT / '.cache' / 'models'}", "logging.progress=false"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    from ray.cluster_utils import Cluster
+
+    before = (colocate_processes(), shm_segments())
+    # The raylets, and the jobs they run, inherit this environment: this venv's Python first (a submitted job
+    # runs `python -m colocate.cli`). Token auth stays off: this process's Ray reads its auth mode once, at
+    # import, before a fixture could set it (tests/e2e/test_jobs.py and test_cluster.py cover tokens).
+    env = {"RAY_AUTH_MODE": "disabled", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    dashboard_port = free_port()
+    cluster = None
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1",
+            "dashboard_port": dashboard_port})
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        yield {"gcs": cluster.address, "job_server": f"http://127.0.0.1:{dashboard_port}", "env": dict(os.environ)}
+    finally:
+        if cluster is not None:
+            cluster.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert_nothing_left(*before)
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_job_across_two_nodes_syncs_exactly_on_both(two_nodes, tmp_path):
+    out = tmp_path / "out"
+    submitted = subprocess.run([str(BIN / "colocate"), "submit", "--address", two_nodes["job_server"], *SMALL,
+                                f"logging.output_dir={out}"],
+                               cwd=ROOT, env=two_nodes["env"], capture_output=True, text=True, timeout=600)
+    assert submitted.returncode == 0, submitted.stderr[-3000:] + submitted.stdout[-3000:]
+    assert "succeeded" in submitted.stderr
+    lines = records(out / "metrics.jsonl")
+    startup = next(r for r in lines if r.get("event") == "startup")
+    placement = startup["placement"]
+    # one slot per node: the trainers span both nodes, each engine sits on its own node beside the rank feeding it
+    assert len(set(placement["slot_nodes"])) == 2
+    assert placement["trainer_nodes"] == placement["slot_nodes"]
+    assert placement["engine_nodes"] == placement["slot_nodes"]
+    assert placement["pairs"] == [[0, 0], [1, 0]]
+    assert startup["sync_transport"] == "gather"  # in place would write across nodes
+    # sync.verify=full compares every engine tensor with the trainers' after each sync and fails the job if any
+    # differs: two steps done means two exact syncs on both nodes
+    assert [r["step"] for r in lines if "event" not in r] == [0, 1]
+
+
+def test_a_cluster_of_the_wrong_shape_is_refused_before_any_actor(two_nodes, tmp_path):
+    env = {**two_nodes["env"], "RAY_ADDRESS": two_nodes["gcs"]}
+    refused = subprocess.run([str(BIN / "colocate"), "launch", "--address", two_nodes["gcs"], *SMALL,
+                              "engine.tp=2", f"logging.output_dir={tmp_path / 'out'}"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("colocate:")]
+    assert len(lines) == 1 and "engine.tp=2 is invalid on this Ray cluster" in lines[0], refused.stderr[-2000:]
+    assert "largest node has 1 CPU cores" in lines[0]
+
+
+def actor_processes() -> set[int]:
+    return {pid for pid, cmdline in colocate_processes() if "TrainerActor" in cmdline or "EngineActor" in cmdline}
+
+
+def test_stop_ends_a_running_job_and_its_actors(two_nodes, tmp_path):
+    out = tmp_path / "out"
+    submitted = subprocess.run([str(BIN / "colocate"), "submit", "--no-wait", "--address", two_nodes["job_server"],
+                                *SMALL, "algo.num_steps=100000", f"logging.output_dir={out}"],
+                               cwd=ROOT, env=two_nodes["env"], capture_output=True, text=True, timeout=120)
+    assert submitted.returncode == 0, submitted.stderr[-2000:]
+    job = submitted.stdout.strip().splitlines()[-1]
+    deadline = time.monotonic() + 300
+    while not (out / "metrics.jsonl").exists() or not any("event" not in r for r in records(out / "metrics.jsonl")):
+        assert time.monotonic() < deadline, "the job never finished a step"
+        time.sleep(1)
+    assert len(actor_processes()) == 4  # a trainer and an engine on each node
+
+    stopped = subprocess.run([str(BIN / "colocate"), "stop", job, "--address", two_nodes["job_server"]],
+                             cwd=ROOT, env=two_nodes["env"], capture_output=True, text=True, timeout=120)
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    deadline = time.monotonic() + 60
+    while actor_processes() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not actor_processes(), "the stopped job's actors are still running"
+    logs = subprocess.run([str(BIN / "colocate"), "logs", job, "--address", two_nodes["job_server"]],
+                          cwd=ROOT, env=two_nodes["env"], capture_output=True, text=True, timeout=120)
+    # the job unwound on SIGTERM (its actors and vLLM's segments released: the fixture checks nothing is left)
+    assert "colocate: stopped (SIGTERM)" in logs.stdout, logs.stdout[-2000:]
