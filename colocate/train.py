@@ -48,15 +48,11 @@ def run_job(cfg: JobConfig) -> int:
     except ConfigError as e:  # cluster-side resource checks raise before any actor starts
         print(f"colocate: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"colocate: interrupted; {_num_steps(controller)} finished step(s) kept in {metrics.path}",
-              file=sys.stderr)
-        return 130
-    except Terminated:
-        print(f"colocate: stopped (SIGTERM); {_num_steps(controller)} finished step(s) kept in {metrics.path}",
-              file=sys.stderr)
-        return 143
+    except (KeyboardInterrupt, Terminated) as e:
+        return _stopped(e, _num_steps(controller), metrics.path)
     except Exception as e:
+        if (signal_exc := _signal_in_chain(e)) is not None:
+            return _stopped(signal_exc, _num_steps(controller), metrics.path)
         metrics.write({"event": "error", "step": _num_steps(controller), "error": one_line(e)})
         print(f"colocate: error: {one_line(e)}\ncolocate: {_num_steps(controller)} finished step(s) kept in "
               f"{metrics.path}", file=sys.stderr)
@@ -83,6 +79,23 @@ def catch_sigterm():
         return lambda: None
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def _stopped(e: BaseException, num_steps: int, path: Path) -> int:
+    what, code = ("interrupted", 130) if isinstance(e, KeyboardInterrupt) else ("stopped (SIGTERM)", 143)
+    print(f"colocate: {what}; {num_steps} finished step(s) kept in {path}", file=sys.stderr)
+    return code
+
+
+def _signal_in_chain(e: BaseException) -> BaseException | None:
+    """A signal's exception raised while C code ran comes back wrapped: CPython reports "SystemError: ...
+    returned a result with an exception set" with the signal's exception as its cause (seen with SIGTERM
+    during a Ray call)."""
+    while e is not None:
+        if isinstance(e, (KeyboardInterrupt, Terminated)):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def one_line(e: BaseException) -> str:
