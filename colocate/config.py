@@ -109,6 +109,8 @@ class RolloutConfig:
     """Built-in toy task (copy, reverse, add) or a dotted path `module:function` returning a Task."""
     reward_fn: str = ""
     """Dotted path `module:function(prompt, response, answer) -> float`; empty uses the task's reward."""
+    rewards: str = ""
+    """Weighted sum of rewards, e.g. math:1.0,format:0.1: built-ins math, exact, format, char, or module:function (weight 1 when omitted); each one's mean is logged as reward_<name>_mean. Empty: rollout.reward_fn or the task's reward."""
     num_prompts: int = 16
     """Prompts per RL step."""
     num_samples: int = 8
@@ -131,6 +133,26 @@ class RolloutConfig:
     """Partial rollout: the most new tokens an answer gets in one pass (a step makes another pass only while none of its groups is complete); an answer still unfinished keeps its tokens and continues next step under the newer policy. 0: answers run to their end within the step."""
     max_lag: int = 1
     """An answer (finished or not) whose oldest token was sampled more than this many policy versions ago is restarted from its prompt; tokens within the lag are trained, corrected by the loss's ratio to their behaviour logprobs."""
+
+
+@dataclass
+class DataConfig:
+    train_files: str = ""
+    """Training prompts: comma-separated .jsonl or .parquet files (a YAML list works too; globs allowed); empty: the toy task rollout.task makes the prompts."""
+    val_files: str = ""
+    """Validation prompts, same format as data.train_files (read and checked; not yet evaluated during a run)."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: plain text, or a list of chat messages {role, content} (rendered with the tokenizer's chat template when it has one, else their contents joined by newlines)."""
+    answer_key: str = "answer"
+    """Column holding the reference answer given to the reward; empty: no answers (the reward gets "")."""
+    max_prompt_tokens: int = 0
+    """Longest prompt in tokens; 0: whatever leaves room for one response token within engine.max_model_len."""
+    too_long: str = "filter"
+    """A prompt longer than the limit: filter (dropped, the count logged once) or error (the job stops naming its row)."""
+    shuffle: bool = True
+    """Shuffle the rows, again every epoch (with data.seed + epoch)."""
+    seed: int = 0
+    """Seed of the data order."""
 
 
 @dataclass
@@ -182,6 +204,7 @@ class JobConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -257,6 +280,14 @@ class JobConfig:
         make_task(self.rollout.task, length=self.rollout.task_length)
         if self.rollout.reward_fn:
             load_reward_fn(self.rollout.reward_fn)
+        if self.rollout.rewards:
+            from colocate.rl.rewards import parse_rewards
+
+            if self.rollout.reward_fn:
+                raise _bad("rollout.rewards", self.rollout.rewards, "rollout.reward_fn is set too; give one of them "
+                           "(a module:function can be a component of rollout.rewards)")
+            parse_rewards(self.rollout.rewards)
+        self._validate_data()
         if self.sync.bucket_mb > 0:
             largest = largest_tensor_bytes(self)
             if largest is not None and self.sync.bucket_mb * (1 << 20) < largest:
@@ -272,6 +303,22 @@ class JobConfig:
             # "org/name" may be a hub id; anything path-like must exist.
             raise _bad("model.path", self.model.path, "no such directory (give a Hugging Face model directory "
                        "or hub id, or leave empty for the embedded preset)")
+
+
+    def _validate_data(self) -> None:
+        """The data keys and that every file exists with a supported extension; reading the rows (keys, empty
+        prompts, lengths) needs the tokenizer and is `data.make_prompt_source`'s, still before any actor starts."""
+        from colocate.data import data_files
+
+        _one_of(self, "data.too_long", ["filter", "error"])
+        _non_negative(self, "data.max_prompt_tokens")
+        if self.data.max_prompt_tokens >= self.engine.max_model_len:
+            raise _bad("data.max_prompt_tokens", self.data.max_prompt_tokens,
+                       f"must be smaller than engine.max_model_len={self.engine.max_model_len} (room to answer)")
+        if (self.data.train_files or self.data.val_files) and not self.data.prompt_key:
+            raise _bad("data.prompt_key", "", "name the column holding the prompts, e.g. prompt")
+        data_files(self.data.train_files, "data.train_files")
+        data_files(self.data.val_files, "data.val_files")
 
 
 # vLLM engine arguments colocate sets itself (from the key named), so a pass-through must not
@@ -416,6 +463,8 @@ def _build(cls, data, *, prefix: str):
 
 # str keys that hold JSON: a YAML mapping given for them (engine.extra_args: {block_size: 32}) is kept as JSON text
 _JSON_KEYS = {"engine.extra_args"}
+# str keys that hold a comma-separated list: a YAML list given for them is joined with commas
+_LIST_KEYS = {"data.train_files", "data.val_files"}
 
 
 def _coerce(key: str, value, hint):
@@ -423,6 +472,10 @@ def _coerce(key: str, value, hint):
         import json
 
         return json.dumps(value)
+    if key in _LIST_KEYS and isinstance(value, list):
+        if not all(isinstance(v, str) and "," not in v for v in value):
+            raise _bad(key, value, "expected a list of file paths (without commas)")
+        return ",".join(value)
     if hint is bool:
         if isinstance(value, bool):
             return value

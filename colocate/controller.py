@@ -29,24 +29,28 @@ import ray
 import torch
 
 from colocate.config import JobConfig
+from colocate.data import PromptSource, make_prompt_source
 from colocate.metrics import MetricsWriter
 from colocate.rl.corrections import mismatch_stats
+from colocate.rl.rewards import make_reward
 from colocate.rl.rollout import Rollouts
 from colocate.rl.scoring import Rollout, Scored, score
-from colocate.rl.tasks import PromptStream, load_reward_fn, make_task
+from colocate.rl.tasks import make_task
 from colocate.runtime import Runtime
 
 
 class Controller:
     def __init__(self, cfg: JobConfig, runtime: Runtime, metrics: MetricsWriter | None = None,
-                 rollouts: Rollouts | None = None):
+                 rollouts: Rollouts | None = None, prompts: PromptSource | None = None):
+        """`prompts`: a source built (and its files checked) before the runtime started; by default it is built
+        here, from data.train_files or the toy task."""
         self.cfg = cfg
         self.rt = runtime
         self.metrics = metrics
         self.task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
-        self.reward_fn = load_reward_fn(cfg.rollout.reward_fn) if cfg.rollout.reward_fn else self.task.reward
-        self.rollouts = rollouts or Rollouts(cfg, runtime.engines, runtime.tokenizer,
-                                             PromptStream(self.task, seed=cfg.rollout.seed))
+        self.reward_fn = make_reward(cfg, self.task)
+        self.prompts = prompts or make_prompt_source(cfg, runtime.tokenizer, self.task)
+        self.rollouts = rollouts or Rollouts(cfg, runtime.engines, runtime.tokenizer, self.prompts)
         self.events: list[str] = []  # the switching order, as it happened (tests assert it)
         self.history: list[dict] = []
 

@@ -15,7 +15,9 @@ from pathlib import Path
 
 from colocate.config import ConfigError, JobConfig, to_dict
 from colocate.controller import Controller
+from colocate.data import make_prompt_source
 from colocate.metrics import MetricsWriter
+from colocate.models import ensure_model, load_tokenizer
 from colocate.runtime import Runtime
 
 log = logging.getLogger("colocate")
@@ -32,6 +34,9 @@ def run_job(cfg: JobConfig) -> int:
     controller = None
     restore_sigterm = catch_sigterm()
     try:
+        prompts = None
+        if cfg.data.train_files:  # read and checked before any actor starts: a bad row exits 2 with one line
+            prompts = make_prompt_source(cfg, load_tokenizer(ensure_model(cfg.model)))
         with Runtime(cfg) as runtime:
             metrics.write({"event": "startup", "trainers": runtime.trainer_info, "engines": runtime.engine_info,
                            "sync_mode": runtime.sync.plan.mode, "sync_transport": runtime.sync.transport,
@@ -41,7 +46,7 @@ def run_job(cfg: JobConfig) -> int:
                                       "reason": runtime.switch.reason}})
             if cfg.logging.progress:
                 print(f"switch plan: {runtime.switch.reason}", file=sys.stderr, flush=True)
-            controller = Controller(cfg, runtime, metrics)
+            controller = Controller(cfg, runtime, metrics, prompts=prompts)
             history = controller.run()
         _summary(history, metrics.path)
         return 0

@@ -1,0 +1,204 @@
+"""Built-in rewards for data with reference answers, and their weighted sums (`rollout.rewards`).
+
+    reward = make_reward(cfg, task)            # rollout.rewards, else rollout.reward_fn, else task.reward
+    combined = CombinedReward(parse_rewards("math:1.0,format:0.1"))
+    combined(["2+2="], ["answer: 4"], ["4"])   # RewardBreakdown(total=[1.1], components={"math": [1.0], "format": [1.0]})
+
+Built-ins (each `f(prompt, response, answer) -> float`):
+
+- ``math``:   1.0 when the response's final answer equals the reference. The final answer is the last
+  ``\\boxed{...}``, else the number after the last "answer:", else the last number in the response. Compared with
+  math-verify when it is installed (so 0.5, 1/2 and \\frac{1}{2} are equal), else as exact rationals.
+- ``exact``:  1.0 when the stripped response equals the stripped answer.
+- ``format``: 1.0 when the response gives a final answer in a form ``math`` reads on purpose: a non-empty
+  ``\\boxed{...}`` or "answer: <number>"; a bare last number does not count.
+- ``char``:   the toy tasks' dense character match (`tasks.char_match_reward`), partial credit a tiny model can
+  climb before it ever gets an answer exactly right.
+
+`score()` logs each component's unweighted mean as `reward_<name>_mean` beside the weighted total's
+`reward_mean`. A weight of 0 keeps a component in the metrics without training on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+
+from colocate.config import ConfigError, JobConfig
+from colocate.rl.scoring import Reward, RewardBreakdown, apply_reward
+from colocate.rl.tasks import Task, _import_object, char_match_reward, load_reward_fn
+
+log = logging.getLogger("colocate")
+
+# A number as people write one: 1,000 / -3 / 0.5 / .5 / 1/2 (thousands separators only in groups of three, so that
+# "3,4" stays two numbers).
+_NUMBER = re.compile(r"(?:(?<![\w)])-)?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?")
+_ANSWER = re.compile(r"answer\s*(?:is)?\s*[:=]?\s*(" + _NUMBER.pattern + ")", re.IGNORECASE)
+_FORMAT = re.compile(r"answer\s*:\s*" + _NUMBER.pattern, re.IGNORECASE)
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (braces may nest), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            if depth == 0:
+                return text[begin:i]
+            depth -= 1
+    return None  # unclosed: the response was cut off inside the box
+
+
+def final_answer(response: str) -> str | None:
+    """The answer a response commits to: last \\boxed{}, else the number after the last "answer:", else the
+    last number; None when it has none."""
+    boxed = last_boxed(response)
+    if boxed is not None:
+        return boxed.strip()
+    stated = _ANSWER.findall(response)
+    if stated:
+        return stated[-1]
+    numbers = _NUMBER.findall(response)
+    return numbers[-1] if numbers else None
+
+
+def _as_fraction(text: str) -> Fraction | None:
+    text = text.strip().strip("$").replace(",", "").strip()
+    try:
+        return Fraction(text)  # reads "3", "-0.5", "1/2", "1e3"
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _math_verify():
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        log.info("math-verify is not installed: the math reward compares numbers exactly")
+        return None
+    return parse, verify
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_gold(answer: str, timeout: int | None):
+    parse, _ = _math_verify()
+    return parse(answer, parsing_timeout=timeout)
+
+
+def answers_equal(predicted: str, answer: str) -> bool:
+    """math-verify's equivalence when installed (and it parses both), else equal rationals, else equal text."""
+    mv = _math_verify()
+    if mv is not None:
+        parse, verify = mv
+        # math-verify's timeouts are SIGALRM handlers, which only the main thread may install
+        timeout = 5 if threading.current_thread() is threading.main_thread() else None
+        gold, pred = _parsed_gold(answer, timeout), parse(predicted, parsing_timeout=timeout)
+        if gold and pred:
+            return bool(verify(gold, pred, timeout_seconds=timeout))
+    a, b = _as_fraction(predicted), _as_fraction(answer)
+    if a is not None and b is not None:
+        return a == b
+    return predicted.strip() == answer.strip()
+
+
+def math_reward(prompt: str, response: str, answer: str) -> float:
+    predicted = final_answer(response)
+    return float(predicted is not None and answers_equal(predicted, answer))
+
+
+def exact_reward(prompt: str, response: str, answer: str) -> float:
+    return float(response.strip() == answer.strip())
+
+
+def format_reward(prompt: str, response: str, answer: str) -> float:
+    boxed = last_boxed(response)
+    return float(bool(boxed and boxed.strip()) or bool(_FORMAT.search(response)))
+
+
+BUILTIN_REWARDS: dict[str, Callable[[str, str, str], float]] = {
+    "math": math_reward, "exact": exact_reward, "format": format_reward, "char": char_match_reward}
+_VALID = f"valid: comma-separated name[:weight] with names {', '.join(BUILTIN_REWARDS)} or module:function"
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str  # as in the metrics: reward_<name>_mean
+    fn: Reward
+    weight: float
+
+
+def parse_rewards(spec: str) -> list[Component]:
+    """"math:1.0,format:0.1,my_pkg.rewards:brevity:0.5" -> components. A trailing ":<number>" is the weight
+    (default 1); what is left is a built-in name or a module:function. Raises ConfigError naming rollout.rewards."""
+    components: list[Component] = []
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            raise ConfigError(f"rollout.rewards={spec!r} is invalid: an empty component; {_VALID}")
+        head, colon, tail = item.rpartition(":")
+        weight = _weight(tail) if colon else None
+        if weight is None and head in BUILTIN_REWARDS:
+            raise ConfigError(f"rollout.rewards={spec!r} is invalid: the weight of {head!r} is {tail!r}, not a "
+                              "number")
+        name = head if weight is not None else item
+        weight = 1.0 if weight is None else weight
+        if name in BUILTIN_REWARDS:
+            fn = BUILTIN_REWARDS[name]
+        elif ":" in name:
+            fn = _import_object(name, "rollout.rewards", _VALID)
+            name = name.rpartition(":")[2]
+        else:
+            raise ConfigError(f"rollout.rewards={spec!r} is invalid: unknown reward {name!r}; {_VALID}")
+        if any(c.name == name for c in components):
+            raise ConfigError(f"rollout.rewards={spec!r} is invalid: {name!r} is listed twice; give it one weight")
+        components.append(Component(name, fn, weight))
+    return components
+
+
+def _weight(text: str) -> float | None:
+    try:
+        weight = float(text)
+    except ValueError:
+        return None
+    if not math.isfinite(weight):
+        raise ConfigError(f"rollout.rewards weight {text!r} is invalid: must be a finite number")
+    return weight
+
+
+class CombinedReward:
+    """The weighted sum of the components, batched so that each component's values come back for the metrics."""
+
+    batched = True
+
+    def __init__(self, components: list[Component]):
+        self.components = components
+
+    def __call__(self, prompts: list[str], responses: list[str], answers: list[str]) -> RewardBreakdown:
+        total = [0.0] * len(prompts)
+        parts: dict[str, list[float]] = {}
+        for c in self.components:
+            # each component is checked on its own, so a bad value names the reward that returned it
+            values, _ = apply_reward(c.fn, prompts, responses, answers, name=f"reward {c.name!r}")
+            parts[c.name] = values
+            total = [t + c.weight * v for t, v in zip(total, values)]
+        return RewardBreakdown(total, parts)
+
+
+def make_reward(cfg: JobConfig, task: Task) -> Reward:
+    """The job's reward: rollout.rewards (weighted built-ins and plug-ins), else rollout.reward_fn, else the
+    task's own reward; the last two unchanged, so a job without rollout.rewards scores as before."""
+    if cfg.rollout.rewards:
+        return CombinedReward(parse_rewards(cfg.rollout.rewards))
+    if cfg.rollout.reward_fn:
+        return load_reward_fn(cfg.rollout.reward_fn)
+    return task.reward
