@@ -5,6 +5,7 @@
     colocate submit [CONFIG] [key=value ...]     run the job on a Ray cluster through the Job Submission API
     colocate jobs | logs JOB [-f] | stop JOB     list, read or follow, and stop the jobs on a Ray cluster
     colocate bench {sync,switch,mismatch,rollout}  sync, switch, mismatch and long-tail rollout benchmarks
+    colocate plot RUN_DIR                        draw a run's metrics as a PNG
     colocate config-docs                         print the table of every config key (docs/config.md)
 
 User mistakes (bad keys, values, paths, resources) print one line `colocate: error: ...` and exit with code 2
@@ -201,6 +202,13 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_plot(args) -> int:
+    from colocate.plot import plot_run
+
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
 def cmd_config_docs(args) -> int:
     print(config_docs_markdown(), end="")
     return 0
@@ -277,6 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=int, default=120,
                        help="mismatch: longest sampled answer (default 120, as in the published measurement)")
     bench.set_defaults(func=cmd_bench, command="bench")
+
+    plot = sub.add_parser("plot", help="draw a run's metrics (reward, mismatch, phase times, memory) as a PNG",
+                          description="Draw RUN_DIR/metrics.jsonl per step: reward (and each named reward), the "
+                          "training/inference mismatch, phase times and memory. Writes RUN_DIR/metrics.png.")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="the run's logging.output_dir, e.g. outputs/default")
+    plot.add_argument("--out", help="where to write the PNG (default RUN_DIR/metrics.png)")
+    plot.set_defaults(func=cmd_plot)
 
     docs = sub.add_parser("config-docs", help="print the table of every config key (docs/config.md)")
     docs.set_defaults(func=cmd_config_docs)

@@ -41,6 +41,10 @@ def test_a_full_run_ends_clean_and_writes_metrics(tmp_path, baseline):
         assert monitor["sequence"]["count"] == 4 * 4  # prompts x samples
         assert 0 < monitor["token"]["ratio_quantiles"]["p50"] < 2 and record["correction"]["mode"] == "none"
     assert "Traceback" not in result.stderr
+    plotted = subprocess.run([os.path.join(os.path.dirname(os.sys.executable), "colocate"), "plot",
+                              str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert plotted.returncode == 0, plotted.stderr[-2000:]
+    assert (tmp_path / "out" / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert_nothing_left(*baseline)
 
 

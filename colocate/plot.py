@@ -1,0 +1,108 @@
+"""`colocate plot RUN_DIR`: one PNG of a run's metrics.jsonl, a panel per question a user asks of a run.
+
+    colocate plot outputs/default                  # writes outputs/default/metrics.png
+    colocate plot outputs/default --out run.png
+
+Panels, per step: reward (the mean, its min-max band, and each named reward's mean when `rollout.rewards`
+combines several); the training/inference mismatch (mean |log w| per token and the share of tokens outside the
+monitor's band); phase times (rollout, score, sleep/wake, train, sync, stacked); memory (engine and trainer
+host RSS, and on CUDA each GPU's lowest free memory). The JSONL is the source of truth; this only draws it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from colocate.config import ConfigError
+
+PHASES = ("rollout", "score", "switch", "train", "sync")
+GIB = 1 << 30
+
+
+def read_steps(run_dir: str) -> list[dict]:
+    path = Path(run_dir).expanduser() / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"RUN_DIR={run_dir!r} is invalid: it has no metrics.jsonl (a run's "
+                          "logging.output_dir, e.g. outputs/default)")
+    steps, lines = [], path.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                continue  # a run killed mid-write leaves half a last line
+            raise ConfigError(f"{path}: line {number} is not JSON") from None
+        if "event" not in record:
+            steps.append(record)
+    if not steps:
+        raise ConfigError(f"{path} holds no finished step yet")
+    return steps
+
+
+def plot_run(run_dir: str, out: str | None = None) -> Path:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("colocate plot needs matplotlib: pip install 'colocate[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = read_steps(run_dir)
+    x = [r["step"] for r in steps]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharex=True)
+    _rewards(axes[0][0], x, steps)
+    _mismatch(axes[0][1], x, steps)
+    _phases(axes[1][0], x, steps)
+    _memory(axes[1][1], x, steps)
+    fig.suptitle(f"{Path(run_dir).expanduser().resolve().name}: {len(steps)} steps")
+    fig.tight_layout()
+    path = Path(out) if out else Path(run_dir).expanduser() / "metrics.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _rewards(ax, x, steps) -> None:
+    ax.fill_between(x, [r["reward_min"] for r in steps], [r["reward_max"] for r in steps], alpha=0.15,
+                    label="min-max")
+    ax.plot(x, [r["reward_mean"] for r in steps], label="mean")
+    named = sorted({k for r in steps for k in r if k.startswith("reward_") and k.endswith("_mean")} - {"reward_mean"})
+    for key in named:
+        ax.plot(x, [r.get(key) for r in steps], linewidth=1, label=key.removeprefix("reward_").removesuffix("_mean"))
+    ax.set_title("reward")
+    ax.legend(fontsize=7)
+
+
+def _mismatch(ax, x, steps) -> None:
+    ax.plot(x, [r["mismatch"] for r in steps], label="mean |log w| per token")
+    ax.set_yscale("log")
+    ax.set_title("training/inference mismatch")
+    outside = ax.twinx()
+    outside.plot(x, [r["mismatch_monitor"]["token"]["fraction_outside_band"] for r in steps], color="C3", linewidth=1,
+                 label="tokens outside the band")
+    outside.set_ylabel("share outside the band", color="C3")
+    ax.legend(fontsize=7, loc="upper left")
+    outside.legend(fontsize=7, loc="upper right")
+
+
+def _phases(ax, x, steps) -> None:
+    bottom = [0.0] * len(steps)
+    for i, phase in enumerate(PHASES):
+        heights = [r["times"].get(phase, 0.0) for r in steps]
+        ax.bar(x, heights, bottom=bottom, width=1.0, color=f"C{i}", label="sleep/wake" if phase == "switch" else phase)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_title("seconds per step, by phase")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
+
+
+def _memory(ax, x, steps) -> None:
+    ax.plot(x, [r["memory"]["engine_rss_bytes"] / GIB for r in steps], label="engines, host RSS")
+    ax.plot(x, [r["memory"]["trainer_rss_bytes"] / GIB for r in steps], label="trainers, host RSS")
+    if "trainers" in steps[0]["memory"]:
+        ax.plot(x, [min(t["device_free_bytes"] for t in r["memory"]["trainers"]) / GIB for r in steps],
+                label="lowest GPU free")
+    ax.set_title("memory (GiB)")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7)
