@@ -49,8 +49,9 @@ class Controller:
         self.metrics = metrics
         self.task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
         self.reward_fn = make_reward(cfg, self.task)
-        self.prompts = prompts or make_prompt_source(cfg, runtime.tokenizer, self.task)
-        self.rollouts = rollouts or Rollouts(cfg, runtime.engines, runtime.tokenizer, self.prompts)
+        # the prompt source is built only when no Rollouts (which holds its own) is given
+        self.rollouts = rollouts or Rollouts(cfg, runtime.engines, runtime.tokenizer,
+                                             prompts or make_prompt_source(cfg, runtime.tokenizer, self.task))
         self.events: list[str] = []  # the switching order, as it happened (tests assert it)
         self.history: list[dict] = []
 

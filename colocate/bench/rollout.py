@@ -77,7 +77,6 @@ def run_rollout_bench(cfg: JobConfig, *, num_steps: int, out_dir: str, name: str
                     records.append(record)
                     timelines.append(rollouts.timelines)
             rows[mode] = _row(records, timelines, settings)
-            rows[mode]["trained_tokens_per_rollout_s"] = rows[mode]["trained_tokens_per_step"] / rows[mode]["rollout_s"]
             pictures[mode] = (_running(timelines[-1]), records[-1]["times"])
             print(f"{mode:<17} rollout {rows[mode]['rollout_s']:.2f} s/step, "
                   f"{rows[mode]['tokens_per_s']:.0f} tokens/s, tail {rows[mode]['tail_step_fraction']:.0%}")
@@ -122,13 +121,14 @@ def _prefix_sharing(rt, cfg: JobConfig, *, num_groups: int = 8, prompt_len: int 
 def _row(records: list[dict], timelines: list, settings: dict) -> dict:
     rollout_s = [r["times"]["rollout"] for r in records]
     decoded = sum(r["rollout"]["num_tokens_generated"] for r in records)
-    steps = [n for step in timelines for passes in step for timeline in passes for n in _per_step(timeline)]
+    trained_per_step = statistics.fmean(r["num_response_tokens"] for r in records)
     return {
         "settings": settings,
         "rollout_s": statistics.fmean(rollout_s),
         "step_s": statistics.fmean(sum(r["times"].values()) for r in records),
         "tokens_per_s": decoded / sum(rollout_s),
-        "trained_tokens_per_step": statistics.fmean(r["num_response_tokens"] for r in records),
+        "trained_tokens_per_step": trained_per_step,
+        "trained_tokens_per_rollout_s": trained_per_step / statistics.fmean(rollout_s),
         "groups_per_step": statistics.fmean(r["rollout"]["num_groups"] for r in records),
         "tail_step_fraction": statistics.fmean(r["rollout"]["tail_step_fraction"] for r in records),
         "mean_running": statistics.fmean(r["rollout"]["mean_running"] for r in records),
@@ -137,12 +137,8 @@ def _row(records: list[dict], timelines: list, settings: dict) -> dict:
         "carried_answers_per_step": statistics.fmean(r["rollout"]["num_answers_carried"] for r in records),
         "dropped_groups": sum(r["rollout"]["num_dropped_groups"] for r in records),
         "lag_restarts": sum(r["rollout"]["num_lag_restarts"] for r in records),
-        "engine_steps": len(steps),
+        "engine_steps": sum(len(timeline) for step in timelines for passes in step for timeline in passes),
     }
-
-
-def _per_step(timeline: list[tuple[float, int]]) -> list[int]:
-    return [n for _, n in timeline]
 
 
 def _full_batch_floor_s(timelines: list, decoded: int) -> float:

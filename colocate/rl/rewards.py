@@ -2,7 +2,8 @@
 
     reward = make_reward(cfg, task)            # rollout.rewards, else rollout.reward_fn, else task.reward
     combined = CombinedReward(parse_rewards("math:1.0,format:0.1"))
-    combined(["2+2="], ["answer: 4"], ["4"])   # RewardBreakdown(total=[1.1], components={"math": [1.0], "format": [1.0]})
+    combined(["2+2="], ["answer: 4"], ["4"])
+    # RewardBreakdown(total=[1.1], components={"math": [1.0], "format": [1.0]})
 
 Built-ins (each `f(prompt, response, answer) -> float`):
 

@@ -35,7 +35,7 @@ class Rollouts:
         self.engines, self.tokenizer, self.prompts = engines, tokenizer, prompts
         self.pool = RolloutPool(PoolSettings(
             num_groups=r.num_prompts, num_samples=r.num_samples, oversample=r.oversample,
-            partial_tokens=r.partial_tokens, max_lag=r.max_lag, leftover=r.leftover, max_tokens=r.max_tokens,
+            partial_tokens=r.partial_tokens, max_lag=r.max_lag, leftover=r.leftover,
             max_model_len=cfg.engine.max_model_len, seed=cfg.engine.seed))
         self.budgets = budgets or (lambda sample, n: [r.max_tokens] * n)
         self.sampling = {"temperature": r.temperature, "top_p": r.top_p, "ignore_eos": ignore_eos}

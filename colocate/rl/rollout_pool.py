@@ -39,8 +39,8 @@ class PoolSettings:
     max_lag: int = 1
     leftover: str = "carry"
     """carry (unfinished and surplus groups stay for the next step) or drop."""
-    max_tokens: int = 16
     max_model_len: int = 128
+    """Each answer's budget is cut to what the context leaves after its prompt."""
     seed: int = 0
 
     @property

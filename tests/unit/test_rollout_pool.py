@@ -54,12 +54,13 @@ def fake_pass(requests: list[EngineRequest], num_groups_wanted: int | None, prom
     return [results[r.request_id] for r in requests]
 
 
-def run_step(pool: RolloutPool, version: int, rng: random.Random, prompt_len: dict, num_engines: int = 1):
-    """What Rollouts.collect does, with fake engines."""
+def run_step(pool: RolloutPool, version: int, rng: random.Random, prompt_len: dict, *, max_tokens: int,
+             num_engines: int = 1):
+    """What Rollouts.collect does, with fake engines; every new answer's budget is `max_tokens`."""
     new = []
     for _ in range(pool.num_missing):
         n = rng.randint(3, 6)
-        new.append((Sample("p", "a"), list(range(5, 5 + n)), [pool.settings.max_tokens] * pool.settings.num_samples))
+        new.append((Sample("p", "a"), list(range(5, 5 + n)), [max_tokens] * pool.settings.num_samples))
     first_id = pool._next_group_id
     pool.top_up(new)
     for i, (_, prompt, _) in enumerate(new):
@@ -86,11 +87,10 @@ def answer_of(seed: int, max_tokens: int) -> list[int]:
 @pytest.mark.parametrize("leftover", ["carry", "drop"])
 @pytest.mark.parametrize("num_engines", [1, 2])
 def test_over_sampling_trains_exactly_the_groups_asked_for(leftover, num_engines):
-    settings = PoolSettings(num_groups=4, num_samples=3, oversample=2.0, leftover=leftover, max_tokens=30,
-                            max_model_len=64)
+    settings = PoolSettings(num_groups=4, num_samples=3, oversample=2.0, leftover=leftover, max_model_len=64)
     pool, rng, prompt_len = RolloutPool(settings), random.Random(0), {}
     for version in range(6):
-        groups = run_step(pool, version, rng, prompt_len, num_engines)
+        groups = run_step(pool, version, rng, prompt_len, max_tokens=30, num_engines=num_engines)
         assert len(groups) == 4
         assert all(g.complete for g in groups)
         assert pool.stats.num_aborted > 0 or version > 0  # the pass stopped early at least once
@@ -102,12 +102,11 @@ def test_over_sampling_trains_exactly_the_groups_asked_for(leftover, num_engines
 
 
 def test_partial_rollout_continues_answers_as_if_uninterrupted_and_tags_versions():
-    settings = PoolSettings(num_groups=4, num_samples=4, partial_tokens=3, max_lag=100, max_tokens=40,
-                            max_model_len=64)
+    settings = PoolSettings(num_groups=4, num_samples=4, partial_tokens=3, max_lag=100, max_model_len=64)
     pool, rng, prompt_len = RolloutPool(settings), random.Random(1), {}
     carried_any = False
     for version in range(12):
-        for group in run_step(pool, version, rng, prompt_len):
+        for group in run_step(pool, version, rng, prompt_len, max_tokens=40):
             for answer in group.answers:
                 assert answer.token_ids == answer_of(answer.seed, answer.max_tokens)
                 assert len(answer.versions) == len(answer.token_ids)
@@ -122,11 +121,11 @@ def test_partial_rollout_continues_answers_as_if_uninterrupted_and_tags_versions
 def test_lag_cap_restarts_answers_older_than_k_versions(max_lag):
     # over-sampled and partial: aborted and capped answers wait for later steps, finished ones for their group
     settings = PoolSettings(num_groups=2, num_samples=3, oversample=2.0, partial_tokens=10, max_lag=max_lag,
-                            max_tokens=10 * (max_lag + 1), max_model_len=64)
+                            max_model_len=64)
     pool, rng, prompt_len = RolloutPool(settings), random.Random(2), {}
     restarts, lags = 0, set()
     for version in range(20):
-        for group in run_step(pool, version, rng, prompt_len):
+        for group in run_step(pool, version, rng, prompt_len, max_tokens=10 * (max_lag + 1)):
             for answer in group.answers:
                 lags.add(version - answer.versions[0])
         restarts += pool.stats.num_lag_restarts
@@ -137,11 +136,10 @@ def test_lag_cap_restarts_answers_older_than_k_versions(max_lag):
 
 def test_a_continued_answer_never_exceeds_the_context():
     # prompts of 3-6 tokens, max_model_len 12: budgets shrink to what the context leaves, carried or not
-    settings = PoolSettings(num_groups=3, num_samples=4, partial_tokens=2, max_lag=100, max_tokens=30,
-                            max_model_len=12)
+    settings = PoolSettings(num_groups=3, num_samples=4, partial_tokens=2, max_lag=100, max_model_len=12)
     pool, rng, prompt_len = RolloutPool(settings), random.Random(3), {}
     for version in range(10):
-        for group in run_step(pool, version, rng, prompt_len):
+        for group in run_step(pool, version, rng, prompt_len, max_tokens=30):
             for answer in group.answers:
                 assert len(group.prompt_ids) + len(answer.token_ids) <= 12
                 assert answer.max_tokens == min(30, 12 - len(group.prompt_ids))
@@ -150,13 +148,13 @@ def test_a_continued_answer_never_exceeds_the_context():
 
 
 def test_a_prompt_that_fills_the_context_is_refused_with_the_key():
-    pool = RolloutPool(PoolSettings(num_groups=1, num_samples=1, max_tokens=4, max_model_len=8))
+    pool = RolloutPool(PoolSettings(num_groups=1, num_samples=1, max_model_len=8))
     with pytest.raises(ValueError, match="engine.max_model_len=8"):
         pool.top_up([(Sample("long", "x"), list(range(8)), [4])])
 
 
 def test_quotas_split_what_the_step_lacks_over_the_engines_with_work():
-    settings = PoolSettings(num_groups=5, num_samples=1, oversample=2.0, max_tokens=4, max_model_len=16)
+    settings = PoolSettings(num_groups=5, num_samples=1, oversample=2.0, max_model_len=16)
     pool = RolloutPool(settings)
     pool.top_up([(Sample("p", "a"), [5], [4]) for _ in range(10)])
     assert pool.quotas(2) == [3, 2] or pool.quotas(2) == [2, 3]
