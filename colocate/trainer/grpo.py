@@ -14,6 +14,10 @@ engine vs fp32 trainer, different kernels); rl/corrections.py measures it every 
 `algo.correction=tis|mis`, takes the ratio against the trainer's own policy and weights each token by the
 truncated (TIS) or masked (MIS) importance weight instead.
 
+With `algo.kl_coef > 0` the loss also pulls the policy toward a frozen reference (trainer/reference.py), GRPO /
+DeepSeekMath style: kl_coef * (an estimator of KL(policy || reference)) per response token, in the loss and not in
+the reward, unweighted by the corrections above. `kl_estimator` gives each estimator's formula.
+
 Behaviour logprobs must be those of the distribution the engine sampled from: the engine reports processed
 logprobs (after temperature and top-p, vLLM's `logprobs_mode="processed_logprobs"`), and `token_logprobs`
 applies the same temperature and nucleus to the trainer's logits.
@@ -44,12 +48,14 @@ class LossSettings:
     tis_cap: float = 2.0
     mis_low: float = 0.5
     mis_high: float = 2.0
+    kl_coef: float = 0.0  # 0: no reference policy, no KL term
+    kl_estimator: str = "k3"  # k1, k2, k3 (see kl_estimator)
 
     @classmethod
     def from_job(cls, cfg) -> LossSettings:
         a, r = cfg.algo, cfg.rollout
         return cls(a.clip_eps, r.temperature, r.top_p, a.correction, a.correction_level, a.tis_cap, a.mis_low,
-                   a.mis_high)
+                   a.mis_high, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
 
 
 @dataclass
@@ -112,9 +118,37 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, temperature
     return chosen.clamp(min=LOGPROB_FLOOR) if top_p < 1.0 else chosen
 
 
-def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, settings: LossSettings) -> tuple[torch.Tensor, dict]:
-    """Sum over response tokens of the clipped surrogate loss (the caller normalises by the token count), and
-    the step's mismatch: every response token's log w = logp_trainer - logp_engine and every sequence's sum."""
+KL_CLAMP = 20.0  # |log r| bound for k3: e^20 is finite in fp32, e^100 (a floored logprob's log r) is not
+
+
+def kl_estimator(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled token's logprobs (John Schulman,
+    "Approximating KL divergence", 2020), with log r = logp_ref - logp:
+        k1 = -log r              unbiased value, negative on some tokens, high variance
+        k2 = (log r)^2 / 2       >= 0, biased value (slightly, for a small KL)
+        k3 = r - 1 - log r       >= 0, unbiased value, low variance (GRPO / DeepSeekMath's choice)
+    Gradients flow through `logprobs` only (the reference is frozen). Hazard: as a *loss* on on-policy samples
+    their gradients differ from their values' story: in expectation k1's is 0, k2's is that of KL(policy || ref),
+    k3's that of KL(ref || policy) (Tang & Munos, "On a few pitfalls in KL divergence gradient estimation for
+    RL", 2025)."""
+    log_r = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return log_r.square() / 2
+    assert estimator == "k3", estimator
+    # Hazard: a token the trainer floors (LOGPROB_FLOOR, outside the nucleus) but the reference does not has
+    # log r ~ 100, and e^100 is inf in fp32; inf * 0 in the mask would then make the whole loss NaN.
+    log_r = log_r.clamp(-KL_CLAMP, KL_CLAMP)
+    return torch.exp(log_r) - 1 - log_r
+
+
+def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, settings: LossSettings,
+                ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Sum over response tokens of the clipped surrogate loss plus, when settings.kl_coef > 0, kl_coef times the
+    KL estimate against `ref_logprobs` (the caller normalises by the token count: the KL term becomes kl_coef *
+    its per-token mean); and the step's mismatch: every response token's log w = logp_trainer - logp_engine and
+    every sequence's sum."""
     mask = batch.target_mask
     log_w = (logprobs.detach() - batch.old_logprobs) * mask
     if settings.correction == "none":
@@ -129,6 +163,12 @@ def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, settings: LossSett
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - settings.clip_eps, 1 + settings.clip_eps) * advantages
     loss = -(torch.minimum(unclipped, clipped) * weights).sum()
+    kl_sum = torch.zeros(())
+    if settings.kl_coef > 0:
+        assert ref_logprobs is not None and ref_logprobs.shape == logprobs.shape, "kl_coef > 0 needs ref_logprobs"
+        kl = kl_estimator(logprobs, ref_logprobs, settings.kl_estimator) * mask
+        loss = loss + settings.kl_coef * kl.sum()
+        kl_sum = kl.detach().sum()
     with torch.no_grad():
         on = mask.bool()
         stats = {
@@ -137,6 +177,7 @@ def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, settings: LossSett
             "clipped_sum": float(((unclipped != clipped).float() * mask).sum()),
             "corrected_sum": float(affected.sum()),
             "weight_sum": float(weights.sum()),
+            "kl_sum": float(kl_sum),  # the estimator's value summed over response tokens (0 without a reference)
             "token_log_w": log_w[on].cpu(),
             "seq_log_w": log_w.sum(dim=1)[mask.sum(dim=1) > 0].cpu(),
         }

@@ -64,16 +64,18 @@ class Offloader(Protocol):
     def close(self) -> None: ...
 
 
-def make_offloader(device: torch.device, *, backend: str = "auto", directory: str | None = None) -> Offloader:
+def make_offloader(device: torch.device, *, backend: str = "auto", directory: str | None = None,
+                   tag: str = MEMORY_SAVER_TAG) -> Offloader:
     """The offloader for `device`: `backend` ("auto", "pinned", "torch_memory_saver") chooses among the CUDA
-    ones; the CPU always gets the file tier in `directory` (None: the system's temporary directory)."""
+    ones; the CPU always gets the file tier in `directory` (None: the system's temporary directory).
+    Hazard: torch_memory_saver pauses a whole tag at once; each offloader in a process needs its own `tag`."""
     problem = memory_saver_problem() if device.type == "cuda" else None
     chosen = select_backend(device, backend=backend, memory_saver_problem=problem)
     if chosen == "file":
         return FileOffload(directory)
     if device.index is None:  # storages report "cuda:N": compare like with like
         device = torch.device("cuda", torch.cuda.current_device())
-    return PinnedOffload(device) if chosen == "pinned" else MemorySaverOffload(device)
+    return PinnedOffload(device) if chosen == "pinned" else MemorySaverOffload(device, tag=tag)
 
 
 def select_backend(device: torch.device, *, backend: str = "auto", memory_saver_problem: str | None) -> str:

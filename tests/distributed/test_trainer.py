@@ -26,6 +26,7 @@ def _train(rank: int, world_size: int, port: int, model_path: str, out_path: str
     cfg = TrainerConfig(lr=1e-2, micro_batch_size=2, grad_clip=0.0)
     trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0, loss=loss)
     trainer.setup("127.0.0.1", port)
+    assert (trainer.reference is not None) == (loss.kl_coef > 0)  # no reference policy unless the KL is on
     num_tokens = sum(len(s["response_ids"]) for s in SEQS)
     stats = trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens,
                                num_micro_batches=-(-len(SEQS[0::world_size]) // cfg.micro_batch_size))
@@ -43,6 +44,9 @@ def _train(rank: int, world_size: int, port: int, model_path: str, out_path: str
     # the engine logprobs above are far from the tiny model's (log w up to ~7): sequence weights get truncated
     pytest.param(LossSettings(correction="tis", correction_level="sequence", tis_cap=2.0, temperature=0.8),
                  id="tis_sequence_temperature"),
+    # k1's gradient is 1 per token even where the policy is the reference: the KL term's normalisation over
+    # ranks (and rank 1's dummy reference forward) is checked, not only its value 0
+    pytest.param(LossSettings(kl_coef=0.5, kl_estimator="k1"), id="kl_k1"),
 ])
 def test_two_ranks_match_one_rank(tmp_path, loss):
     path = ensure_model(ModelConfig(preset="tiny", cache_dir=str(tmp_path / "models")))
