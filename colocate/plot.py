@@ -4,14 +4,18 @@
     colocate plot outputs/default --out run.png
 
 Panels, per step: reward (the mean, its min-max band, and each named reward's mean when `rollout.rewards`
-combines several); the training/inference mismatch (mean |log w| per token and the share of tokens outside the
-monitor's band); phase times (rollout, score, sleep/wake, train, sync, stacked); memory (engine and trainer
-host RSS, and on CUDA each GPU's lowest free memory). The JSONL is the source of truth; this only draws it.
+combines several); evaluation (pass@1 and pass@k at the steps that evaluated, when any did); the
+training/inference mismatch (mean |log w| per token and the share of tokens outside the monitor's band); the KL
+to the reference policy (when `algo.kl_coef` > 0 logs one); phase times (rollout, score, sleep/wake, train, sync,
+stacked); memory (engine and trainer host RSS, and on CUDA each GPU's lowest free memory). The JSONL is the source
+of truth; this only draws it.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 from colocate.config import ConfigError
@@ -41,6 +45,18 @@ def read_steps(run_dir: str) -> list[dict]:
 
 
 def plot_run(run_dir: str, out: str | None = None) -> Path:
+    steps = read_steps(run_dir)
+    fig = draw_steps(steps, title=f"{Path(run_dir).expanduser().resolve().name}: {len(steps)} steps")
+    path = Path(out) if out else Path(run_dir).expanduser() / "metrics.png"
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def draw_steps(steps: list[dict], title: str):
+    """The figure, two panels a row; the evaluation and KL panels only when some step carries them."""
     try:
         import matplotlib
     except ImportError:
@@ -48,19 +64,25 @@ def plot_run(run_dir: str, out: str | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = read_steps(run_dir)
     x = [r["step"] for r in steps]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharex=True)
-    _rewards(axes[0][0], x, steps)
-    _mismatch(axes[0][1], x, steps)
-    _phases(axes[1][0], x, steps)
-    _memory(axes[1][1], x, steps)
-    fig.suptitle(f"{Path(run_dir).expanduser().resolve().name}: {len(steps)} steps")
+    panels = [_rewards]
+    if any("eval" in r for r in steps):
+        panels.append(_evals)
+    panels.append(_mismatch)
+    if any("kl" in r for r in steps):
+        panels.append(_kl)
+    panels += [_phases, _memory]
+    rows = math.ceil(len(panels) / 2)
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 3.75 * rows), sharex=True, squeeze=False)
+    cells = [ax for row in axes for ax in row]
+    for draw, ax in zip(panels, cells):
+        draw(ax, x, steps)
+    for index in range(len(panels), len(cells)):  # an odd number of panels leaves the last cell empty
+        cells[index].remove()
+        cells[index - 2].xaxis.set_tick_params(labelbottom=True)  # sharex hid the tick labels of the one above
+    fig.suptitle(title)
     fig.tight_layout()
-    path = Path(out) if out else Path(run_dir).expanduser() / "metrics.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def _rewards(ax, x, steps) -> None:
@@ -71,6 +93,25 @@ def _rewards(ax, x, steps) -> None:
     for key in named:
         ax.plot(x, [r.get(key) for r in steps], linewidth=1, label=key.removeprefix("reward_").removesuffix("_mean"))
     ax.set_title("reward")
+    ax.legend(fontsize=7)
+
+
+def _evals(ax, x, steps) -> None:
+    """pass@1 and pass@k (k = eval.num_samples) only at the steps that evaluated: markers, not a curve per step."""
+    evaluated = [(step, r["eval"]) for step, r in zip(x, steps) if "eval" in r]
+    keys = sorted({k for _, e in evaluated for k in e if re.fullmatch(r"pass_at_\d+", k)},
+                  key=lambda k: int(k.removeprefix("pass_at_")))
+    for key in keys:
+        points = [(step, e[key]) for step, e in evaluated if key in e]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=key.replace("pass_at_", "pass@"))
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("evaluation")
+    ax.legend(fontsize=7)
+
+
+def _kl(ax, x, steps) -> None:
+    ax.plot(x, [r.get("kl") for r in steps], label="KL(policy || reference) per token")
+    ax.set_title("KL to the reference policy")
     ax.legend(fontsize=7)
 
 
