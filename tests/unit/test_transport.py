@@ -77,3 +77,54 @@ def test_only_entries_nobody_maps_are_removed_as_orphans():
     finally:
         orphan.unlink(missing_ok=True)
         live.unlink()
+
+
+# ----------------------------------------------------------------------------------- isolation (security)
+
+def test_segment_names_carry_the_job_token_and_are_owner_only(monkeypatch):
+    from colocate.sync.transport import JOB_ENV, segment_job, segment_pid
+
+    monkeypatch.setenv(JOB_ENV, "0123abcd")
+    previous = os.umask(0)  # the mode must not depend on the caller's umask
+    try:
+        owner = ShmBuffer.create(64, tag="ring")
+    finally:
+        os.umask(previous)
+    try:
+        assert owner.name.startswith(f"colocate-{os.getpid()}-0123abcd-ring-")
+        assert segment_job(owner.name) == "0123abcd" and segment_pid(owner.name) == os.getpid()
+        assert (SHM_DIR / owner.name).stat().st_mode & 0o777 == 0o600
+    finally:
+        owner.unlink()
+
+
+def test_two_jobs_get_distinct_segments_and_a_job_finds_only_its_own(monkeypatch):
+    from colocate.sync.transport import JOB_ENV, job_segments
+
+    monkeypatch.setenv(JOB_ENV, "aaaaaaaa")
+    a = ShmBuffer.create(64, tag="ring")
+    monkeypatch.setenv(JOB_ENV, "bbbbbbbb")
+    b = ShmBuffer.create(64, tag="ring")
+    try:
+        assert a.name != b.name
+        assert [p.name for p in job_segments("aaaaaaaa")] == [a.name]
+        assert [p.name for p in job_segments("bbbbbbbb")] == [b.name]
+    finally:
+        a.unlink()
+        b.unlink()
+
+
+def test_an_invalid_job_token_falls_back_to_one_of_this_process(monkeypatch):
+    from colocate.sync.transport import JOB_ENV, job_token
+
+    monkeypatch.setenv(JOB_ENV, "../../etc")
+    assert job_token() != "../../etc" and len(job_token()) == 8
+    monkeypatch.delenv(JOB_ENV)
+    assert job_token() == job_token()  # stable within the process
+
+
+def test_old_style_names_still_give_their_pid():
+    from colocate.sync.transport import segment_job, segment_pid
+
+    assert segment_pid("colocate-123-ring-deadbeef") == 123 and segment_job("colocate-123-ring-deadbeef") is None
+    assert segment_pid("psm_1234") is None
