@@ -6,6 +6,8 @@
     colocate jobs | logs JOB [-f] | stop JOB     list, read or follow, and stop the jobs on a Ray cluster
     colocate bench {sync,switch,mismatch,rollout}  sync, switch, mismatch and long-tail rollout benchmarks
     colocate plot RUN_DIR                        draw a run's metrics as a PNG
+    colocate export CKPT OUT [--dtype D]         write a checkpoint as a Hugging Face model
+    colocate clean [RUN_DIR ...] [--dry-run]     remove what a killed job left (its segments, processes, actors)
     colocate config-docs                         print the table of every config key (docs/config.md)
 
 User mistakes (bad keys, values, paths, resources) print one line `colocate: error: ...` and exit with code 2
@@ -209,6 +211,28 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_clean(args) -> int:
+    from colocate.cleanup import CleanError, clean_runs
+
+    try:
+        return clean_runs(args.run_dirs, dry_run=args.dry_run)
+    except CleanError as e:
+        print(f"colocate: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def cmd_export(args) -> int:
+    from colocate.export import ExportError, export_hf, find_checkpoint
+
+    try:
+        checkpoint = find_checkpoint(args.checkpoint)
+        print(export_hf(checkpoint, args.out, dtype=args.dtype))
+    except ExportError as e:
+        print(f"colocate: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
 def cmd_config_docs(args) -> int:
     print(config_docs_markdown(), end="")
     return 0
@@ -292,6 +316,24 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", metavar="RUN_DIR", help="the run's logging.output_dir, e.g. outputs/default")
     plot.add_argument("--out", help="where to write the PNG (default RUN_DIR/metrics.png)")
     plot.set_defaults(func=cmd_plot)
+
+    clean = sub.add_parser("clean", help="remove what a killed job left: its segments, processes and actors",
+                           description="For each RUN_DIR (default: every job under outputs/ that did not close) "
+                           "whose controller is dead, remove what the job left on this machine: its /dev/shm "
+                           "segments, its processes and Ray actors, the Ray it started. Nothing of another job "
+                           "or user is touched; a running job is refused.")
+    clean.add_argument("run_dirs", nargs="*", metavar="RUN_DIR", help="a job's logging.output_dir (its job.json)")
+    clean.add_argument("--dry-run", action="store_true", help="print what would be removed; remove nothing")
+    clean.set_defaults(func=cmd_clean)
+
+    export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model (safetensors, config, "
+                            "tokenizer)", description="Write CKPT (a step_<N> checkpoint folder, or a checkpoint "
+                            "directory: its newest) as a Hugging Face model in OUT, which vLLM and transformers load "
+                            "as is. Reads the trainer shards a few tensors at a time: no GPU, no process group.")
+    export.add_argument("checkpoint", metavar="CKPT", help="e.g. outputs/default/checkpoints/step_00000149")
+    export.add_argument("out", metavar="OUT", help="the model directory to write")
+    export.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
+    export.set_defaults(func=cmd_export)
 
     docs = sub.add_parser("config-docs", help="print the table of every config key (docs/config.md)")
     docs.set_defaults(func=cmd_config_docs)

@@ -156,6 +156,42 @@ class DataConfig:
 
 
 @dataclass
+class EvalConfig:
+    every_steps: int = 0
+    """Evaluate after every this many steps (pass@k on data.val_files, or with no data files on a fixed set of toy-task prompts); 0: never during the run."""
+    at_start: bool = False
+    """Also evaluate before the first step (the starting model's score)."""
+    at_end: bool = False
+    """Also evaluate after the last step."""
+    num_samples: int = 1
+    """Samples per validation prompt, the k of pass@k (with 1: pass@1 only)."""
+    temperature: float = 0.0
+    """Sampling temperature of the evaluation; 0 is greedy (one sample per prompt)."""
+    max_tokens: int = 0
+    """Longest evaluation response in tokens; 0: rollout.max_tokens."""
+    max_prompts: int = 0
+    """Evaluate the first this many validation prompts (the same ones every time); 0: all of them (toy tasks: 64)."""
+    seed: int = 1234
+    """Sampling seed of the evaluation (the same every time, so evaluations differ only by the policy); toy tasks also draw their prompts with it."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save a checkpoint after every this many steps (FSDP2 shards through torch.distributed.checkpoint, the optimizer, every rank's RNG, the data position and unfinished answers); 0: only at the end (checkpoint.at_end)."""
+    at_end: bool = True
+    """Also save after the last step."""
+    dir: str = ""
+    """Where checkpoints go (one step_<N> folder each); empty: <logging.output_dir>/checkpoints. Several nodes: a directory every node sees."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are deleted once a newer one is complete. 0 keeps all."""
+    resume: str = ""
+    """auto: continue from the newest complete checkpoint in checkpoint.dir (start afresh when there is none); a step_<N> path: continue from it; empty: start afresh. Also given as resume=... on the command line."""
+    export_hf: bool = False
+    """Also write a Hugging Face model (safetensors, config, tokenizer) into each checkpoint's hf/ folder."""
+
+
+@dataclass
 class AlgoConfig:
     num_steps: int = 150
     """RL steps to run."""
@@ -175,6 +211,10 @@ class AlgoConfig:
     """MIS: weights above this are masked."""
     mismatch_band: float = 1.1
     """Monitor: report the fraction of tokens and sequences whose ratio p_trainer / p_engine lies outside [1/band, band]."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the frozen reference policy (the initial weights); 0: no reference, no KL."""
+    kl_estimator: str = "k3"
+    """KL estimator per token, log r = logp_ref - logp: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r."""
 
 
 @dataclass
@@ -192,9 +232,19 @@ class LoggingConfig:
     output_dir: str = "outputs/default"
     """Directory for metrics.jsonl and the resolved config."""
     progress: bool = True
-    """Print one compact line per step."""
+    """Progress on stderr: a bar with ETA on a terminal, else one plain line per step; false: nothing per step."""
     level: str = "WARNING"
     """Log level of colocate and its actors: DEBUG, INFO, WARNING, ERROR."""
+    tensorboard: bool = True
+    """Also write each step's scalars as TensorBoard event files, in tensorboard/ under logging.output_dir."""
+    wandb: bool = False
+    """Also log each step's scalars to Weights & Biases (needs the wandb package: pip install 'colocate[wandb]')."""
+    wandb_project: str = "colocate"
+    """Weights & Biases project of the run."""
+    wandb_mode: str = "offline"
+    """offline (no network: kept in wandb/ under logging.output_dir for `wandb sync`), online (needs WANDB_API_KEY)."""
+    wandb_run_name: str = ""
+    """Weights & Biases run name; empty: the name of logging.output_dir."""
 
 
 @dataclass
@@ -205,6 +255,8 @@ class JobConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -242,8 +294,13 @@ class JobConfig:
                        "need 0 <= algo.mis_low <= 1 <= algo.mis_high (the band must hold the ratio 1)")
         if self.algo.mismatch_band <= 1:
             raise _bad("algo.mismatch_band", self.algo.mismatch_band, "must be > 1 (the band is [1/band, band])")
+        _non_negative(self, "algo.kl_coef")
+        _one_of(self, "algo.kl_estimator", ["k1", "k2", "k3"])
         _one_of(self, "placement.device", ["auto", "cpu", "cuda"])
         _one_of(self, "logging.level", ["DEBUG", "INFO", "WARNING", "ERROR"])
+        _one_of(self, "logging.wandb_mode", ["offline", "online"])
+        if self.logging.wandb and not self.logging.wandb_project:
+            raise _bad("logging.wandb_project", "", "must name a project when logging.wandb=true")
         if not self.model.path:
             _one_of(self, "model.preset", sorted(models.PRESETS))
         if self.rollout.oversample < 1:
@@ -288,6 +345,19 @@ class JobConfig:
                            "(a module:function can be a component of rollout.rewards)")
             parse_rewards(self.rollout.rewards)
         self._validate_data()
+        _non_negative(self, "checkpoint.every_steps", "checkpoint.keep_last")
+        _non_negative(self, "eval.every_steps", "eval.temperature", "eval.max_tokens", "eval.max_prompts")
+        _positive(self, "eval.num_samples")
+        if self.eval.temperature == 0 and self.eval.num_samples > 1:
+            raise _bad("eval.num_samples", self.eval.num_samples, "greedy decoding (eval.temperature=0) gives one "
+                       "answer per prompt; valid: 1, or set eval.temperature > 0 for pass@k")
+        if self.eval.max_tokens >= self.engine.max_model_len:
+            raise _bad("eval.max_tokens", self.eval.max_tokens,
+                       f"must be smaller than engine.max_model_len={self.engine.max_model_len}")
+        if (self.eval.every_steps or self.eval.at_start or self.eval.at_end) and self.data.train_files \
+                and not self.data.val_files:
+            raise _bad("data.val_files", "", "evaluation (eval.every_steps, eval.at_start, eval.at_end) of a run on "
+                       "data.train_files needs validation prompts; give data.val_files or turn evaluation off")
         if self.sync.bucket_mb > 0:
             largest = largest_tensor_bytes(self)
             if largest is not None and self.sync.bucket_mb * (1 << 20) < largest:
@@ -428,6 +498,7 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
         if "=" not in item:
             raise ConfigError(f"override {item!r} is invalid: expected key=value, e.g. engine.tp=2")
         key, _, raw = item.partition("=")
+        key = _ALIASES.get(key, key)
         try:  # the value is read as YAML (numbers, booleans, mappings)
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}={raw}"]))
         except Exception as e:  # yaml's and OmegaConf's parse errors: one line naming the override
@@ -461,6 +532,8 @@ def _build(cls, data, *, prefix: str):
     return cls(**kwargs)
 
 
+# short forms accepted on the command line: `colocate launch ... resume=auto`
+_ALIASES = {"resume": "checkpoint.resume"}
 # str keys that hold JSON: a YAML mapping given for them (engine.extra_args: {block_size: 32}) is kept as JSON text
 _JSON_KEYS = {"engine.extra_args"}
 # str keys that hold a comma-separated list: a YAML list given for them is joined with commas

@@ -12,6 +12,10 @@
                                                   │
                  trainer.offload ; engine.wake(kv_cache)  ──> next step
 
+After the sync, when due: evaluation on the validation prompts (rl.evaluation, the same engines, awake) and a
+checkpoint (colocate.checkpoint: trainer shards, data place, unfinished answers). A resumed run loads the
+checkpoint, syncs the loaded weights into the engines, and goes on with the next step.
+
 The switching order is written down here and only here. It keeps each side's large state off the device while
 the other side runs: the engine's KV cache is never resident with the trainer's gradients and optimizer state,
 and the engine's weights come back (empty at level 2) only to receive the sync, never beside a second copy.
@@ -22,16 +26,20 @@ the order above are skipped.
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 import ray
 import torch
 
+from colocate.checkpoint import Checkpointer
 from colocate.config import JobConfig
 from colocate.data import PromptSource, make_prompt_source
 from colocate.metrics import MetricsWriter
 from colocate.rl.corrections import mismatch_stats
+from colocate.rl.evaluation import make_evaluator, should_evaluate
 from colocate.rl.rewards import make_reward
 from colocate.rl.rollout import Rollouts
 from colocate.rl.scoring import Rollout, Scored, score
@@ -41,9 +49,11 @@ from colocate.runtime import Runtime
 
 class Controller:
     def __init__(self, cfg: JobConfig, runtime: Runtime, metrics: MetricsWriter | None = None,
-                 rollouts: Rollouts | None = None, prompts: PromptSource | None = None):
+                 rollouts: Rollouts | None = None, prompts: PromptSource | None = None,
+                 resume_from: Path | None = None):
         """`prompts`: a source built (and its files checked) before the runtime started; by default it is built
-        here, from data.train_files or the toy task."""
+        here, from data.train_files or the toy task. `resume_from`: a checkpoint checked against the job
+        (checkpoint.resume_point) to continue from."""
         self.cfg = cfg
         self.rt = runtime
         self.metrics = metrics
@@ -52,21 +62,31 @@ class Controller:
         # the prompt source is built only when no Rollouts (which holds its own) is given
         self.rollouts = rollouts or Rollouts(cfg, runtime.engines, runtime.tokenizer,
                                              prompts or make_prompt_source(cfg, runtime.tokenizer, self.task))
+        self.evaluator = make_evaluator(cfg, runtime.engines, runtime.tokenizer, self.reward_fn, self.task)
+        self.checkpointer = Checkpointer(cfg, runtime.model_path)
+        self.resume_from = resume_from
         self.events: list[str] = []  # the switching order, as it happened (tests assert it)
         self.history: list[dict] = []
 
     def run(self) -> list[dict]:
-        return self.run_steps(self.cfg.algo.num_steps)
+        first = self.restore(self.resume_from) if self.resume_from else 0
+        return self.run_steps(self.cfg.algo.num_steps, first=first)
 
-    def run_steps(self, num_steps: int) -> list[dict]:
+    def run_steps(self, num_steps: int, *, first: int = 0) -> list[dict]:
+        """Steps first .. num_steps - 1 (a resumed run starts after its checkpoint's step)."""
+        if first == 0 and self.evaluator and should_evaluate(self.cfg.eval, 0, num_steps):
+            result = self.evaluate(0)
+            if self.metrics:
+                self.metrics.evaluation(result, num_done=0)
         if self.rt.switch.trainer_offload:
             self._call(self.rt.trainers, "offload")  # the engine runs first
             self.events.append("trainer.offload")
-        for step in range(num_steps):
-            self.step(step)
+        for step in range(first, num_steps):
+            self.step(step, num_steps=num_steps)
         return self.history
 
-    def step(self, step: int) -> dict:
+    def step(self, step: int, *, num_steps: int | None = None) -> dict:
+        num_steps = num_steps or self.cfg.algo.num_steps
         times: dict[str, float] = {}
         with _timed(times, "rollout"):
             groups, rollout_stats = self.rollout(step)
@@ -80,9 +100,18 @@ class Controller:
             self.switch_to_sync()
         with _timed(times, "sync"):
             sync_stats = self.sync()
+        if self.checkpointer.due(step + 1, num_steps):
+            with _timed(times, "checkpoint"):
+                self.save_checkpoint(step)
         with _timed(times, "switch"):
             self.switch_to_rollout()
+        evaluation = None
+        if self.evaluator and should_evaluate(self.cfg.eval, step + 1, num_steps):
+            with _timed(times, "eval"):
+                evaluation = self.evaluate(step + 1)
         record = self._record(step, times, scored, rollout_stats, train_stats, sync_stats)
+        if evaluation is not None:
+            record["eval"] = evaluation
         self.history.append(record)
         if self.metrics:
             self.metrics.step(record)
@@ -127,6 +156,7 @@ class Controller:
                                  band=self.cfg.algo.mismatch_band)
         return {"loss": sum(r["loss_sum"] for r in results) / tokens,
                 "mismatch": sum(r["mismatch_abs_sum"] for r in results) / tokens,
+                "kl": sum(r["kl_sum"] for r in results) / tokens,  # per token; 0.0 with algo.kl_coef = 0
                 "mismatch_monitor": monitor,
                 "correction": {"mode": self.cfg.algo.correction, "level": self.cfg.algo.correction_level,
                                "fraction_affected": sum(r["corrected_sum"] for r in results) / tokens,
@@ -158,6 +188,39 @@ class Controller:
         if self.rt.switch.engine_sleep_level:
             self._call(self.rt.engines, "wake", ["kv_cache"])
             self.events.append("engine.wake.kv_cache")
+
+    def evaluate(self, num_done: int) -> dict:
+        """pass@k of the policy the engines hold now (awake: between steps, or before the first), after
+        `num_done` steps; every answer goes to <output_dir>/eval/after_<num_done>_steps.jsonl."""
+        result = self.evaluator.run()
+        self.events.append("eval")
+        out = Path(self.cfg.logging.output_dir) / "eval"
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / f"after_{num_done}_steps.jsonl", "w") as f:
+            f.writelines(json.dumps(a) + "\n" for a in self.evaluator.last_answers)
+        return result
+
+    # ----------------------------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, step: int) -> None:
+        """After the sync, before the trainer leaves the device: its state is where a save reads it, and the
+        controller's (data place, groups in flight) is exactly that after `step`."""
+        path = self.checkpointer.save(step, self.rt.trainers, {"step": step, "rollouts": self.rollouts.state()})
+        self.events.append("checkpoint")
+        if self.metrics:
+            self.metrics.write({"event": "checkpoint", "step": step, "path": str(path)})
+
+    def restore(self, path: Path) -> int:
+        """Load a checkpoint into the trainers and the controller, then sync the loaded weights into the engines
+        (they started from model.path). Returns the first step to run. Runs before the first switch: the trainers
+        are on the device and the engines awake, as after start-up."""
+        state = self.checkpointer.load(path, self.rt.trainers)
+        self.rollouts.load_state(state["rollouts"])
+        self.sync()
+        self.events.append("restore")
+        if self.metrics:
+            self.metrics.write({"event": "resume", "path": str(path), "step": state["step"]})
+        return state["step"] + 1
 
     # ------------------------------------------------------------------------------------------- helpers
 

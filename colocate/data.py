@@ -37,6 +37,10 @@ class PromptSource(Protocol):
 
     def next_batch(self, n: int) -> list[Sample]: ...
 
+    def state(self) -> dict: ...
+
+    def load_state(self, state: dict) -> None: ...
+
 
 def data_files(spec: str, key: str) -> list[str]:
     """The comma-separated files (or globs) of `key`, each existing with a supported extension."""

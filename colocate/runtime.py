@@ -5,6 +5,12 @@
     # on exit (normal, exception, Ctrl-C): engines shut down (their TP worker processes exit with them),
     # actors killed, placement group removed, Ray stopped if we started it; no /dev/shm segment stays behind.
 
+Each runtime is one job with a random token (`self.job`): its segments' names, its Ray namespace
+(`colocate-<job>`) and its actors' names carry it, and <logging.output_dir>/job.json records what it started, so
+`colocate clean` can remove what a SIGKILLed controller left and nothing else (colocate/cleanup.py). The Ray it
+starts itself listens on loopback only; so does the trainers' TCPStore when they share one node
+(docs/security.md).
+
 Start-up order matters for memory: trainers load and shard first, engines start after (each engine measures
 free memory for its KV cache at start), then the ring is opened and sealed.
 """
@@ -15,11 +21,13 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 
 import ray
 
+from colocate.cleanup import JobRecord, actor_processes, process_tree
 from colocate.config import JobConfig
 from colocate.engine.actor import EngineActor, engine_env
 from colocate.models import ensure_model, load_tokenizer
@@ -27,12 +35,18 @@ from colocate.placement import (ENGINE_SHARE, TRAINER_SHARE, actor_options, clus
                                 engine_placement, local_device_count, pair_devices, plan_nodes, plan_slots,
                                 resolve_device, sleep_backend, sync_transport)
 from colocate.preflight import switch_plan
-from colocate.sync.transport import remove_orphaned_entries, remove_stale_segments, shm_entries
+from colocate.sync.transport import (JOB_ENV, mapped_by, new_job_token, remove_orphaned_entries,
+                                     remove_stale_segments, shm_entries)
 from colocate.sync.weight_sync import WeightSync
 from colocate.trainer.actor import TrainerActor
 from colocate.trainer.grpo import LossSettings
 
 log = logging.getLogger("colocate")
+
+LOOPBACK = "127.0.0.1"
+# Trainers on one node: gloo on loopback, every rank a client of the store rank 0's actor hosts on loopback
+# (TrainerActor.rendezvous). GLOO_SOCKET_IFNAME: else gloo listens on the address the hostname resolves to.
+ONE_NODE_TRAINER_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True", "GLOO_SOCKET_IFNAME": "lo"}
 
 
 class Runtime:
@@ -45,6 +59,11 @@ class Runtime:
         self.sync: WeightSync | None = None
         self._started_ray = False
         self._shm_before = shm_entries()  # what /dev/shm held before us: close() leaves those alone
+        self.job = new_job_token()
+        self.namespace = f"colocate-{self.job}"
+        self.record = JobRecord(cfg.logging.output_dir, self.job)
+        self._recorded = False
+        self._engine_generation = 0  # actor names must be new: a killed actor's name is freed asynchronously
 
     def __enter__(self) -> Runtime:
         try:
@@ -60,6 +79,8 @@ class Runtime:
     def start(self) -> None:
         cfg = self.cfg
         remove_stale_segments()
+        self.record.update()  # before anything that could leave something behind
+        self._recorded = True
         self.device = resolve_device(cfg.placement.device)
         self.model_path = ensure_model(cfg.model)
         try:
@@ -68,6 +89,7 @@ class Runtime:
             raise RuntimeError(f"cannot load the tokenizer of model.path={self.model_path!r}: {e}") from None
         self.switch = switch_plan(cfg, device=self.device)  # what must leave the device between phases
         self._init_ray()
+        self.record.update(ray=self._ray_record())
         if cfg.placement.ray_address:
             nodes = cluster_nodes(self.device)
             self.plan = plan_slots(cfg, device=self.device, num_devices=sum(nodes.values()), where="the Ray cluster")
@@ -86,13 +108,15 @@ class Runtime:
                                hf_config=AutoConfig.from_pretrained(self.model_path),
                                transport=self.transport, pairs=self.pairs)
         self.sync.open()
+        self._record_job()
 
     def _init_ray(self) -> None:
         if ray.is_initialized():
             return
         verbose = self.cfg.logging.level in ("DEBUG", "INFO")
-        common = dict(log_to_driver=verbose, logging_level=logging.WARNING,
-                      runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(_python_path())}})
+        env = {"PYTHONPATH": os.pathsep.join(_python_path()), JOB_ENV: self.job}
+        common = dict(log_to_driver=verbose, logging_level=logging.WARNING, namespace=self.namespace,
+                      runtime_env={"env_vars": env})
         with _sigterm_handler_kept():
             self._connect_ray(common)
 
@@ -103,26 +127,65 @@ class Runtime:
             # address="local": a new Ray of our own, even when `ray start` left a head running on this machine
             # (plain ray.init() would join that one). A logical CPU per core at least: a slot is a scheduling
             # unit, the cores are shared by design.
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, self.cfg.placement.num_slots),
-                     include_dashboard=False, **common)
+            with _loopback_only():
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, self.cfg.placement.num_slots),
+                         include_dashboard=False, dashboard_host=LOOPBACK, _node_ip_address=LOOPBACK, **common)
             self._started_ray = True
+
+    def _ray_record(self) -> dict:
+        context = ray.get_runtime_context()
+        node = getattr(ray._private.worker, "_global_node", None)  # private: the session dir has no public API
+        return {"started": self._started_ray, "address": self.cfg.placement.ray_address or "local",
+                "gcs_address": context.gcs_address, "namespace": context.namespace,
+                "session_dir": node.get_session_dir_path() if node is not None else None}
+
+    def _record_job(self) -> None:
+        """job.json, once the actors are up: their names, the processes of the job on this host (each actor's
+        tree with its vLLM workers; with a Ray of our own, every descendant of this process), and the /dev/shm
+        entries that appeared since the job began and that those processes or this one map (vLLM's: their names
+        say nothing of the job; an entry of another job started meanwhile is mapped by that job's processes)."""
+        here = socket.gethostname()
+        trees = ray.get([a.__ray_call__.remote(actor_processes) for a in self.trainers + self.engines])
+        processes = {e["pid"]: e for tree in trees if tree["host"] == here for e in tree["processes"]}
+        if self._started_ray:
+            processes.update({e["pid"]: e for e in process_tree(os.getpid())[1:]})
+        new = shm_entries() - self._shm_before
+        self.record.update(state="running", actors=self._actor_names(), processes=list(processes.values()),
+                           shm=sorted(mapped_by(new, pids=[os.getpid(), *processes])))
+
+    def _actor_names(self) -> list[str]:
+        return [self._trainer_name(r) for r in range(len(self.trainers))] + \
+            [self._engine_name(e) for e in range(len(self.engines))]
+
+    def _trainer_name(self, rank: int) -> str:
+        return f"colocate-{self.job}-trainer-{rank}"
+
+    def _engine_name(self, engine: int) -> str:
+        return f"colocate-{self.job}-engine-{engine}-{self._engine_generation}"
+
+    def _trainers_on_one_node(self) -> bool:
+        return self.slot_nodes is None or len(set(self.slot_nodes)) == 1
 
     def _start_trainers(self) -> None:
         cfg = self.cfg
         world = self.plan.num_slots
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
-        env = {"OMP_NUM_THREADS": str(cfg.trainer.num_threads)}
+        one_node = self._trainers_on_one_node()
+        env = {"OMP_NUM_THREADS": str(cfg.trainer.num_threads), JOB_ENV: self.job,
+               **(ONE_NODE_TRAINER_ENV if one_node else {})}
         actor = ray.remote(TrainerActor)
         gpu_share = TRAINER_SHARE if self.device == "cuda" else 0.0
         self.trainers = [
-            actor.options(**actor_options(self.group, rank, cpu_share=TRAINER_SHARE, gpu_share=gpu_share,
+            actor.options(name=self._trainer_name(rank),
+                          **actor_options(self.group, rank, cpu_share=TRAINER_SHARE, gpu_share=gpu_share,
                                           env=env)).remote(
                 rank, world, cfg.trainer, self.model_path, device=self.device, pad_id=pad,
                 loss=LossSettings.from_job(cfg))
             for rank in range(world)
         ]
-        addr, port = ray.get(self.trainers[0].rendezvous.remote())
+        # one node: the store on loopback; several: on rank 0's node address (all interfaces, torch's doing)
+        addr, port = ray.get(self.trainers[0].rendezvous.remote(LOOPBACK if one_node else None))
         self.trainer_info = ray.get([t.setup.remote(addr, port) for t in self.trainers])
 
     def _start_engines(self) -> None:
@@ -130,12 +193,13 @@ class Runtime:
         backend = sleep_backend(cfg, self.device)
         actor = ray.remote(EngineActor)
         self.engines = []
+        self._engine_generation += 1
         for e in range(self.plan.num_engines):
             where = engine_placement(self.plan, e)
-            env = engine_env(cfg.engine, self.device, where.env)
+            env = {**engine_env(cfg.engine, self.device, where.env), JOB_ENV: self.job}
             options = actor_options(self.group, where.bundle, cpu_share=ENGINE_SHARE, env=env,
                                     gpu_share=where.driver_share if self.device == "cuda" else 0.0)
-            self.engines.append(actor.options(**options).remote(
+            self.engines.append(actor.options(name=self._engine_name(e), **options).remote(
                 cfg.engine, self.model_path, device=self.device, sleep_backend=backend,
                 eos_token_id=self.tokenizer.eos_token_id, placement_env=where.env))
         self.engine_info = ray.get([e.start.remote() for e in self.engines])
@@ -163,6 +227,7 @@ class Runtime:
         self.sync.engines = self.engines
         self.sync.pairs = self.pairs
         self.sync.open()
+        self._record_job()
 
     def close(self) -> None:
         """Idempotent teardown; every step tolerates a half-started runtime."""
@@ -182,6 +247,8 @@ class Runtime:
             self._started_ray = False
         remove_stale_segments()
         self._remove_orphaned_segments()
+        if self._recorded:  # every actor and segment of the job is gone: `colocate clean` has nothing to do
+            self.record.update(state="closed", closed_at=time.time())
 
     def _remove_orphaned_segments(self, timeout_s: float = 15) -> None:
         """Killed workers take a moment to exit; until they have, their segments still look mapped."""
@@ -202,6 +269,32 @@ def _sigterm_handler_kept():
     yield
     if main and callable(handler):
         signal.signal(signal.SIGTERM, handler)
+
+
+@contextlib.contextmanager
+def _loopback_only():
+    """Make the Ray that ray.init starts listen on 127.0.0.1 only.
+
+    _node_ip_address="127.0.0.1" alone does not: ray.init turns a loopback address into the node's routable one
+    (ray/_private/services.py resolve_ip_for_localhost), unless ray_constants.ENABLE_RAY_CLUSTER is off, which
+    Ray reads from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at import. With the node address 127.0.0.1, gcs_server
+    and the raylet bind their gRPC servers to 127.0.0.1 instead of 0.0.0.0, and the agents, monitor and
+    workers follow (tests/e2e/test_isolation.py lists every listener). Hazard: a private constant of Ray, so
+    that test guards it; the daemons inherit the variable when they start, so both are put back afterwards (a
+    later runtime in this process may join a cluster)."""
+    from ray._private import ray_constants
+
+    name = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    saved_env, saved_flag = os.environ.get(name), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[name], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved_env
 
 
 def _python_path() -> list[str]:

@@ -15,9 +15,11 @@ from pathlib import Path
 
 from colocate.config import ConfigError, JobConfig, to_dict
 from colocate.controller import Controller
-from colocate.data import make_prompt_source
+from colocate.checkpoint import resume_point
+from colocate.data import load_val_samples, make_prompt_source
 from colocate.metrics import MetricsWriter
 from colocate.models import ensure_model, load_tokenizer
+from colocate.rl.evaluation import enabled as evaluation_enabled
 from colocate.runtime import Runtime
 
 log = logging.getLogger("colocate")
@@ -30,13 +32,17 @@ def run_job(cfg: JobConfig) -> int:
     out = Path(cfg.logging.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(to_dict(cfg)))
-    metrics = MetricsWriter(cfg.logging.output_dir, progress=cfg.logging.progress, num_steps=cfg.algo.num_steps)
+    # before any actor: a sink's missing package (logging.wandb=true without wandb) is a ConfigError, exit 2
+    metrics = MetricsWriter(cfg.logging, num_steps=cfg.algo.num_steps, run_config=to_dict(cfg))
     controller = None
     restore_sigterm = catch_sigterm()
     try:
-        prompts = None
-        if cfg.data.train_files:  # read and checked before any actor starts: a bad row exits 2 with one line
-            prompts = make_prompt_source(cfg, load_tokenizer(ensure_model(cfg.model)))
+        # Read and checked before any actor starts (a bad row, a checkpoint of another model: exit 2, one line).
+        model_path = ensure_model(cfg.model)
+        prompts = make_prompt_source(cfg, load_tokenizer(model_path)) if cfg.data.train_files else None
+        if cfg.data.val_files and evaluation_enabled(cfg.eval):
+            load_val_samples(cfg, load_tokenizer(model_path))
+        resume_from = resume_point(cfg, model_path)
         with Runtime(cfg) as runtime:
             metrics.write({"event": "startup", "trainers": runtime.trainer_info, "engines": runtime.engine_info,
                            "sync_mode": runtime.sync.plan.mode, "sync_transport": runtime.sync.transport,
@@ -46,7 +52,7 @@ def run_job(cfg: JobConfig) -> int:
                                       "reason": runtime.switch.reason}})
             if cfg.logging.progress:
                 print(f"switch plan: {runtime.switch.reason}", file=sys.stderr, flush=True)
-            controller = Controller(cfg, runtime, metrics, prompts=prompts)
+            controller = Controller(cfg, runtime, metrics, prompts=prompts, resume_from=resume_from)
             history = controller.run()
         _summary(history, metrics.path)
         return 0

@@ -58,6 +58,14 @@ class Rollouts:
         groups = pool.take()
         return [_as_rollout(g) for g in groups], self._stats(groups, version, time.perf_counter() - started)
 
+    def state(self) -> dict:
+        """Where the prompts are and what is in flight, for a checkpoint (JSON)."""
+        return {"prompts": self.prompts.state(), "pool": self.pool.state()}
+
+    def load_state(self, state: dict) -> None:
+        self.prompts.load_state(state["prompts"])
+        self.pool.load_state(state["pool"])
+
     def _pass(self, version: int) -> list[list[tuple[float, int]]]:
         num_engines = len(self.engines)
         requests = self.pool.requests(version)

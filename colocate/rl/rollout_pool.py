@@ -21,6 +21,8 @@ cut to what is left of it: a continued answer never gets a fresh budget.
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -197,6 +199,28 @@ class RolloutPool:
             self.stats.num_dropped_groups += len(self.groups)
             self.groups = []
         return complete
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def state(self) -> dict:
+        """The groups in flight (unfinished answers with their tokens, versions and random streams) as JSON."""
+        def answer(a: Answer) -> dict:
+            d = dataclasses.asdict(a)
+            d["random_state"] = base64.b64encode(a.random_state).decode() if a.random_state is not None else None
+            return d
+
+        return {"next_group_id": self._next_group_id,
+                "groups": [{"group_id": g.group_id, "sample": dataclasses.asdict(g.sample), "prompt_ids": g.prompt_ids,
+                            "answers": [answer(a) for a in g.answers]} for g in self.groups]}
+
+    def load_state(self, state: dict) -> None:
+        def answer(d: dict) -> Answer:
+            raw = d["random_state"]
+            return Answer(**{**d, "random_state": base64.b64decode(raw) if raw is not None else None})
+
+        self._next_group_id = state["next_group_id"]
+        self.groups = [Group(g["group_id"], Sample(**g["sample"]), g["prompt_ids"], [answer(a) for a in g["answers"]])
+                       for g in state["groups"]]
 
     def carried(self) -> dict:
         """What stays in flight: answers and tokens carried to the next step."""

@@ -179,3 +179,13 @@ class PromptStream:
 
     def next_batch(self, num_prompts: int) -> list[Sample]:
         return [self.task.sample(self._rng) for _ in range(num_prompts)]
+
+    def state(self) -> dict:
+        version, internal, gauss = self._rng.getstate()
+        return {"task": self.task.name, "rng": [version, list(internal), gauss]}
+
+    def load_state(self, state: dict) -> None:
+        if state.get("task") != self.task.name:
+            raise ValueError(f"prompt stream state is of task {state.get('task')!r}, this job's is {self.task.name!r}")
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))

@@ -42,20 +42,47 @@ class TrainerActor:
         self._gather_writers: dict = {}  # sync key -> GatherWriter (the gather protocol)
         self._copies: dict = {}
         self._offloader = None
+        self.reference = None  # the frozen ReferencePolicy, built in setup when loss.kl_coef > 0
         # bounded: a long run never asks for them (only the sync benchmark does)
         self.write_times: deque[tuple[int, float]] = deque(maxlen=4096)
         self._offloaded = False
 
-    def rendezvous(self) -> tuple[str, int]:
-        """(address, free port) on this rank's node, for rank 0 to host the process group's store."""
+    def rendezvous(self, host: str | None = None) -> tuple[str, int]:
+        """Where the process group's TCPStore is, asked of rank 0 before every rank's `setup`.
+
+        host=None (trainers on several nodes): (this node's address, a free port), and rank 0's
+        init_process_group hosts the store there. host="127.0.0.1" (every trainer on one node): this actor hosts
+        the store now, on a socket bound to loopback only, and returns its port.
+
+        Why: torch's TCPStore server listens on every interface whatever MASTER_ADDR says (torch 2.13: '::' for
+        a store meant for 127.0.0.1), so anyone who reaches the node could write keys into the rendezvous.
+        Handed a listening socket (master_listen_fd, as vLLM does in distributed/utils.py create_tcp_store) it
+        listens on that one only. Hazard: the ranks must then run with TORCHELASTIC_USE_AGENT_STORE=True (the
+        runtime sets it), which makes every rank's init_process_group a client of this store; without it rank 0
+        would try to host a second store on the same port."""
         import socket
 
         import ray
 
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        if host is None:
+            with socket.socket() as sock:
+                sock.bind(("", 0))
+                port = sock.getsockname()[1]
+            return ray.util.get_node_ip_address(), port
+        import torch.distributed as dist
+
+        sock = socket.socket()
+        sock.bind((host, 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        fd = sock.detach()
+        try:  # kept as long as the actor lives: the groups created after setup (device mesh) use it too
+            self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
+                                        timeout=timedelta(minutes=10))
+        except BaseException:
+            os.close(fd)
+            raise
+        return host, port
 
     def setup(self, master_addr: str, master_port: int) -> dict:
         import torch.distributed as dist
@@ -86,6 +113,11 @@ class TrainerActor:
             with self._offloader.allocation_region():
                 fully_shard(block, mesh=mesh, mp_policy=mp_policy)
         self.model = model
+        if self.loss.kl_coef > 0:
+            from colocate.trainer.reference import ReferencePolicy
+
+            # built offloaded, before the engine starts and measures the free memory
+            self.reference = ReferencePolicy(self.model_path, mesh=mesh, device=self.device, cfg=self.cfg)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.params = dict(model.named_parameters())
         self.shards = local_shards(self.params)
@@ -95,7 +127,8 @@ class TrainerActor:
             # free memory from the driver, not from torch's cache
             torch.cuda.empty_cache()
         return {"num_params": sum(p.numel() for p in model.parameters()),
-                "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters())}
+                "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
+                "reference_local_bytes": self.reference.local_bytes if self.reference else 0}
 
     def shutdown(self) -> None:
         import torch.distributed as dist
@@ -117,30 +150,33 @@ class TrainerActor:
 
         Hazard: every rank must run the same number of forward/backward passes (each is a set of FSDP
         collectives), so the caller passes the count for the rank with the most sequences and a rank with fewer
-        runs zero-weighted passes instead of skipping."""
+        runs zero-weighted passes instead of skipping. So does the reference (KL): it scores every micro-batch
+        first, in one onload/offload, never resident beside the policy's activations or gradients."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sequences = [Sequence(**s) for s in seqs]
         scale = self.world_size / max(num_tokens_all_ranks, 1)
         totals = {"loss_sum": 0.0, "tokens": 0.0, "mismatch_abs_sum": 0.0, "clipped_sum": 0.0, "corrected_sum": 0.0,
-                  "weight_sum": 0.0}
+                  "weight_sum": 0.0, "kl_sum": 0.0}
         token_log_w, seq_log_w = [], []
         size = self.cfg.micro_batch_size
         assert num_micro_batches * size >= len(sequences)
-        for i in range(num_micro_batches):
-            chunk = sequences[i * size:(i + 1) * size]
+        chunks = [sequences[i * size:(i + 1) * size] for i in range(num_micro_batches)]
+        batches = [collate(chunk or sequences[:1] or [_dummy_sequence(self.pad_id)], pad_id=self.pad_id,
+                           device=self.device) for chunk in chunks]
+        ref_logprobs = self.reference.score(batches, temperature=self.loss.temperature, top_p=self.loss.top_p) \
+            if self.reference is not None else [None] * len(batches)
+        for chunk, batch, ref in zip(chunks, batches, ref_logprobs):
             empty = not chunk
-            batch = collate(chunk or sequences[:1] or [_dummy_sequence(self.pad_id)], pad_id=self.pad_id,
-                            device=self.device)
             logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             logprobs = token_logprobs(logits, batch.input_ids, temperature=self.loss.temperature,
                                       top_p=self.loss.top_p)
-            loss, stats = policy_loss(logprobs, batch, settings=self.loss)
+            loss, stats = policy_loss(logprobs, batch, settings=self.loss, ref_logprobs=ref)
             (loss * (0.0 if empty else scale)).backward()
             loss = loss.detach()
             if not empty:
                 totals["loss_sum"] += loss.item()
-                for key in ("tokens", "mismatch_abs_sum", "clipped_sum", "corrected_sum", "weight_sum"):
+                for key in ("tokens", "mismatch_abs_sum", "clipped_sum", "corrected_sum", "weight_sum", "kl_sum"):
                     totals[key] += stats[key]
                 token_log_w.append(stats["token_log_w"])
                 seq_log_w.append(stats["seq_log_w"])
@@ -287,6 +323,32 @@ class TrainerActor:
         if offloaded:
             self.offload()
         return None if rank0_only and self.rank else state
+
+    # --------------------------------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, directory: str) -> None:
+        """This rank's shards of the model and optimizer (a collective: every rank calls it), wherever the
+        state is now; an offloaded state comes back for the write and goes out again."""
+        from colocate.trainer.checkpoint import save_rank_state
+
+        offloaded = self._offloaded
+        self.onload()
+        save_rank_state(directory, self.model, self.optimizer, rank=self.rank)
+        if offloaded:
+            self.offload()
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Read a checkpoint into the live shards (a collective). The optimizer's state is created first, in the
+        offloader's region as a step would create it, then overwritten in place."""
+        from colocate.trainer.checkpoint import load_rank_state
+
+        offloaded = self._offloaded
+        self.onload()
+        if not self.optimizer.state:
+            self._create_optimizer_state()
+        load_rank_state(directory, self.model, self.optimizer, rank=self.rank)
+        if offloaded:
+            self.offload()
 
     # ------------------------------------------------------------------------------------- memory switch
 

@@ -1,0 +1,82 @@
+"""Trainer checkpoints on gloo, 2 ranks: DCP writes each rank's shards; loading them into a fresh trainer gives
+back the same weights and AdamW moments, in place (the same storages the sync and the offloader hold), and a
+step after the load equals the step an uninterrupted trainer takes."""
+
+from __future__ import annotations
+
+import torch
+
+from colocate.config import ModelConfig, TrainerConfig
+from colocate.models import ensure_model
+from tests.distributed.conftest import run_distributed
+from tests.distributed.test_trainer import SEQS
+
+
+def _step(trainer, rank: int, world_size: int) -> None:
+    num_tokens = sum(len(s["response_ids"]) for s in SEQS)
+    trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens, num_micro_batches=2)
+
+
+def _snapshot(trainer) -> dict:
+    state = {f"w.{k}": v.clone() for k, v in trainer.full_state_dict("float32").items()}
+    for name, p in trainer.model.named_parameters():
+        for key, value in trainer.optimizer.state[p].items():
+            state[f"adam.{name}.{key}"] = value.full_tensor().clone() if hasattr(value, "full_tensor") \
+                else value.clone()
+    return state
+
+
+def _save_then_resume(rank: int, world_size: int, port: int, model_path: str, tmp: str, offload: bool):
+    from colocate.trainer.actor import TrainerActor
+
+    cfg = TrainerConfig(lr=1e-2, micro_batch_size=2, offload="true" if offload else "false")
+    # the uninterrupted run: two steps, a checkpoint after the first
+    trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0)
+    trainer.setup("127.0.0.1", port)
+    _step(trainer, rank, world_size)
+    if offload:
+        trainer.offload()  # the controller checkpoints whatever the trainer's place is
+    trainer.save_checkpoint(f"{tmp}/ckpt")
+    assert trainer._offloaded == offload  # put back where it was
+    trainer.onload()
+    after_one = _snapshot(trainer)
+    _step(trainer, rank, world_size)
+    after_two = _snapshot(trainer)
+    torch.manual_seed(1234 + rank)  # a different RNG after the save: the load must put the saved one back
+    trainer.shutdown()
+
+    # the resumed run: a fresh trainer (initial weights from the model path) loads the checkpoint
+    fresh = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0)
+    fresh.setup("127.0.0.1", port)
+    if offload:
+        fresh.offload()
+    fresh.load_checkpoint(f"{tmp}/ckpt")
+    fresh.onload()
+    resumed = _snapshot(fresh)
+    assert resumed.keys() == after_one.keys()
+    for key, value in after_one.items():
+        assert torch.equal(resumed[key], value), key
+    # the sync's views (built at setup) still point at the live storages, which hold the loaded values
+    assert all(view.data_ptr() == p.to_local().data_ptr() for (view, _), p in
+               zip(fresh.shards.values(), fresh.params.values()) if view.numel())
+    _step(fresh, rank, world_size)
+    for key, value in _snapshot(fresh).items():
+        assert torch.equal(value, after_two[key]), key
+    fresh.shutdown()
+
+
+def _run(tmp_path, offload: bool):
+    path = ensure_model(ModelConfig(preset="tiny", cache_dir=str(tmp_path / "models")))
+    run_distributed(_save_then_resume, path, str(tmp_path), offload, world_size=2, init=False)
+    files = sorted(p.name for p in (tmp_path / "ckpt" / "trainer").iterdir())
+    assert ".metadata" in files and "__0_0.distcp" in files and "__1_0.distcp" in files, files
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("rng_rank*.json")) == ["rng_rank0.json",
+                                                                                  "rng_rank1.json"]
+
+
+def test_checkpoint_round_trip_equals_uninterrupted_training(tmp_path):
+    _run(tmp_path, offload=False)
+
+
+def test_checkpoint_of_an_offloaded_trainer(tmp_path):
+    _run(tmp_path, offload=True)

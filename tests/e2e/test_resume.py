@@ -1,0 +1,108 @@
+"""Checkpoints, exact resume and HF export through `colocate launch` / `colocate export`, as a user runs them.
+
+One uninterrupted 4-step run against a 2-step run resumed to 4 (resume=auto): the trainer shards (weights and
+AdamW moments), the data place and every step's metrics are equal. The resumed run's final checkpoint exported as
+a Hugging Face model is loaded by vLLM (the CPU build) and by transformers, and both answer the evaluation prompts
+greedily with exactly the tokens the job's own engine gave (engine.dtype=float32: bit-equal weights everywhere).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.e2e.conftest import ROOT, launch
+
+pytestmark = pytest.mark.e2e
+
+JOB = ["algo.num_steps=4", "engine.dtype=float32", "checkpoint.keep_last=0", "logging.progress=false",
+       "rollout.max_tokens=6", "eval.max_prompts=6", "eval.max_tokens=6", "engine.tp=1"]
+
+
+def _steps(run: Path) -> dict[int, dict]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if "event" not in r}  # a resumed step's last record counts
+
+
+def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's trainer state (model and optimizer), assembled from the ranks' shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(checkpoint / "trainer")).read_metadata()
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+             for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
+    dcp.load(state, checkpoint_id=str(checkpoint / "trainer"), no_dist=True)
+    return state
+
+
+def test_resume_is_exact_and_the_export_loads(tmp_path):
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    result = launch(whole, *JOB, "checkpoint.every_steps=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = launch(resumed, *JOB, "algo.num_steps=2")  # "stopped" after 2 steps, its end checkpoint
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = launch(resumed, *JOB, "checkpoint.every_steps=2", "resume=auto", "eval.at_end=true")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    a, b = whole / "out" / "checkpoints", resumed / "out" / "checkpoints"
+    assert sorted(p.name for p in a.iterdir()) == ["step_00000001", "step_00000003"]
+    assert sorted(p.name for p in b.iterdir()) == ["step_00000001", "step_00000003"]
+    events = [json.loads(line) for line in (resumed / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert any(e.get("event") == "resume" and e["step"] == 1 for e in events)
+
+    # the same training: weights and optimizer state bit-equal, the data at the same place, the same metrics
+    whole_state, resumed_state = _tensors(a / "step_00000003"), _tensors(b / "step_00000003")
+    assert whole_state.keys() == resumed_state.keys() and any(k.startswith("optimizer.") for k in whole_state)
+    for key, value in whole_state.items():
+        assert torch.equal(value, resumed_state[key]), key
+    controller = [json.loads((d / "step_00000003" / "controller.json").read_text()) for d in (a, b)]
+    assert controller[0] == controller[1]
+    whole_steps, resumed_steps = _steps(whole / "out"), _steps(resumed / "out")
+    for step in (2, 3):
+        for key in ("reward_mean", "response_len_mean", "loss", "mismatch"):
+            assert whole_steps[step][key] == resumed_steps[step][key], (step, key)
+
+    # the export, loaded by vLLM and transformers, answers as the job's engine did after its last step
+    exported = tmp_path / "hf"
+    cli = Path(sys.executable).parent / "colocate"
+    result = subprocess.run([str(cli), "export", str(b), str(exported), "--dtype", "float32"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (exported / "model.safetensors").is_file() and (exported / "tokenizer.json").is_file()
+    job_answers = [json.loads(line) for line in (resumed / "out" / "eval" / "after_4_steps.jsonl").read_text()
+                   .splitlines()]
+    assert len(job_answers) == 6
+    out = subprocess.run([sys.executable, str(Path(__file__).parent / "load_export.py"), str(exported),
+                          json.dumps([a["prompt"] for a in job_answers]), "6"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    engine_tokens = [a["token_ids"][0] for a in job_answers]
+    assert loaded["vllm"] == engine_tokens
+    assert loaded["transformers"] == engine_tokens
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_anything_starts(tmp_path):
+    checkpoint = tmp_path / "ckpt" / "step_00000000"
+    (checkpoint / "trainer").mkdir(parents=True)
+    from colocate.checkpoint import model_signature
+    from colocate.config import ModelConfig
+    from colocate.models import ensure_model
+
+    model = model_signature(ensure_model(ModelConfig(cache_dir=str(ROOT / ".cache" / "models"))))
+    signature = {"model": {**model, "hidden_size": 12345}, "num_trainer_ranks": 2, "num_samples": 4}
+    (checkpoint / "meta.json").write_text(json.dumps({"step": 0, "signature": signature}))
+    result = launch(tmp_path, f"resume={checkpoint}", timeout_s=120)
+    assert result.returncode == 2
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("colocate: error: checkpoint.resume=") and "another model" in line \
+        and f"hidden_size=12345 there, {model['hidden_size']} here" in line, line
+    result = launch(tmp_path, f"resume={tmp_path / 'nowhere'}", timeout_s=120)
+    assert result.returncode == 2 and "no such directory" in result.stderr.strip().splitlines()[-1]
