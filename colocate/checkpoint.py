@@ -124,7 +124,6 @@ class Checkpointer:
     def __init__(self, cfg: JobConfig, model_path: str):
         self.cfg, self.model_path = cfg, model_path
         self.root = checkpoint_root(cfg)
-        self.signature = job_signature(cfg, model_path)
 
     def due(self, num_done: int, num_steps: int) -> bool:
         every, at_end = self.cfg.checkpoint.every_steps, self.cfg.checkpoint.at_end
@@ -150,8 +149,8 @@ class Checkpointer:
             from colocate.export import export_hf
 
             export_hf(partial, partial / "hf", dtype=self.cfg.engine.dtype)
-        meta = {"step": step, "time": time.time(), "signature": self.signature, "config": to_dict(self.cfg),
-                "seconds": time.perf_counter() - started}
+        meta = {"step": step, "time": time.time(), "signature": job_signature(self.cfg, self.model_path),
+                "config": to_dict(self.cfg), "seconds": time.perf_counter() - started}
         (partial / COMMIT_FILE).write_text(json.dumps(meta, indent=1))
         if final.exists():  # the same step saved again by a run resumed from before it
             shutil.rmtree(final)

@@ -192,6 +192,22 @@ class CheckpointConfig:
 
 
 @dataclass
+class FaultConfig:
+    heartbeat_s: float = 1.0
+    """How often the controller checks that every process of the job on its node is alive and running (a dead, zombie or stopped one ends the job at once, named)."""
+    sync_timeout_s: float = 600.0
+    """A weight sync, a sleep/wake switch or a checkpoint save that has not finished after this many seconds is a hang: the job stops naming its members. 0: no limit."""
+    rollout_timeout_s: float = 0.0
+    """The same bound for a rollout phase; 0: no limit (a rollout's length is the model's to decide)."""
+    train_timeout_s: float = 0.0
+    """The same bound for a training phase; 0: no limit."""
+    inject: str = ""
+    """Chaos testing: SIGNAL:MEMBER:PHASE:STEP sends a signal to one process of the job as that phase of that step begins, e.g. SIGKILL:engine0.worker1:rollout:2, SIGKILL:trainer1:train:1, SIGSTOP:engine0.worker0:sync:1 (members: trainerR, engineE, engineE.workerK); empty: none."""
+    max_restarts: int = 0
+    """After a fault (a member died or hung), start the job again from its newest checkpoint (resume=auto) up to this many times; 0: stop with the fault."""
+
+
+@dataclass
 class AlgoConfig:
     num_steps: int = 150
     """RL steps to run."""
@@ -257,6 +273,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -346,6 +363,13 @@ class JobConfig:
             parse_rewards(self.rollout.rewards)
         self._validate_data()
         _non_negative(self, "checkpoint.every_steps", "checkpoint.keep_last")
+        _positive(self, "fault.heartbeat_s")
+        if self.fault.inject:
+            from colocate.faults import parse_injection
+
+            parse_injection(self.fault.inject)
+        _non_negative(self, "fault.sync_timeout_s", "fault.rollout_timeout_s", "fault.train_timeout_s",
+                      "fault.max_restarts")
         _non_negative(self, "eval.every_steps", "eval.temperature", "eval.max_tokens", "eval.max_prompts")
         _positive(self, "eval.num_samples")
         if self.eval.temperature == 0 and self.eval.num_samples > 1:

@@ -26,6 +26,7 @@ the order above are skipped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ import torch
 from colocate.checkpoint import Checkpointer
 from colocate.config import JobConfig
 from colocate.data import PromptSource, make_prompt_source
+from colocate.faults import Watchdog
 from colocate.metrics import MetricsWriter
 from colocate.rl.corrections import mismatch_stats
 from colocate.rl.evaluation import make_evaluator, should_evaluate
@@ -65,21 +67,28 @@ class Controller:
         self.evaluator = make_evaluator(cfg, runtime.engines, runtime.tokenizer, self.reward_fn, self.task)
         self.checkpointer = Checkpointer(cfg, runtime.model_path)
         self.resume_from = resume_from
+        self.watchdog: Watchdog | None = None  # run() watches the actors; a test's step() alone does not
         self.events: list[str] = []  # the switching order, as it happened (tests assert it)
         self.history: list[dict] = []
 
     def run(self) -> list[dict]:
-        first = self.restore(self.resume_from) if self.resume_from else 0
-        return self.run_steps(self.cfg.algo.num_steps, first=first)
+        with Watchdog(self.cfg.fault, self.rt) as self.watchdog:
+            first = 0
+            if self.resume_from:
+                with self._phase({}, "restore"):
+                    first = self.restore(self.resume_from)
+            return self.run_steps(self.cfg.algo.num_steps, first=first)
 
     def run_steps(self, num_steps: int, *, first: int = 0) -> list[dict]:
         """Steps first .. num_steps - 1 (a resumed run starts after its checkpoint's step)."""
         if first == 0 and self.evaluator and should_evaluate(self.cfg.eval, 0, num_steps):
-            result = self.evaluate(0)
+            with self._phase({}, "eval"):
+                result = self.evaluate(0)
             if self.metrics:
                 self.metrics.evaluation(result, num_done=0)
         if self.rt.switch.trainer_offload:
-            self._call(self.rt.trainers, "offload")  # the engine runs first
+            with self._phase({}, "switch"):
+                self._call(self.rt.trainers, "offload")  # the engine runs first
             self.events.append("trainer.offload")
         for step in range(first, num_steps):
             self.step(step, num_steps=num_steps)
@@ -88,26 +97,26 @@ class Controller:
     def step(self, step: int, *, num_steps: int | None = None) -> dict:
         num_steps = num_steps or self.cfg.algo.num_steps
         times: dict[str, float] = {}
-        with _timed(times, "rollout"):
+        with self._phase(times, "rollout", step):
             groups, rollout_stats = self.rollout(step)
-        with _timed(times, "score"):
+        with self._phase(times, "score", step):
             scored = self.score(groups)
-        with _timed(times, "switch"):
+        with self._phase(times, "switch", step):
             self.switch_to_train()
-        with _timed(times, "train"):
+        with self._phase(times, "train", step):
             train_stats = self.train(scored)
-        with _timed(times, "switch"):
+        with self._phase(times, "switch", step):
             self.switch_to_sync()
-        with _timed(times, "sync"):
+        with self._phase(times, "sync", step):
             sync_stats = self.sync()
         if self.checkpointer.due(step + 1, num_steps):
-            with _timed(times, "checkpoint"):
+            with self._phase(times, "checkpoint", step):
                 self.save_checkpoint(step)
-        with _timed(times, "switch"):
+        with self._phase(times, "switch", step):
             self.switch_to_rollout()
         evaluation = None
         if self.evaluator and should_evaluate(self.cfg.eval, step + 1, num_steps):
-            with _timed(times, "eval"):
+            with self._phase(times, "eval", step):
                 evaluation = self.evaluate(step + 1)
         record = self._record(step, times, scored, rollout_stats, train_stats, sync_stats)
         if evaluation is not None:
@@ -224,6 +233,17 @@ class Controller:
 
     # ------------------------------------------------------------------------------------------- helpers
 
+    @contextlib.contextmanager
+    def _phase(self, times: dict, name: str, step: int | None = None):
+        """Adds the block's wall time to times[name] (the three switches of a step add up), under the
+        watchdog's eye: a member that dies or hangs in it becomes a JobFault naming it."""
+        started = time.perf_counter()
+        try:
+            with self.watchdog.phase(name, step) if self.watchdog else contextlib.nullcontext():
+                yield
+        finally:
+            times[name] = times.get(name, 0.0) + time.perf_counter() - started
+
     @staticmethod
     def _call(actors: list, method: str, *args):
         return ray.get([getattr(a, method).remote(*args) for a in actors])
@@ -255,16 +275,3 @@ class Controller:
             record["trainers"] = [{k: t[k] for k in keys} for t in trainers]
             record["engine_workers"] = [{k: w[k] for k in keys} for w in engines]
         return record
-
-
-class _timed:
-    """Adds the block's wall time to times[key] (the three switches of a step add up)."""
-
-    def __init__(self, times: dict, key: str):
-        self.times, self.key = times, key
-
-    def __enter__(self):
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.times[self.key] = self.times.get(self.key, 0.0) + time.perf_counter() - self.start

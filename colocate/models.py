@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from colocate.config import ModelConfig
+from colocate.config import ConfigError, ModelConfig
 
 # The character vocabulary of the toy tasks. Ids 0..3 are special; the rest are single characters.
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -79,9 +79,13 @@ def preset_dir(config: ModelConfig) -> Path:
 
 
 def ensure_model(config: ModelConfig) -> str:
-    """Return a loadable model directory: `config.path` as given, or the preset built into the cache."""
+    """Return a loadable model directory: `config.path` if it is one, a hub id's snapshot (downloaded once, in
+    the driver, before any actor: every later reader sees files, not an id), or the preset built into the cache."""
     if config.path:
-        return config.path
+        local = Path(config.path).expanduser()
+        if local.is_dir():
+            return str(local)
+        return hub_snapshot(config.path)
     target = preset_dir(config)
     if (target / "config.json").exists():
         return str(target)
@@ -98,6 +102,20 @@ def ensure_model(config: ModelConfig) -> str:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def hub_snapshot(repo_id: str) -> str:
+    """The local directory of a Hugging Face hub model: the cached snapshot, downloaded first when missing
+    (weights, config, tokenizer; not other formats' files). Raises ConfigError naming model.path if it cannot."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+    try:
+        return snapshot_download(repo_id, allow_patterns=patterns)
+    except Exception as e:  # offline, no such repository, no access: one line, before any actor
+        raise ConfigError(f"model.path={repo_id!r} is invalid: not a local directory, and the Hugging Face hub "
+                         f"did not give it ({type(e).__name__}: {str(e).strip().splitlines()[0][:160]}); give a "
+                         "model directory, e.g. after `hf download ORG/NAME --local-dir DIR`") from None
 
 
 def build_model(preset: Preset, out_dir: Path, *, seed: int) -> None:

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import sys
@@ -15,8 +16,9 @@ from pathlib import Path
 
 from colocate.config import ConfigError, JobConfig, to_dict
 from colocate.controller import Controller
-from colocate.checkpoint import resume_point
+from colocate.checkpoint import checkpoint_root, complete_checkpoints, resume_point
 from colocate.data import load_val_samples, make_prompt_source
+from colocate.faults import JobFault
 from colocate.metrics import MetricsWriter
 from colocate.models import ensure_model, load_tokenizer
 from colocate.rl.evaluation import enabled as evaluation_enabled
@@ -34,7 +36,7 @@ def run_job(cfg: JobConfig) -> int:
     (out / "config.yaml").write_text(OmegaConf.to_yaml(to_dict(cfg)))
     # before any actor: a sink's missing package (logging.wandb=true without wandb) is a ConfigError, exit 2
     metrics = MetricsWriter(cfg.logging, num_steps=cfg.algo.num_steps, run_config=to_dict(cfg))
-    controller = None
+    started: list[Controller] = []  # each start's controller; the last one's history is the finished steps
     restore_sigterm = catch_sigterm()
     try:
         # Read and checked before any actor starts (a bad row, a checkpoint of another model: exit 2, one line).
@@ -43,35 +45,70 @@ def run_job(cfg: JobConfig) -> int:
         if cfg.data.val_files and evaluation_enabled(cfg.eval):
             load_val_samples(cfg, load_tokenizer(model_path))
         resume_from = resume_point(cfg, model_path)
-        with Runtime(cfg) as runtime:
-            metrics.write({"event": "startup", "trainers": runtime.trainer_info, "engines": runtime.engine_info,
-                           "sync_mode": runtime.sync.plan.mode, "sync_transport": runtime.sync.transport,
-                           "sync_bytes": runtime.sync.plan.num_bytes, "placement": runtime.placement_report,
-                           "switch": {"engine_sleep_level": runtime.switch.engine_sleep_level,
-                                      "trainer_offload": runtime.switch.trainer_offload,
-                                      "reason": runtime.switch.reason}})
-            if cfg.logging.progress:
-                print(f"switch plan: {runtime.switch.reason}", file=sys.stderr, flush=True)
-            controller = Controller(cfg, runtime, metrics, prompts=prompts, resume_from=resume_from)
-            history = controller.run()
+        attempt_cfg = cfg
+        for restart in range(cfg.fault.max_restarts + 1):
+            try:
+                history = _attempt(attempt_cfg, metrics, prompts, resume_from, started)
+                break
+            except JobFault as fault:
+                if restart == cfg.fault.max_restarts:
+                    raise
+                # the same job again, from its newest checkpoint (or from the start when it has none)
+                attempt_cfg = _restarted(cfg)
+                resume_from = resume_point(attempt_cfg, model_path)
+                metrics.write({"event": "restart", "fault": str(fault), "restart": restart + 1,
+                               "from": str(resume_from) if resume_from else None})
+                print(f"colocate: {fault}\ncolocate: restart {restart + 1}/{cfg.fault.max_restarts} from "
+                      f"{resume_from or 'the first step (no checkpoint yet)'}", file=sys.stderr, flush=True)
+                if prompts is not None:
+                    prompts = make_prompt_source(cfg, load_tokenizer(model_path))  # a fresh place: the load sets it
         _summary(history, metrics.path)
         return 0
     except ConfigError as e:  # cluster-side resource checks raise before any actor starts
         print(f"colocate: error: {e}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, Terminated) as e:
-        return _stopped(e, _num_steps(controller), metrics.path)
+        return _stopped(e, _num_steps(started[-1] if started else None), metrics.path)
     except Exception as e:
-        if (signal_exc := _signal_in_chain(e)) is not None:
-            return _stopped(signal_exc, _num_steps(controller), metrics.path)
-        metrics.write({"event": "error", "step": _num_steps(controller), "error": one_line(e)})
-        print(f"colocate: error: {one_line(e)}\ncolocate: {_num_steps(controller)} finished step(s) kept in "
-              f"{metrics.path}", file=sys.stderr)
+        if not isinstance(e, JobFault) and (signal_exc := _signal_in_chain(e)) is not None:
+            return _stopped(signal_exc, _num_steps(started[-1] if started else None), metrics.path)
+        num_done = _num_steps(started[-1] if started else None)
+        metrics.write({"event": "error", "step": num_done, "error": one_line(e)})
+        print(f"colocate: error: {one_line(e)}\ncolocate: {num_done} finished step(s) kept in {metrics.path}"
+              + (_resume_hint(cfg) if isinstance(e, JobFault) else ""), file=sys.stderr)
         log.debug("job failed", exc_info=True)
         return 1
     finally:
         metrics.close()
         restore_sigterm()
+
+
+def _attempt(cfg: JobConfig, metrics: MetricsWriter, prompts, resume_from, started: list) -> list[dict]:
+    """One start of the job: the runtime up, the controller's steps, the runtime down (whatever happens)."""
+    with Runtime(cfg) as runtime:
+        metrics.write({"event": "startup", "trainers": runtime.trainer_info, "engines": runtime.engine_info,
+                       "sync_mode": runtime.sync.plan.mode, "sync_transport": runtime.sync.transport,
+                       "sync_bytes": runtime.sync.plan.num_bytes, "placement": runtime.placement_report,
+                       "switch": {"engine_sleep_level": runtime.switch.engine_sleep_level,
+                                  "trainer_offload": runtime.switch.trainer_offload,
+                                  "reason": runtime.switch.reason}})
+        if cfg.logging.progress:
+            print(f"switch plan: {runtime.switch.reason}", file=sys.stderr, flush=True)
+        started.append(Controller(cfg, runtime, metrics, prompts=prompts, resume_from=resume_from))
+        return started[-1].run()
+
+
+def _restarted(cfg: JobConfig) -> JobConfig:
+    """The job as a restart runs it: from its newest checkpoint, and an injected fault is not injected again."""
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="auto"),
+                               fault=dataclasses.replace(cfg.fault, inject=""))
+
+
+def _resume_hint(cfg: JobConfig) -> str:
+    found = complete_checkpoints(checkpoint_root(cfg))
+    if not found:
+        return "\ncolocate: no checkpoint was saved yet (checkpoint.every_steps=0 saves only at the end)"
+    return f"\ncolocate: continue from its newest checkpoint ({found[-1][1]}) with resume=auto"
 
 
 class Terminated(BaseException):
@@ -101,11 +138,14 @@ def _stopped(e: BaseException, num_steps: int, path: Path) -> int:
 def _signal_in_chain(e: BaseException) -> BaseException | None:
     """A signal's exception raised while C code ran comes back wrapped: CPython reports "SystemError: ...
     returned a result with an exception set" with the signal's exception as its cause (seen with SIGTERM
-    during a Ray call)."""
-    while e is not None:
+    during a Ray call). Follows causes, and contexts not suppressed (`raise ... from None`: a JobFault the watchdog
+    delivered by an interrupt is not a Ctrl-C); chains can loop."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
         if isinstance(e, (KeyboardInterrupt, Terminated)):
             return e
-        e = e.__cause__ or e.__context__
+        e = e.__cause__ if e.__cause__ is not None else (None if e.__suppress_context__ else e.__context__)
     return None
 
 
@@ -115,6 +155,8 @@ def one_line(e: BaseException) -> str:
     if isinstance(cause, BaseException):
         e = cause
     lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    if isinstance(e, JobFault):  # already a sentence naming who failed where
+        return lines[0]
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 

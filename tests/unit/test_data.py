@@ -289,11 +289,12 @@ def test_controller_draws_from_the_files_and_scores_with_rollout_rewards(tmp_pat
     path = write_jsonl(tmp_path / "train.jsonl", rows(8))
     cfg = config(f"data.train_files={path}", "rollout.rewards=math:1.0,format:0.1")
     # Building the controller starts nothing: Rollouts keeps the engines' handles for later passes.
-    controller = Controller(cfg, SimpleNamespace(engines=[], tokenizer=tokenizer))
+    controller = Controller(cfg, SimpleNamespace(engines=[], tokenizer=tokenizer, model_path=""))
     assert isinstance(controller.rollouts.prompts, DatasetPrompts)
     assert isinstance(controller.reward_fn, CombinedReward)
     given = DatasetPrompts([Sample("1=", "1")] * 4)
-    assert Controller(cfg, SimpleNamespace(engines=[], tokenizer=tokenizer), prompts=given).rollouts.prompts is given
+    runtime = SimpleNamespace(engines=[], tokenizer=tokenizer, model_path="")
+    assert Controller(cfg, runtime, prompts=given).rollouts.prompts is given
 
 
 def test_run_job_refuses_bad_data_before_the_runtime_starts(tmp_path, monkeypatch, capsys):

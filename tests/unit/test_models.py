@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from colocate.config import ModelConfig
@@ -38,5 +39,20 @@ def test_bench_preset_is_big_enough_for_benchmarks():
     assert all(pr.head_dim in (32, 64, 80, 96, 112, 128) for pr in PRESETS.values())  # vLLM CPU attention
 
 
-def test_explicit_path_is_used_as_is():
-    assert ensure_model(ModelConfig(path="/some/model")) == "/some/model"
+def test_a_hub_id_that_cannot_be_fetched_is_one_line_naming_model_path(monkeypatch, tmp_path):
+    from colocate.config import ConfigError, ModelConfig
+    from colocate.models import ensure_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here: the hub answers at once that it cannot
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(ConfigError) as error:
+        ensure_model(ModelConfig(path="no-such-org/no-such-model"))
+    message = str(error.value)
+    assert message.startswith("model.path='no-such-org/no-such-model' is invalid") and "\n" not in message
+
+
+def test_a_local_directory_is_used_as_is(tmp_path):
+    from colocate.config import ModelConfig
+    from colocate.models import ensure_model
+
+    assert ensure_model(ModelConfig(path=str(tmp_path))) == str(tmp_path)

@@ -1,0 +1,285 @@
+"""Faults: a dead or stuck actor found within a bounded time and named (which actor, its slots and node, the
+phase, the cause), instead of Ray's "RuntimeError: cancelled" minutes later or a hang forever.
+
+    with Watchdog(cfg.fault, runtime) as watchdog:      # a thread beside the controller's step loop
+        with watchdog.phase("rollout", step):           # deadline fault.rollout_timeout_s (0: none)
+            ...                                         # ray.get of the phase's calls
+    # raises JobFault: "engine 0 TP worker 1 (slot 1, node 3f2a9c01, pid 4242) died during rollout of step 3:
+    # killed by SIGKILL"
+
+Two ways a fault shows:
+- An error out of a `ray.get` (Ray's ActorDiedError, or an engine's own error once vLLM noticed its worker gone):
+  `explain` maps it to the member by the failing process's pid and names it.
+- Nothing returns: every `fault.heartbeat_s` the watchdog thread checks each member process on this host (dead,
+  zombie, stopped) and the phase's deadline; on a finding it interrupts the main thread (`_thread.interrupt_main`,
+  which Ray's blocking `get` honours like Ctrl-C) and the controller raises the stored `JobFault` instead.
+Members on other nodes are watched by Ray itself: a lost node's actors fail their calls (after Ray's own health
+check), and `explain` names them by actor id.
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import os
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import ray
+
+
+class JobFault(RuntimeError):
+    """A member of the job died or stopped answering. One line: who, where, in which phase, why."""
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str  # "trainer rank 1", "engine 0", "engine 0 TP worker 1"
+    pid: int
+    slots: tuple[int, ...]
+    node: str  # Ray node id
+    actor_id: str | None = None  # the Ray actor (None for vLLM's worker processes)
+    engine: int | None = None  # the engine a worker belongs to
+
+    def describe(self, local_node: str) -> str:
+        slots = f"slot {self.slots[0]}" if len(self.slots) == 1 else f"slots {self.slots[0]}-{self.slots[-1]}"
+        node = "this node" if self.node == local_node else f"node {self.node[:8]}"
+        return f"{self.name} ({slots}, {node}, pid {self.pid})"
+
+
+def job_members(runtime) -> list[Member]:
+    """Every process of the job that does its work: trainer ranks, engine actors and their vLLM workers."""
+    tp = runtime.cfg.engine.tp
+    report = runtime.placement_report
+    trainer_pids = ray.get([t.pid.remote() for t in runtime.trainers])
+    engine_pids = ray.get([e.pid.remote() for e in runtime.engines])
+    worker_pids = ray.get([e.worker_pids.remote() for e in runtime.engines])
+    members = [Member(f"trainer rank {r}", pid, (r,), report["trainer_nodes"][r], t._actor_id.hex())
+               for r, (t, pid) in enumerate(zip(runtime.trainers, trainer_pids))]
+    for e, (engine, pid, workers) in enumerate(zip(runtime.engines, engine_pids, worker_pids)):
+        slots = tuple(range(e * tp, (e + 1) * tp))
+        node = report["engine_nodes"][e]
+        members.append(Member(f"engine {e}", pid, slots, node, engine._actor_id.hex(), engine=e))
+        members += [Member(f"engine {e} TP worker {rank}", wpid, (slots[rank],), node, engine=e)
+                    for rank, wpid in workers]
+    return members
+
+
+@dataclass(frozen=True)
+class Injection:
+    """fault.inject: a signal for one member as a phase of a step begins (chaos testing, the fault tests)."""
+    signal: signal.Signals
+    member: str  # as Member.name: "trainer rank 1", "engine 0", "engine 0 TP worker 1"
+    phase: str
+    step: int
+
+
+_PHASES = ("rollout", "score", "switch", "train", "sync", "checkpoint", "eval")
+_INJECT_FORMAT = "SIGNAL:MEMBER:PHASE:STEP, e.g. SIGKILL:engine0.worker1:rollout:2 (members: trainerR, engineE, " \
+                 f"engineE.workerK; phases: {', '.join(_PHASES)})"
+
+
+def parse_injection(spec: str) -> Injection:
+    from colocate.config import ConfigError
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"fault.inject={spec!r} is invalid: {why}; expected {_INJECT_FORMAT}")
+
+    parts = spec.split(":")
+    if len(parts) != 4:
+        raise bad("four fields separated by ':'")
+    sig, member, phase, step = parts
+    try:
+        signum = signal.Signals[sig.upper() if sig.upper().startswith("SIG") else "SIG" + sig.upper()]
+    except KeyError:
+        raise bad(f"unknown signal {sig!r}") from None
+    match = re.fullmatch(r"trainer(\d+)|engine(\d+)(?:\.worker(\d+))?", member)
+    if not match:
+        raise bad(f"unknown member {member!r}")
+    if phase not in _PHASES:
+        raise bad(f"unknown phase {phase!r}")
+    if not step.isdigit():
+        raise bad(f"step {step!r} is not a step number")
+    trainer, engine, worker = match.groups()
+    name = f"trainer rank {trainer}" if trainer is not None else \
+        f"engine {engine}" + (f" TP worker {worker}" if worker is not None else "")
+    return Injection(signum, name, phase, int(step))
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of a process (R, S, D, T stopped, t traced, Z zombie), None when gone."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def signal_name(exit_code: int | None) -> str:
+    """multiprocessing's exit code as a cause: -9 -> "killed by SIGKILL", 3 -> "exited with code 3"."""
+    if exit_code is None:
+        return "gone (exit status unknown)"
+    if exit_code < 0:
+        try:
+            return f"killed by {signal.Signals(-exit_code).name}"
+        except ValueError:
+            return f"killed by signal {-exit_code}"
+    return f"exited with code {exit_code}"
+
+
+class Watchdog:
+    """Watches the job's members while the controller runs its phases (see the module docstring)."""
+
+    def __init__(self, cfg, runtime):
+        self.cfg, self.runtime = cfg, runtime
+        self.local_node = ray.get_runtime_context().get_node_id()
+        self.members = job_members(runtime)
+        self.fault: JobFault | None = None
+        self.injection = parse_injection(cfg.inject) if cfg.inject else None
+        self._phase: tuple[str, int | None, float | None] | None = None  # (name, step, deadline)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the thread interrupts only while the main thread is inside a phase
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------------------- life
+
+    def __enter__(self) -> Watchdog:
+        self._thread = threading.Thread(target=self._watch, name="colocate-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int | None = None):
+        timeout = self.timeout_s(name)
+        self._phase = (name, step, time.monotonic() + timeout if timeout else None)
+        self._inject(name, step)
+        try:
+            yield
+        except BaseException as e:
+            with self._lock:  # from here the thread interrupts no more: this error is being explained
+                self._phase = None
+            if self.fault is not None:  # the thread's finding, delivered as an interrupt
+                raise self.fault from None
+            if isinstance(e, Exception) and not isinstance(e, JobFault):
+                raise self.explain(e, name, step) from e
+            raise
+        finally:
+            with self._lock:
+                self._phase = None
+
+    def _inject(self, phase: str, step: int | None) -> None:
+        i = self.injection
+        if i is None or (i.phase, i.step) != (phase, step):
+            return
+        member = next((m for m in self.members if m.name == i.member), None)
+        if member is None:
+            raise JobFault(f"fault.inject names {i.member}, which this job does not have; it has "
+                           f"{', '.join(m.name for m in self.members)}")
+        assert member.node == self.local_node, "fault.inject reaches processes on the controller's node only"
+        os.kill(member.pid, i.signal)
+
+    def timeout_s(self, phase: str) -> float:
+        bounded = self.cfg.sync_timeout_s  # sync, switch and checkpoint: work of a known size
+        return {"rollout": self.cfg.rollout_timeout_s, "train": self.cfg.train_timeout_s, "sync": bounded,
+                "switch": bounded, "checkpoint": bounded}.get(phase, 0.0)
+
+    # ------------------------------------------------------------------------------------ the thread
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.cfg.heartbeat_s):
+            current = self._phase
+            if current is None or self.fault is not None:
+                continue
+            name, step, deadline = current
+            finding = self._dead_member(name, step)
+            if finding is None and deadline is not None and time.monotonic() > deadline:
+                finding = self._overdue(name, step)
+            with self._lock:
+                if finding is not None and self._phase is current:
+                    self.fault = finding
+                    _thread.interrupt_main()  # Ray's get returns at its next signal check; phase() raises it
+
+    def _dead_member(self, phase: str, step: int | None) -> JobFault | None:
+        for m in self.members:
+            if m.node != self.local_node:
+                continue  # another node's processes: Ray reports their deaths
+            state = process_state(m.pid)
+            if state in (None, "Z"):
+                first = self._first_death(m.engine) if m.engine is not None and m.actor_id is None else None
+                m, cause = first or (m, self._cause(m))
+                return JobFault(f"{m.describe(self.local_node)} died during {_where(phase, step)}: {cause}")
+            if state in ("T", "t"):
+                return JobFault(f"{m.describe(self.local_node)} is stopped (SIGSTOP or a debugger) during "
+                                f"{_where(phase, step)}: the job cannot go on without it")
+        return None
+
+    def _overdue(self, phase: str, step: int | None) -> JobFault:
+        timeout = self.timeout_s(phase)
+        key = {"switch": "sync", "checkpoint": "sync"}.get(phase, phase)
+        return JobFault(f"{_where(phase, step)} did not finish within {timeout:g} s (fault.{key}_timeout_s): every "
+                        f"process of the job is alive, so one of them hangs (a deadlock, a stuck device or "
+                        f"network); members: {', '.join(m.describe(self.local_node) for m in self.members)}")
+
+    def _cause(self, member: Member) -> str:
+        """A Ray actor's process is the raylet's child: Ray keeps its exit status to itself."""
+        return "its process is gone (killed, crashed, or out of memory)"
+
+    def _first_death(self, engine: int) -> tuple[Member, str] | None:
+        """The engine's worker that died first, and how (its engine actor, their parent, recorded the exits in
+        order: after the first, vLLM terminates the others, so whichever the watchdog saw gone is no cause)."""
+        try:
+            deaths = ray.get(self.runtime.engines[engine].worker_deaths.remote(), timeout=10)
+        except Exception:  # the engine actor itself is stuck or gone
+            return None
+        for _, pid, code in deaths:
+            member = next((m for m in self.members if m.pid == pid and m.engine == engine), None)
+            if member is not None:
+                return member, signal_name(code)
+        return None
+
+    # ---------------------------------------------------------------------- errors out of ray.get
+
+    def explain(self, error: Exception, phase: str, step: int | None) -> JobFault | Exception:
+        """A JobFault naming the member behind a Ray error; other errors (a reward's, a config's) unchanged."""
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+        member = self._member_of(error)
+        if isinstance(error, (RayActorError, ActorDiedError, ActorUnavailableError)) and member is not None:
+            cause = "its node was lost" if "node" in str(error).lower() and "died" in str(error).lower() \
+                and member.node != self.local_node else self._cause(member)
+            return JobFault(f"{member.describe(self.local_node)} died during {_where(phase, step)}: {cause}")
+        if isinstance(error, RayTaskError) and member is not None and member.engine is not None:
+            first = self._first_death(member.engine)  # an engine's error because its worker died
+            if first is not None:
+                m, cause = first
+                return JobFault(f"{m.describe(self.local_node)} died during {_where(phase, step)}: {cause}")
+        return error
+
+    def _member_of(self, error: Exception) -> Member | None:
+        # The RayTaskError that ray.get raises (`as_instanceof_cause`) keeps pid and actor id in its text only:
+        # "ray::EngineActor.run_pass() (pid=26213, ip=..., actor_id=2fb5...)"; ActorDiedError has `actor_id`.
+        text = str(error)
+        actor_id = getattr(error, "actor_id", None) or _field(r"actor_id=([0-9a-f]+)", text)
+        pid = getattr(error, "pid", None) or _field(r"pid=(\d+)", text)
+        pid = int(pid) if pid else None
+        for m in self.members:
+            if (actor_id and m.actor_id == actor_id) or (pid and m.pid == pid and m.actor_id):
+                return m
+        return None
+
+
+def _field(pattern: str, text: str) -> str | None:
+    match = re.search(pattern, text)
+    return match.group(1) if match else None
+
+
+def _where(phase: str, step: int | None) -> str:
+    return phase if step is None else f"{phase} of step {step}"

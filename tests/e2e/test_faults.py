@@ -1,0 +1,112 @@
+"""Faults injected into real jobs (`colocate launch`, fault.inject sends a signal as a phase begins): each is
+found within a bounded time, named in one line (member, slot, node, phase, cause), everything the job held is
+released, the exit code is non-zero, and resume=auto (or fault.max_restarts) continues with no finished step lost.
+
+(a) an engine worker killed during rollout, restarted by the job itself (fault.max_restarts=1);
+(b) a trainer rank killed during training, then resumed by hand;
+(c) an engine worker that stops answering during a sync (SIGSTOP: alive, never answers);
+(d) the controller itself SIGKILLed: `colocate clean`, then resume=auto.
+A worker node lost on a multi-node cluster is tests/e2e/test_multinode.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import ROOT, assert_nothing_left, colocate_processes, launch, shm_segments
+
+pytestmark = pytest.mark.e2e
+
+JOB = ["algo.num_steps=4", "checkpoint.every_steps=1", "checkpoint.keep_last=0", "logging.progress=false"]
+
+
+def _steps(run: Path) -> list[int]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in records if "event" not in r]
+
+
+def _events(run: Path, name: str) -> list[dict]:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r.get("event") == name]
+
+
+def _fault_line(stderr: str) -> str:
+    return next(line for line in stderr.splitlines() if line.startswith("colocate: error:"))
+
+
+def test_engine_worker_killed_in_rollout_restarts_from_the_last_checkpoint(tmp_path):
+    procs, shm = colocate_processes(), shm_segments()
+    result = launch(tmp_path, *JOB, "fault.inject=SIGKILL:engine0.worker1:rollout:2", "fault.max_restarts=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stderr.splitlines() if "died during" in line)
+    assert re.fullmatch(r"colocate: engine 0 TP worker 1 \(slot 1, this node, pid \d+\) died during rollout of step 2: "
+                        r"killed by SIGKILL", line), line
+    restart = _events(tmp_path / "out", "restart")
+    assert len(restart) == 1 and restart[0]["from"].endswith("step_00000001")
+    # steps 0 and 1 finished and checkpointed before the fault; the restart went on from step 2 to the end
+    assert _steps(tmp_path / "out") == [0, 1, 2, 3]
+    assert_nothing_left(procs, shm)
+
+
+def test_trainer_killed_in_training_stops_named_and_resumes(tmp_path):
+    procs, shm = colocate_processes(), shm_segments()
+    started = time.monotonic()
+    result = launch(tmp_path, *JOB, "fault.inject=SIGKILL:trainer1:train:1")
+    seconds = time.monotonic() - started
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = _fault_line(result.stderr)
+    assert re.fullmatch(r"colocate: error: trainer rank 1 \(slot 1, this node, pid \d+\) died during train of step 1: "
+                        r".+", line), line
+    assert "resume=auto" in result.stderr and "step_00000000" in result.stderr
+    assert _steps(tmp_path / "out") == [0]
+    assert_nothing_left(procs, shm)
+    result = launch(tmp_path, *JOB, "resume=auto")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _steps(tmp_path / "out") == [0, 1, 2, 3]  # step 0 kept, steps 1..3 run by the resumed job
+    assert seconds < 300
+
+
+def test_a_stopped_engine_worker_in_sync_is_found_and_killed(tmp_path):
+    procs, shm = colocate_processes(), shm_segments()
+    result = launch(tmp_path, *JOB, "fault.inject=SIGSTOP:engine0.worker0:sync:1", "fault.sync_timeout_s=30")
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = _fault_line(result.stderr)
+    assert re.fullmatch(r"colocate: error: engine 0 TP worker 0 \(slot 0, this node, pid \d+\) is stopped .* during "
+                        r"sync of step 1: the job cannot go on without it", line), line
+    assert_nothing_left(procs, shm)  # a stopped process follows no one: the runtime SIGKILLs it
+
+
+def test_a_killed_controller_is_cleaned_and_resumed(tmp_path):
+    procs, shm = colocate_processes(), shm_segments()
+    out = tmp_path / "out"
+    cli = Path(sys.executable).parent / "colocate"
+    args = ["rollout.num_prompts=4", "rollout.num_samples=4", "rollout.max_tokens=4", "engine.kv_cache_gib=0.125",
+            f"logging.output_dir={out}", f"model.cache_dir={ROOT / '.cache' / 'models'}", *JOB, "algo.num_steps=30"]
+    job = subprocess.Popen([str(cli), "launch", "configs/default.yaml", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoints" / "step_00000001").is_dir():
+        assert job.poll() is None and time.monotonic() < deadline, "the job ended or never reached step 1"
+        time.sleep(0.2)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    result = subprocess.run([str(cli), "clean", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert_nothing_left(procs, shm)
+    done = _steps(out)
+    assert len(done) >= 2
+    result = launch(tmp_path, *JOB, "algo.num_steps=4", "resume=auto")
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = _events(out, "resume")[-1]["step"]
+    assert resumed >= 1 and resumed >= done[-1] - 1  # at most the step in flight was lost, never a checkpointed one
+    assert set(_steps(out)) == {0, 1, 2, 3}
+    assert os.path.isdir(out / "checkpoints" / "step_00000003")
