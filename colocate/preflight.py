@@ -109,16 +109,34 @@ class Prediction:
 
 
 def model_dims(cfg: JobConfig) -> ModelDims | None:
-    """From the preset, or the model directory's config.json (None for a hub id not on this machine)."""
+    """From the preset, or the model's config.json on this machine (None for a hub id not on this machine)."""
     from colocate import models
 
     if not cfg.model.path:
         p = models.PRESETS[cfg.model.preset]
         return ModelDims.from_config_dict({**asdict(p), "num_hidden_layers": p.num_layers})
-    config_file = Path(cfg.model.path).expanduser() / "config.json"
-    if not config_file.is_file():
+    config_file = model_config_file(cfg.model.path)
+    if config_file is None:
         return None
     return ModelDims.from_config_dict(json.loads(config_file.read_text()))
+
+
+def model_config_file(path: str) -> Path | None:
+    """`path`'s config.json: in the directory `path`, or for a hub id ("org/name") in the Hugging Face cache,
+    where a download put it (a run's, or `hf download ORG/NAME config.json`). Never asks the network; None when
+    neither has it."""
+    local = Path(path).expanduser()
+    if (local / "config.json").is_file():
+        return local / "config.json"
+    if local.exists() or path.count("/") != 1 or path.startswith((".", "/", "~")):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(path, "config.json")
+    except (ImportError, ValueError, OSError):  # no huggingface_hub, not a valid repo id: as if not downloaded
+        return None
+    return Path(found) if isinstance(found, str) else None
 
 
 def predict_phases(cfg: JobConfig, dims: ModelDims, *, device: str, plan: SwitchPlan | None = None,
@@ -269,8 +287,9 @@ def switch_plan(cfg: JobConfig, *, device: str, available_bytes: int | None = No
     """The plan for this machine (or for `available_bytes`: CPU host memory available, CUDA one GPU's total)."""
     dims = model_dims(cfg)
     if dims is None:
-        return default_plan(cfg, f"model dims unknown ({cfg.model.path!r} is not a local directory): everything "
-                                 "moves unless chosen (engine.sleep_level, trainer.offload)")
+        return default_plan(cfg, f"model dims unknown ({cfg.model.path!r} is neither a local directory nor in the "
+                                 "Hugging Face cache): everything moves unless chosen (engine.sleep_level, "
+                                 "trainer.offload)")
     available = available_bytes if available_bytes is not None else machine_bytes(device)
     return plan_switch(cfg, dims, device=device, available_bytes=available)
 
