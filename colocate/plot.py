@@ -29,7 +29,7 @@ def read_steps(run_dir: str) -> list[dict]:
     if not path.is_file():
         raise ConfigError(f"RUN_DIR={run_dir!r} is invalid: it has no metrics.jsonl (a run's "
                           "logging.output_dir, e.g. outputs/default)")
-    steps, lines = [], path.read_text().splitlines()
+    steps, lines = {}, path.read_text().splitlines()
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
@@ -38,10 +38,10 @@ def read_steps(run_dir: str) -> list[dict]:
                 continue  # a run killed mid-write leaves half a last line
             raise ConfigError(f"{path}: line {number} is not JSON") from None
         if "event" not in record:
-            steps.append(record)
+            steps[record["step"]] = record  # a step run again after a resume counts by its last record
     if not steps:
         raise ConfigError(f"{path} holds no finished step yet")
-    return steps
+    return [steps[step] for step in sorted(steps)]
 
 
 def plot_run(run_dir: str, out: str | None = None) -> Path:

@@ -79,3 +79,12 @@ def test_an_odd_number_of_panels_leaves_no_empty_cell():
                                                 "seconds per step, by phase", "memory (GiB)"]
     untitled = [ax for ax in fig.axes if not ax.get_title()]
     assert all(ax.get_ylabel() == "share outside the band" for ax in untitled)  # only the mismatch's twin axis
+
+
+def test_a_step_run_again_after_a_resume_counts_by_its_last_record(tmp_path):
+    from colocate.plot import read_steps
+
+    records = [{"step": 0, "reward_mean": 0.1}, {"step": 1, "reward_mean": 0.2}, {"event": "resume", "step": 0},
+               {"step": 1, "reward_mean": 0.3}, {"step": 2, "reward_mean": 0.4}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert [(r["step"], r["reward_mean"]) for r in read_steps(str(tmp_path))] == [(0, 0.1), (1, 0.3), (2, 0.4)]
