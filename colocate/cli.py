@@ -180,6 +180,13 @@ def cmd_bench(args) -> int:
     from colocate.bench.rollout import ROLLOUT_DEFAULTS
 
     path, overrides = _split(args.items)
+    if args.which == "soak":  # the default job (or CONFIG) with the full switch forced, with or without CONFIG
+        from colocate.bench.soak import SOAK_DEFAULTS, run_soak_bench
+
+        cfg = load_config(path, SOAK_DEFAULTS + overrides)
+        local_preflight(cfg)
+        run_soak_bench(cfg, out_dir=args.out, name=args.name or "soak")
+        return 0
     defaults = ROLLOUT_DEFAULTS if args.which == "rollout" else BENCH_DEFAULTS
     cfg = load_config(path, (defaults if path is None else []) + overrides)
     local_preflight(cfg)
@@ -299,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Benchmark against the floor measured in the same run; writes JSON and a PNG "
                            "plot. Without a CONFIG, the bench preset (24 layers, >= 0.4 GB bf16, TP=2); rollout: the "
                            "tiny model with long-tailed answer lengths.")
-    bench.add_argument("which", choices=["sync", "switch", "mismatch", "rollout"])
+    bench.add_argument("which", choices=["sync", "switch", "mismatch", "rollout", "soak"])
     bench.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
     bench.add_argument("--repeats", type=int, default=5,
                        help="timed syncs per method / switch cycles / rollout steps per mode (default 5)")

@@ -48,7 +48,7 @@ def run_job(cfg: JobConfig) -> int:
         attempt_cfg = cfg
         for restart in range(cfg.fault.max_restarts + 1):
             try:
-                history = _attempt(attempt_cfg, metrics, prompts, resume_from, started)
+                _attempt(attempt_cfg, metrics, prompts, resume_from, started)
                 break
             except JobFault as fault:
                 if restart == cfg.fault.max_restarts:
@@ -62,7 +62,7 @@ def run_job(cfg: JobConfig) -> int:
                       f"{resume_from or 'the first step (no checkpoint yet)'}", file=sys.stderr, flush=True)
                 if prompts is not None:
                     prompts = make_prompt_source(cfg, load_tokenizer(model_path))  # a fresh place: the load sets it
-        _summary(history, metrics.path)
+        _summary(started[-1] if started else None, metrics.path)
         return 0
     except ConfigError as e:  # cluster-side resource checks raise before any actor starts
         print(f"colocate: error: {e}", file=sys.stderr)
@@ -161,14 +161,15 @@ def one_line(e: BaseException) -> str:
 
 
 def _num_steps(controller: Controller | None) -> int:
-    return len(controller.history) if controller else 0
+    return controller.num_done if controller else 0
 
 
-def _summary(history: list[dict], path: Path) -> None:
-    if not history:
+def _summary(controller: Controller | None, path: Path) -> None:
+    if controller is None or not controller.num_done:
         return
-    first, last = history[0], history[-1]
+    history = list(controller.history)
+    first, last = controller.first_record, history[-1]
     window = history[-min(5, len(history)):]
     mean_last = sum(r["reward_mean"] for r in window) / len(window)
-    print(f"colocate: done, {len(history)} steps | reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f} "
-          f"(last {len(window)} mean {mean_last:.3f}) | metrics: {path}", file=sys.stderr)
+    print(f"colocate: done, {controller.num_done} steps | reward {first['reward_mean']:.3f} -> "
+          f"{last['reward_mean']:.3f} (last {len(window)} mean {mean_last:.3f}) | metrics: {path}", file=sys.stderr)

@@ -50,7 +50,8 @@ def two_nodes(tmp_path_factory):
             "dashboard_port": dashboard_port})
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
-        yield {"gcs": cluster.address, "job_server": f"http://127.0.0.1:{dashboard_port}", "env": dict(os.environ)}
+        yield {"gcs": cluster.address, "job_server": f"http://127.0.0.1:{dashboard_port}", "env": dict(os.environ),
+               "cluster": cluster}
     finally:
         if cluster is not None:
             cluster.shutdown()
@@ -126,3 +127,29 @@ def test_stop_ends_a_running_job_and_its_actors(two_nodes, tmp_path):
                           cwd=ROOT, env=two_nodes["env"], capture_output=True, text=True, timeout=120)
     # the job unwound on SIGTERM (its actors and vLLM's segments released: the fixture checks nothing is left)
     assert "colocate: stopped (SIGTERM)" in logs.stdout, logs.stdout[-2000:]
+
+
+def test_a_lost_worker_node_ends_the_job_naming_it(two_nodes, tmp_path):
+    """Last in the module: it takes the second node away. The job, joined from this (head) node, loses the
+    trainer rank and the engine on the other node; it stops naming one of them and that node, within Ray's own
+    detection time, and leaves nothing behind (the fixture checks, after the cluster is down)."""
+    out = tmp_path / "out"
+    env = {**two_nodes["env"], "RAY_ADDRESS": two_nodes["gcs"]}
+    job = subprocess.Popen([str(BIN / "colocate"), "launch", "--address", two_nodes["gcs"], *SMALL,
+                            "algo.num_steps=100000", f"logging.output_dir={out}"],
+                           cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (out / "metrics.jsonl").exists() or not any("event" not in r for r in records(out / "metrics.jsonl")):
+        assert job.poll() is None and time.monotonic() < deadline, "the job ended or never finished a step"
+        time.sleep(0.5)
+    cluster = two_nodes["cluster"]
+    worker_node = next(n for n in cluster.list_all_nodes() if n is not cluster.head_node)
+    lost = worker_node.node_id
+    cluster.remove_node(worker_node)
+    started = time.monotonic()
+    _, stderr = job.communicate(timeout=300)
+    seconds = time.monotonic() - started
+    assert job.returncode == 1, stderr[-3000:]
+    line = next(line for line in stderr.splitlines() if line.startswith("colocate: error:"))
+    assert f"node {lost[:8]}" in line and "died during" in line, line
+    assert seconds < 120, f"the lost node was reported after {seconds:.0f} s"

@@ -74,7 +74,7 @@ def test_every_sync_makes_each_worker_equal_to_the_trainer(runtime):
 def test_switching_order_never_holds_both_sides(runtime):
     controller = Controller(runtime.cfg, runtime)
     controller.step(0)
-    assert controller.events == [
+    assert list(controller.events) == [
         "rollout", "score",
         "engine.sleep", "trainer.onload",          # engine memory released before the trainer needs its own
         "train", "trainer.release_grads",          # gradients gone before the engine's weights come back
@@ -169,4 +169,58 @@ def test_an_in_place_sync_whose_arena_was_replaced_fails_loudly(runtime):
         runtime.sync.run()
     runtime.sync.open()  # the runtime's own sync again, for the tests after this one
     runtime.sync.run()
+    assert_engine_equals_trainer(runtime)
+
+
+def test_a_corrupted_ring_slot_fails_the_sync_naming_the_tensor_and_loads_nothing_of_it(runtime):
+    """Through the ring, a byte of one slot flipped after the trainer checksummed it (a test hook in the trainer
+    ranks, through Ray's __ray_call__) fails the sync with the tensor's name; the engine worker keeps that
+    tensor as it was."""
+    from colocate.sync.weight_sync import WeightSync
+
+    specs = ray.get(runtime.trainers[0].param_specs.remote(runtime.cfg.engine.dtype))
+    ring = WeightSync(runtime.trainers, runtime.engines, specs, cfg=runtime.cfg.sync, hf_config=hf_config(runtime),
+                      transport="ring")
+    plan = ring.open()
+    assert not plan.in_place and plan.mode == "sliced"
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    index = next(b.index for b in plan.buckets if any(r.engine_name == name for r in b.regions[1]))
+    (region,) = [r for r in plan.buckets[index].regions[1] if r.engine_name == name]
+    offset = region.offset + 3  # row 0: q_proj's first row, written by the rank that holds it
+
+    def corrupt_once(trainer):  # runs in each trainer rank; flips the byte if this rank wrote it
+        import colocate.trainer.actor as module
+
+        real = module.run_copies
+
+        def corrupting(copies, **kwargs):
+            written = real(copies, **kwargs)
+            hit = [c for c in copies if c.worker == 1 and c.start <= offset < c.start + c.num_bytes]
+            if hit:
+                hit[0].ring[offset] ^= 0x10  # after the checksum: as if the slot changed in transit
+                module.run_copies = real
+            return written
+
+        module.run_copies = corrupting
+
+    def restore(trainer):  # the rank that did not write the byte still has the hook
+        import colocate.sync.shards
+        import colocate.trainer.actor
+
+        colocate.trainer.actor.run_copies = colocate.sync.shards.run_copies
+
+    before = ray.get(runtime.engines[0].state_dicts.remote())
+    ray.get([t.__ray_call__.remote(corrupt_once) for t in runtime.trainers])
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError) as info:
+            ring.run()
+    finally:
+        ray.get([t.__ray_call__.remote(restore) for t in runtime.trainers])
+    message = str(info.value)
+    assert (f"weight sync: bucket {index} ({plan.buckets[index].group}) of engine 0 (TP rank 1) arrived corrupted "
+            f"in {name} rows [0, ") in message, message
+    assert "(the trainer's model.layers.0.self_attn.q_proj.weight)" in message
+    after = ray.get(runtime.engines[0].state_dicts.remote())
+    assert torch.equal(after[1][name], before[1][name])  # the corrupted bytes never reached the parameter
+    runtime.sync.run()  # the runtime's own sync, for the tests after this one
     assert_engine_equals_trainer(runtime)
