@@ -98,7 +98,7 @@ class SyncConfig:
     num_bucket_slots: int = 2
     """Bucket slots in the ring: >= 2 lets the next layer be packed while the engine loads the previous."""
     verify: str = "checksum"
-    """After each sync: checksum (ring: per-bucket checksums; in place: every engine parameter still where the trainers write), full (compare every engine tensor), or none."""
+    """After each sync: checksum (ring: every written range, checked before its bucket loads; in place: every engine parameter still where the trainers write), full (compare every engine tensor), or none (docs/integrity.md)."""
     transport: str = "auto"
     """gather: each layer is all-gathered over the trainers' process group and every rank hands the TP slice of the engine worker on its own device to that worker's ring (the CUDA protocol; runs on the CPU with gloo and shared memory); in_place (CPU): trainers write into the engine's parameters, kept in shared memory; ring (CPU): every rank writes its rows into every worker's ring; auto: in_place on CPU, gather on CUDA."""
 

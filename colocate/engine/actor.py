@@ -47,6 +47,7 @@ class EngineActor:
         self.llm = None
         self._shared_rings: dict = {}  # sync key -> the segment a full-tensor plan's workers share (CPU)
         self._asleep: set[str] = set()  # the tags still asleep: nothing may generate before both woke
+        self._deaths: list[tuple[int, int, int | None]] = []  # worker exits, in order (_watch_workers)
 
     # ------------------------------------------------------------------------------------------------ life
 
@@ -95,6 +96,7 @@ class EngineActor:
             self.llm = LLM(**kwargs)
         except Exception as e:  # vLLM raises many types; the controller needs one clear line
             raise EngineStartError(f"vLLM engine failed to start for {self.model_path!r}: {_root_cause(e)}") from None
+        self._watch_workers()
         return {"start_s": time.perf_counter() - started, **self.memory()[0]}
 
     def shutdown(self) -> None:
@@ -158,18 +160,20 @@ class EngineActor:
         """Each worker's device (by TP rank), named alike in every process (devices.device_name)."""
         return self.llm.collective_rpc("colocate_device_name")
 
-    def open_ring(self, key: str, plan, *, shared: bool = False) -> list:
+    def open_ring(self, key: str, plan, *, shared: bool = False, engine_index: int | None = None) -> list:
         """Give every worker a ring for sync `key`; returns their handles (by TP rank) for the trainers. Each
         worker owns a ring on its own device; `shared` (CPU, full-tensor plan written by every rank): the
         workers share one segment, since they read the same full tensors; in place, the handles are the
-        workers' weight arenas. A new plan (another layout, a restarted engine) gets new rings."""
+        workers' weight arenas. A new plan (another layout, a restarted engine) gets new rings.
+        `engine_index`: this engine's index in the sync, named by its verification errors."""
         from colocate.sync.transport import ShmBuffer
 
+        handle = None
         if shared:
             assert self.device == "cpu" and plan.mode == "full"
             self._shared_rings[key] = ShmBuffer.create(plan.ring_bytes, tag="ring")
-            return self.llm.collective_rpc("colocate_open_ring", args=(key, plan, self._shared_rings[key].handle))
-        return self.llm.collective_rpc("colocate_open_ring", args=(key, plan))
+            handle = self._shared_rings[key].handle
+        return self.llm.collective_rpc("colocate_open_ring", args=(key, plan, handle, engine_index))
 
     def seal_ring(self, key: str) -> None:
         """Everyone has mapped the rings: drop their names so no crash can leak a segment."""
@@ -179,7 +183,8 @@ class EngineActor:
 
     def load_bucket(self, key: str, index: int, *per_rank_checksums) -> dict:
         """Load bucket `index` into every worker. Ray passes the trainers' write results as arguments, so this
-        runs only after every rank has written its part of the bucket."""
+        runs only after every rank has written its part of the bucket. Each worker verifies its ranges before it
+        copies any (sync/load.py): a corrupted slot raises SyncVerificationError naming the tensor, unloaded."""
         checksums = [c for rank in per_rank_checksums for c in rank]
         per_worker = self.llm.collective_rpc("colocate_load", args=(key, index, checksums))
         _raise_first_error(per_worker)
@@ -244,6 +249,45 @@ class EngineActor:
 
     def memory(self) -> list[dict]:
         return self.llm.collective_rpc("colocate_memory")
+
+    # ----------------------------------------------------------------------------------------- liveness
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def _workers(self) -> list:
+        """vLLM's worker process handles (CPU, and CUDA at TP=1: the multiprocessing executor; empty for its Ray
+        executor, whose workers are Ray actors). vllm/v1/engine/llm_engine.py keeps `model_executor` when the
+        engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as engine_env sets)."""
+        executor = getattr(self.llm.llm_engine, "model_executor", None) if self.llm is not None else None
+        return list(getattr(executor, "workers", None) or [])
+
+    def worker_pids(self) -> list[tuple[int, int]]:
+        """(TP rank, pid) of each worker process, for the controller's watchdog (colocate.faults)."""
+        return [(h.rank, h.proc.pid) for h in self._workers()]
+
+    def worker_deaths(self) -> list[tuple[int, int, int | None]]:
+        """(TP rank, pid, exit code) of each worker that exited, in the order they did; a negative code is the
+        signal. The first is the cause: once one worker dies, vLLM's executor terminates the others (SIGTERM)."""
+        return list(self._deaths)
+
+    def _watch_workers(self) -> None:
+        """A thread that records each worker's exit as it happens (this actor is their parent and reaps them).
+        Asked only after the fact, vLLM's shutdown has already replaced the first death's code with its own."""
+        import multiprocessing.connection
+        import threading
+
+        self._deaths: list[tuple[int, int, int | None]] = []
+        pending = {h.proc.sentinel: h for h in self._workers()}
+
+        def watch():
+            while pending:
+                for sentinel in multiprocessing.connection.wait(list(pending)):
+                    handle = pending.pop(sentinel)
+                    handle.proc.join(timeout=5)  # the sentinel fires at exit; the code comes with the reaping
+                    self._deaths.append((handle.rank, handle.proc.pid, handle.proc.exitcode))
+
+        threading.Thread(target=watch, name="colocate-worker-deaths", daemon=True).start()
 
 
 class SyncVerificationError(RuntimeError):

@@ -6,7 +6,7 @@ vLLM mixes this class into its worker class (`worker_extension_cls`), so `self` 
 
     llm = LLM(path, worker_extension_cls="colocate.engine.extension.ColocateWorkerExtension", ...)
     handles = llm.collective_rpc("colocate_open_ring", args=(key, plan))
-    llm.collective_rpc("colocate_load", args=(key, bucket_index, checksums))
+    llm.collective_rpc("colocate_load", args=(key, bucket_index, checksums))   # verify, then copy (sync/load.py)
 
 Hazard (CPU weight layout): on CPUs with AVX-512 bf16 / AMX, vLLM's CPU backend repacks every linear weight
 into an opaque oneDNN/SGL kernel format after loading and empties the parameter (and keeps a packed copy of
@@ -25,9 +25,10 @@ import time
 import torch
 
 from colocate.memory import process_rss_bytes, return_free_memory_to_os
-from colocate.sync.load import load_regions, release_slot, ring_view
+from colocate.sync.load import verify_then_load
 from colocate.sync.reshard import SyncPlan
-from colocate.sync.transport import attach, create_buffer, range_checksums
+from colocate.sync.transport import attach, create_buffer
+from colocate.sync.verify import corruption_error, mismatched_ranges
 
 
 def _use_plain_cpu_linear() -> None:
@@ -77,10 +78,10 @@ class ColocateWorkerExtension:
                 sleeper.arena = arena
         return {"tp_rank": get_tensor_model_parallel_rank(), "handle": arena.handle, "offsets": arena.offsets}
 
-    def colocate_open_ring(self, key: str, plan: SyncPlan, shared_handle=None):
+    def colocate_open_ring(self, key: str, plan: SyncPlan, shared_handle=None, engine_index: int | None = None):
         """This worker's ring for sync `key`: its own buffer (on its GPU, or a shared-memory segment), a ring it
         shares with the engine's other workers (given its handle), or, in place, its weight arena. Returns the
-        handle the trainers map."""
+        handle the trainers map. `engine_index`: this engine's index in the sync, for its errors."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
         owner = None
@@ -94,6 +95,10 @@ class ColocateWorkerExtension:
         if not hasattr(self, "_colocate_sessions"):
             self._colocate_sessions = {}
         self._colocate_sessions[key] = (plan, ring, owner)
+        if not hasattr(self, "_colocate_verify_info"):
+            self._colocate_verify_info = {}
+        # for verification: the engine index its errors name; a shared ring is checksummed under worker 0
+        self._colocate_verify_info[key] = {"engine": engine_index, "shared": shared_handle is not None}
         self._colocate_tp_rank = get_tensor_model_parallel_rank()
         self._colocate_params = dict(self.model_runner.model.named_parameters())
         return handle
@@ -112,50 +117,31 @@ class ColocateWorkerExtension:
 
     def colocate_load(self, key: str, index: int, checksums: list[tuple[int, int, int, int]]):
         """Load bucket `index` of sync `key`: verify the trainers' byte ranges written into this worker's ring,
-        then copy. Returns (verify seconds, load seconds, error or None)."""
-        started = time.perf_counter()
+        then copy, only if they all match (a mismatch names the tensor). Returns (verify seconds, load seconds,
+        error or None)."""
         plan, ring, _ = self._colocate_sessions[key]
-        bucket = plan.buckets[index]
-        error = self._check_ranges(ring, checksums, f"bucket {bucket.index} ({bucket.group})")
-        verified = time.perf_counter()
-        if error:
-            return verified - started, 0.0, error
-        # Hazard (buffer reuse): the views below alias a ring slot the trainers refill `num_slots` buckets later;
-        # both paths copy out of it, wait for their copies (sync/load.py) and keep no view beyond this call.
-        if plan.mode == "sliced":
-            load_regions(ring, bucket.regions[self._colocate_tp_rank], self._colocate_params)
-        else:
-            weights = [(t.spec.name, ring_view(ring, t.offset, t.spec.shape, t.spec.dtype)) for t in bucket.tensors]
-            self.model_runner.model.load_weights(weights=weights)
-            release_slot(ring)
-        return verified - started, time.perf_counter() - verified, None
+        return verify_then_load(plan, index, ring, checksums, worker=self._colocate_tp_rank,
+                                params=self._colocate_params, load_weights=self.model_runner.model.load_weights,
+                                **self._colocate_verify_info[key])
 
     def colocate_verify_in_place(self, key: str, checksums: list[tuple[int, int, int, int]]):
         """After an in-place sync: every parameter still lives where the trainers wrote (always checked: it costs
         microseconds), and the written ranges hold what the trainers computed (when they sent checksums).
         Returns (seconds, error or None)."""
         started = time.perf_counter()
-        _, ring, _ = self._colocate_sessions[key]
+        plan, ring, _ = self._colocate_sessions[key]
         if ring.data_ptr() != self._colocate_arena.tensor.data_ptr():
             error = ("this in-place sync writes into a weight arena that a later sync replaced (the weights moved "
                      "to a new one when it was shared again): open the sync again")
         elif detached := self._colocate_arena.detached():
             error = (f"{len(detached)} engine parameter(s) left the shared weight arena (e.g. {detached[0]}): the "
                      "in-place sync no longer reaches them")
+        elif bad := mismatched_ranges(ring, checksums, self._colocate_tp_rank):  # WeightSync sends none in place
+            error = corruption_error(plan, self._colocate_tp_rank, bad, index=None,
+                                     engine=self._colocate_verify_info[key]["engine"])
         else:
-            error = self._check_ranges(ring, checksums, "in-place sync")
+            error = None
         return time.perf_counter() - started, error
-
-    def _check_ranges(self, ring: torch.Tensor, checksums: list[tuple[int, int, int, int]], what: str) -> str | None:
-        # a ring shared by several workers is written, and checked, once: under the first worker's index
-        mine = [(start, num_bytes, expected) for worker, start, num_bytes, expected in checksums
-                if worker == self._colocate_tp_rank]
-        actual = range_checksums([ring[start:start + num_bytes] for start, num_bytes, _ in mine])
-        for (start, num_bytes, expected), got in zip(mine, actual):
-            if got != expected:
-                return (f"{what}: checksum mismatch at bytes [{start}, {start + num_bytes}): the buffer changed "
-                        "between the trainers' write and the engine's check")
-        return None
 
     def colocate_state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of this worker's parameters (engine names, TP-local), for full verification in tests/bench."""

@@ -40,6 +40,7 @@ import torch
 from colocate.sync.buckets import ALIGN, TensorSpec, aligned
 from colocate.sync.reshard import SyncPlan, as_2d
 from colocate.sync.shards import Copy, full_copies, run_copies, sliced_copies
+from colocate.sync.verify import tensor_spans
 
 
 @dataclass(frozen=True)
@@ -161,13 +162,14 @@ class GatherWriter:
         assert not plan.in_place
         self.plan, self.ring, self.worker, self.checksum = plan, ring, worker, checksum
         self.gatherer = Gatherer(groups, rank=rank, world_size=world_size, device=device)
-        self._copies: dict[int, list[Copy]] = {}  # bucket index -> copies; pure views, replayed every sync
+        # bucket index -> (copies, tensor spans to checksum); pure views, replayed every sync
+        self._copies: dict[int, tuple[list[Copy], list[tuple[int, int]]]] = {}
         self._gathered: str | None = None
 
     def write(self, index: int, shards: dict[str, tuple[torch.Tensor, int]], *,
               copy: bool = True) -> list[tuple[int, int, int, int]]:
         """Bucket `index`: gather its group if it starts one, then write this rank's worker's slice. Returns one
-        (worker, start, num_bytes, checksum) for the whole range written (one transfer per bucket). `copy=False`:
+        (worker, start, num_bytes, checksum) per tensor of the bucket (one transfer per bucket). `copy=False`:
         take part in the gather only (the slot is not free: the engine's load of it failed)."""
         bucket = self.plan.buckets[index]
         if index == 0:  # a new sync: nothing gathered before counts (an aborted sync may have left its group)
@@ -179,8 +181,11 @@ class GatherWriter:
         written = []
         if self.ring is not None and copy:
             if index not in self._copies:
-                self._copies[index] = self._bucket_copies(index)
-            written = run_copies(self._copies[index], checksum=self.checksum, one_range=True)
+                spans = [(s.start, s.num_bytes) for s in tensor_spans(self.plan, index, self.worker)]
+                self._copies[index] = (self._bucket_copies(index), spans)
+            copies, spans = self._copies[index]
+            # per tensor, not one range per bucket: a mismatch then names its tensor (this rank wrote every row)
+            written = run_copies(copies, checksum=self.checksum, spans=spans)
         if index == len(self.plan.buckets) - 1:
             self.gatherer.release()
             self._gathered = None

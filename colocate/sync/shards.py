@@ -82,10 +82,11 @@ def bucket_copies(plan: SyncPlan, index: int, shards: dict[str, tuple[torch.Tens
 
 
 def run_copies(copies: list[Copy], *, checksum: bool = True,
-               one_range: bool = False) -> list[tuple[int, int, int, int]]:
+               spans: list[tuple[int, int]] | None = None) -> list[tuple[int, int, int, int]]:
     """Do the copies; returns (worker, start, num_bytes, checksum) of each range written, for the workers to verify
-    before they load (none when `checksum` is off). `one_range`: the copies are one writer's whole part of one
-    worker's slot, checksummed as the single range they span (the gaps between regions are nobody's to write)."""
+    before they load (none when `checksum` is off). `spans`: the copies are one writer's whole part of one
+    worker's slot, checksummed per tensor span (start, num_bytes) instead of per copy: fewer ranges, and each
+    still names one tensor when the worker finds it corrupted (sync/verify.py)."""
     with torch.no_grad():
         for copy in copies:
             copy.destination.copy_(copy.source)
@@ -93,13 +94,12 @@ def run_copies(copies: list[Copy], *, checksum: bool = True,
         torch.cuda.synchronize()  # the engine workers read these bytes from other processes
     if not checksum or not copies:
         return []
-    if one_range:
-        assert len({(c.worker, c.ring.data_ptr()) for c in copies}) == 1, "one range spans one worker's ring"
-        start = min(c.start for c in copies)
-        ranges = [(copies[0].worker, copies[0].ring, start, max(c.start + c.num_bytes for c in copies) - start)]
+    if spans is not None:
+        assert len({(c.worker, c.ring.data_ptr()) for c in copies}) == 1, "spans lie in one worker's ring"
+        ranges = [(copies[0].worker, copies[0].ring, start, num_bytes) for start, num_bytes in spans]
     else:
         ranges = [(c.worker, c.ring, c.start, c.num_bytes) for c in copies]
-    # one device-to-host transfer for all of them (a checksum read back per region synchronised per region)
+    # one device-to-host transfer for all of them (a checksum read back per range synchronised per range)
     sums = range_checksums([ring[start:start + num_bytes] for _, ring, start, num_bytes in ranges])
     return [(worker, start, num_bytes, total) for (worker, _, start, num_bytes), total in zip(ranges, sums)]
 

@@ -28,7 +28,7 @@ In place (CPU, `sync.transport=auto|in_place`): the engine workers' parameters l
 
     trainer ranks: write_in_place  ── every bucket, in layer order, cast straight into the engine's weights
                       │
-    engine:        verify_in_place ── parameters still in the arena; checksums of the written ranges
+    engine:        verify_in_place ── parameters still in the arena (no checksums: writer and engine share pages)
 
 Several syncs can be open on the same trainers and engines (the benchmark times its baselines beside the real
 one): each has its own key, plan and rings on every party.
@@ -99,7 +99,7 @@ class WeightSync:
         for engine_index, engine in enumerate(self.engines):
             # full tensors written by every rank (CPU): one segment per engine, its workers read the same bytes
             shared = self.plan.mode == "full" and self.transport == "ring"
-            handles = ray.get(engine.open_ring.remote(self.key, self.plan, shared=shared))
+            handles = ray.get(engine.open_ring.remote(self.key, self.plan, shared=shared, engine_index=engine_index))
             ray.get([t.attach_ring.remote(self.key, engine_index, handles, self.plan, checksum=checksum)
                      for t in self.trainers])
             ray.get(engine.seal_ring.remote(self.key))
@@ -109,7 +109,8 @@ class WeightSync:
         from colocate.sync.gather import plan_gather
 
         groups = plan_gather(self.plan, self.specs, world_size=len(self.trainers))
-        handles = ray.get([engine.open_ring.remote(self.key, self.plan) for engine in self.engines])
+        handles = ray.get([engine.open_ring.remote(self.key, self.plan, engine_index=e)
+                           for e, engine in enumerate(self.engines)])
         ray.get([t.attach_gather.remote(self.key, self.plan, groups, pair,
                                         handles[pair[0]][pair[1]] if pair is not None else None, checksum=checksum)
                  for t, pair in zip(self.trainers, self.pairs)])

@@ -23,8 +23,9 @@ from colocate.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.sync.buckets import TensorSpec
 from colocate.sync.reshard import SyncPlan
 from colocate.sync.shards import bucket_copies, local_shards, run_copies
-from colocate.trainer.offload import make_offloader
+from colocate.trainer.finite import check_weights, clip_checked
 from colocate.trainer.grpo import LossSettings, Sequence, collate, policy_loss, token_logprobs
+from colocate.trainer.offload import make_offloader
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -183,13 +184,23 @@ class TrainerActor:
         # every token's and sequence's log(p_trainer / p_engine), for the controller's mismatch monitor
         totals["token_log_w"] = torch.cat(token_log_w).numpy() if token_log_w else torch.zeros(0).numpy()
         totals["seq_log_w"] = torch.cat(seq_log_w).numpy() if seq_log_w else torch.zeros(0).numpy()
-        if self.cfg.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-            totals["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        # NaN/Inf guards (trainer/finite.py): every rank raises together, naming the parameter, before a bad
+        # gradient is stepped or a bad weight is synced; the controller then never reaches the sync.
+        step = self._num_optimizer_steps()
+        grad_norm = clip_checked(self.params, self.cfg.grad_clip, step=step, rank=self.rank)
+        if grad_norm is not None:
+            totals["grad_norm"] = grad_norm
         if not self.optimizer.state:
             self._create_optimizer_state()
         self.optimizer.step()
+        check_weights(self.params, step=step, rank=self.rank)
         return totals
+
+    def _num_optimizer_steps(self) -> int:
+        """Steps taken so far (AdamW's count, restored with a checkpoint): the 0-based index of the next step, as
+        the controller numbers steps."""
+        state = next(iter(self.optimizer.state.values()), None)
+        return int(state["step"]) if state else 0
 
     def _create_optimizer_state(self) -> None:
         """AdamW's lazy state, created by hand inside the offloader's region (torch_memory_saver pauses it with

@@ -1,6 +1,6 @@
-"""Trainer checkpoints on gloo, 2 ranks: DCP writes each rank's shards; loading them into a fresh trainer gives
-back the same weights and AdamW moments, in place (the same storages the sync and the offloader hold), and a
-step after the load equals the step an uninterrupted trainer takes."""
+"""Trainer checkpoints on gloo, 2 ranks: DCP writes each rank's shards; loading them gives back the same weights,
+AdamW moments and RNG, in place (the same storages the sync and the offloader hold), and a step after the load
+equals the step taken after the save. A fresh trainer resuming is tests/e2e/test_resume.py's."""
 
 from __future__ import annotations
 
@@ -30,39 +30,39 @@ def _save_then_resume(rank: int, world_size: int, port: int, model_path: str, tm
     from colocate.trainer.actor import TrainerActor
 
     cfg = TrainerConfig(lr=1e-2, micro_batch_size=2, offload="true" if offload else "false")
-    # the uninterrupted run: two steps, a checkpoint after the first
     trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0)
     trainer.setup("127.0.0.1", port)
     _step(trainer, rank, world_size)
     if offload:
         trainer.offload()  # the controller checkpoints whatever the trainer's place is
     trainer.save_checkpoint(f"{tmp}/ckpt")
+    rng_at_save = torch.get_rng_state()
     assert trainer._offloaded == offload  # put back where it was
     trainer.onload()
     after_one = _snapshot(trainer)
     _step(trainer, rank, world_size)
     after_two = _snapshot(trainer)
     torch.manual_seed(1234 + rank)  # a different RNG after the save: the load must put the saved one back
-    trainer.shutdown()
 
-    # the resumed run: a fresh trainer (initial weights from the model path) loads the checkpoint
-    fresh = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0)
-    fresh.setup("127.0.0.1", port)
+    # Loading rewinds the live trainer to the checkpoint (one process group per test process: a second trainer
+    # would need a second rendezvous on a port just released). Then the step it takes again is the same step.
     if offload:
-        fresh.offload()
-    fresh.load_checkpoint(f"{tmp}/ckpt")
-    fresh.onload()
-    resumed = _snapshot(fresh)
+        trainer.offload()
+    trainer.load_checkpoint(f"{tmp}/ckpt")
+    assert trainer._offloaded == offload
+    trainer.onload()
+    resumed = _snapshot(trainer)
     assert resumed.keys() == after_one.keys()
     for key, value in after_one.items():
         assert torch.equal(resumed[key], value), key
+    assert torch.equal(torch.get_rng_state(), rng_at_save)
     # the sync's views (built at setup) still point at the live storages, which hold the loaded values
     assert all(view.data_ptr() == p.to_local().data_ptr() for (view, _), p in
-               zip(fresh.shards.values(), fresh.params.values()) if view.numel())
-    _step(fresh, rank, world_size)
-    for key, value in _snapshot(fresh).items():
+               zip(trainer.shards.values(), trainer.params.values()) if view.numel())
+    _step(trainer, rank, world_size)
+    for key, value in _snapshot(trainer).items():
         assert torch.equal(value, after_two[key]), key
-    fresh.shutdown()
+    trainer.shutdown()
 
 
 def _run(tmp_path, offload: bool):

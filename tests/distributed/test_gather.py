@@ -45,9 +45,10 @@ def _sync_rank(rank: int, world_size: int, handles: list[ShmHandle], tp: int, ti
     import torch.distributed as dist
 
     from colocate.sync.gather import GatherWriter, plan_gather
-    from colocate.sync.load import load_regions, ring_view
+    from colocate.sync.load import verify_then_load
     from colocate.sync.shards import local_shards
     from colocate.sync.transport import attach
+    from colocate.sync.verify import tensor_spans
 
     full = hf_state(VOCAB, tied=tied, num_layers=2)
     params, specs = _sharded(full, world_size)
@@ -67,14 +68,15 @@ def _sync_rank(rank: int, world_size: int, handles: list[ShmHandle], tp: int, ti
             v.zero_()
         shards = local_shards(params)
         received = {}  # full mode: the full tensors as each bucket delivered them
-        for index, bucket in enumerate(plan.buckets):
+        for index in range(len(plan.buckets)):
             written = writer.write(index, shards)
-            assert len(written) == 1 and written[0][0] == worker  # one checksummed range per bucket
-            if sliced:
-                load_regions(ring, bucket.regions[worker], engine)
-            else:
-                received.update({t.spec.name: ring_view(ring, t.offset, t.spec.shape, t.spec.dtype).clone()
-                                 for t in bucket.tensors})
+            spans = tensor_spans(plan, index, worker)  # one checksummed range per tensor of the bucket
+            assert [(w, s, n) for w, s, n, _ in written] == [(worker, s.start, s.num_bytes) for s in spans]
+            # the worker's own load: verify the checksums, then copy (full mode: into load_weights)
+            _, _, error = verify_then_load(plan, index, ring, written, worker=worker, params=engine,
+                                           load_weights=lambda weights, into=received: into.update(
+                                               (name, view.clone()) for name, view in weights))
+            assert error is None, error
         if not sliced:  # sliced here by the layout oracle, as vLLM's load_weights slices full tensors
             from colocate.sync.plan import TPLayout, engine_tensor
 

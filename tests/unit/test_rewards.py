@@ -227,6 +227,15 @@ def test_batched_reward_of_the_wrong_length_or_raising():
         apply_reward(broken, ["a", "b"], ["1", "2"], ["1", "2"])
 
 
+def test_a_batched_reward_with_a_nan_is_refused_naming_its_sample():
+    def half_nan(prompts, responses, answers):
+        return [1.0, float("nan")]
+
+    half_nan.batched = True
+    with pytest.raises(RewardError, match=r"returned nan \(not finite\) on prompt 'b', response '2'"):
+        apply_reward(half_nan, ["a", "b"], ["1", "2"], ["1", "2"])
+
+
 def test_values_accept_bools_and_numpy():
     import numpy as np
 
