@@ -80,11 +80,18 @@ class Controller:
 
     def run(self) -> list[dict]:
         with Watchdog(self.cfg.fault, self.rt) as self.watchdog:
-            first = 0
-            if self.resume_from:
-                with self._phase({}, "restore"):
-                    first = self.restore(self.resume_from)
-            return self.run_steps(self.cfg.algo.num_steps, first=first)
+            try:
+                first = 0
+                if self.resume_from:
+                    with self._phase({}, "restore"):
+                        first = self.restore(self.resume_from)
+                return self.run_steps(self.cfg.algo.num_steps, first=first)
+            except KeyboardInterrupt:
+                # the watchdog's interrupt can land just after its phase ended (it is delivered at the main
+                # thread's next bytecode): it is still the fault, not a Ctrl-C
+                if self.watchdog.fault is not None:
+                    raise self.watchdog.fault from None
+                raise
 
     def run_steps(self, num_steps: int, *, first: int = 0) -> list[dict]:
         """Steps first .. num_steps - 1 (a resumed run starts after its checkpoint's step)."""

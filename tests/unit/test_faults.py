@@ -1,0 +1,56 @@
+"""The watchdog's reading of processes and exit codes (colocate/faults.py); the faults themselves, injected into
+real jobs, are tests/e2e/test_faults.py's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from colocate.faults import Member, parse_injection, process_state, signal_name
+
+
+def test_exit_codes_read_as_causes():
+    assert signal_name(-9) == "killed by SIGKILL"
+    assert signal_name(-15) == "killed by SIGTERM"
+    assert signal_name(3) == "exited with code 3"
+    assert signal_name(None) == "gone (exit status unknown)"
+
+
+def _wait_for(pid: int, states: set, timeout_s: float = 10):
+    deadline = time.monotonic() + timeout_s
+    while process_state(pid) not in states:
+        assert time.monotonic() < deadline, f"pid {pid} stayed {process_state(pid)!r}"
+        time.sleep(0.02)
+    return process_state(pid)
+
+
+def test_process_states_the_watchdog_acts_on():
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert _wait_for(child.pid, {"S", "R"}) in {"S", "R"}
+        os.kill(child.pid, signal.SIGSTOP)
+        assert _wait_for(child.pid, {"T"}) == "T"  # stopped: alive, never answering
+        os.kill(child.pid, signal.SIGKILL)
+        assert _wait_for(child.pid, {"Z"}) == "Z"  # dead, not yet reaped by its parent
+    finally:
+        child.kill()
+        child.wait()
+    assert process_state(child.pid) is None  # reaped: gone
+
+
+def test_members_are_described_with_slots_and_node():
+    worker = Member("engine 0 TP worker 1", 4242, (1,), "3f2a9c01aa", engine=0)
+    engine = Member("engine 0", 4240, (0, 1), "77aa00bb11", actor_id="ab", engine=0)
+    assert worker.describe("3f2a9c01aa") == "engine 0 TP worker 1 (slot 1, this node, pid 4242)"
+    assert engine.describe("3f2a9c01aa") == "engine 0 (slots 0-1, node 77aa00bb, pid 4240)"
+
+
+@pytest.mark.parametrize("spec, member", [("SIGKILL:engine0.worker1:rollout:2", "engine 0 TP worker 1"),
+                                          ("kill:trainer1:train:1", "trainer rank 1"),
+                                          ("STOP:engine2:sync:0", "engine 2")])
+def test_injections_name_members_as_the_watchdog_does(spec, member):
+    assert parse_injection(spec).member == member
