@@ -20,8 +20,8 @@ Fact (Ray 2.60, Linux): a local Ray that ray.init started shares fate with its d
 and gcs_server, the raylet, the dashboard and the monitors (its children) die at once; the workers (the
 raylet's) exit once they notice, seconds later, vLLM's TP workers after their engine actor. Run right after the
 kill, `clean` stops those stragglers (tests/e2e/test_isolation.py: 8 processes) and removes vLLM's segments,
-which nobody unlinks when its processes die that way. Hazard: multiprocessing's resource tracker, which would
-unlink some of them, ignores SIGTERM; it gets SIGKILL after the grace, and the recorded entries go here anyway.
+which nobody unlinks when its processes die that way. multiprocessing's resource trackers are stopped last and
+given time to exit by themselves: each unlinks the named semaphores its process left (stop_processes).
 """
 
 from __future__ import annotations
@@ -144,19 +144,30 @@ def _tcp_clients(port: int) -> set[int]:
 
 
 def stop_processes(entries: list[dict], *, grace_s: float = 5.0) -> list[dict]:
-    """SIGTERM, then SIGKILL what is still alive after `grace_s`; returns the entries that were alive."""
+    """SIGTERM, then SIGKILL what is still alive after `grace_s`; returns the entries that were alive.
+
+    multiprocessing's resource trackers go last, and are given the time to finish on their own: a tracker
+    unlinks the named semaphores (sem.mp-*) its process created once every holder of its pipe is gone, and
+    nothing else knows those names (vLLM's engine creates two; killed first, the tracker left them behind).
+    It ignores SIGTERM; SIGKILL only if it is still there after the grace."""
     alive = [e for e in entries if same_process(e)]
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for entry in alive:
-            if same_process(entry):
+    trackers = [e for e in alive if "multiprocessing.resource_tracker" in _cmdline(e["pid"])]
+    _signal_and_wait([e for e in alive if e not in trackers], grace_s, (signal.SIGTERM, signal.SIGKILL))
+    _signal_and_wait(trackers, grace_s, (None, signal.SIGKILL))
+    return alive
+
+
+def _signal_and_wait(entries: list[dict], grace_s: float, signals: tuple) -> None:
+    for sig in signals:
+        for entry in entries:
+            if sig is not None and same_process(entry):
                 try:
                     os.kill(entry["pid"], sig)
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + grace_s
-        while any(same_process(e) for e in alive) and time.monotonic() < deadline:
+        while any(same_process(e) for e in entries) and time.monotonic() < deadline:
             time.sleep(0.1)
-    return alive
 
 
 # ---------------------------------------------------------------------------------------------------- record

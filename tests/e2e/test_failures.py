@@ -31,7 +31,8 @@ def test_a_full_run_ends_clean_and_writes_metrics(tmp_path, baseline):
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["event"] == "startup" and records[0]["sync_mode"] == "sliced"
     assert records[0]["engines"][0]["start_s"] > 0
-    records = records[1:]
+    assert [r["step"] for r in records if r.get("event") == "checkpoint"] == [1]  # at the end (checkpoint.at_end)
+    records = [r for r in records[1:] if "event" not in r]
     assert [r["step"] for r in records] == [0, 1]
     for key in ("reward_mean", "rollout_tokens_per_s", "sync_s", "mismatch", "memory", "times"):
         assert key in records[0]

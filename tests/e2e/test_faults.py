@@ -59,9 +59,7 @@ def test_engine_worker_killed_in_rollout_restarts_from_the_last_checkpoint(tmp_p
 
 def test_trainer_killed_in_training_stops_named_and_resumes(tmp_path):
     procs, shm = colocate_processes(), shm_segments()
-    started = time.monotonic()
     result = launch(tmp_path, *JOB, "fault.inject=SIGKILL:trainer1:train:1")
-    seconds = time.monotonic() - started
     assert result.returncode == 1, result.stderr[-3000:]
     line = _fault_line(result.stderr)
     assert re.fullmatch(r"colocate: error: trainer rank 1 \(slot 1, this node, pid \d+\) died during train of step 1: "
@@ -72,7 +70,6 @@ def test_trainer_killed_in_training_stops_named_and_resumes(tmp_path):
     result = launch(tmp_path, *JOB, "resume=auto")
     assert result.returncode == 0, result.stderr[-3000:]
     assert _steps(tmp_path / "out") == [0, 1, 2, 3]  # step 0 kept, steps 1..3 run by the resumed job
-    assert seconds < 300
 
 
 def test_a_stopped_engine_worker_in_sync_is_found_and_killed(tmp_path):
