@@ -284,10 +284,21 @@ class EngineActor:
             while pending:
                 for sentinel in multiprocessing.connection.wait(list(pending)):
                     handle = pending.pop(sentinel)
-                    handle.proc.join(timeout=5)  # the sentinel fires at exit; the code comes with the reaping
-                    self._deaths.append((handle.rank, handle.proc.pid, handle.proc.exitcode))
+                    # The sentinel (a pipe) closes as the process exits, a moment before the kernel can report
+                    # its status: join() may return with no exit code yet (seen in CI), so poll for it.
+                    deadline = time.monotonic() + 5
+                    while _exit_code(handle.proc) is None and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    self._deaths.append((handle.rank, handle.proc.pid, _exit_code(handle.proc)))
 
         threading.Thread(target=watch, name="colocate-worker-deaths", daemon=True).start()
+
+
+def _exit_code(proc) -> int | None:
+    try:
+        return proc.exitcode
+    except ValueError:  # vLLM's shutdown closed the process object: its status is gone with it
+        return None
 
 
 class SyncVerificationError(RuntimeError):
