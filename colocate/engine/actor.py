@@ -134,7 +134,7 @@ class EngineActor:
 
     def run_pass(self, requests: list, sampling: dict, num_groups_wanted: int | None = None) -> dict:
         """One rollout pass, step by step (engine.requests): stops once `num_groups_wanted` groups are complete
-        and aborts the rest, keeping their tokens and random states for a continuation."""
+        and aborts the rest, keeping their tokens for a continuation."""
         from colocate.engine.requests import run_pass
 
         assert not self._asleep, f"run_pass() while the engine's {sorted(self._asleep)} sleep: wake them first"

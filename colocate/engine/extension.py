@@ -1,7 +1,13 @@
 """The worker extension: what the controller can ask of every vLLM worker (through `collective_rpc`).
 
-vLLM mixes this class into its worker class (`worker_extension_cls`), so `self` is the vLLM worker and
-`self.model_runner.model` its model. Method names carry a `colocate_` prefix: the worker class already has
+vLLM mixes this class into its worker class (`worker_extension_cls`), so `self` is the vLLM worker,
+`self.model_runner.model` its model and `self.device` its device (set by the worker's `init_device`: `cuda:<i>`
+in `v1/worker/gpu_worker.py`, `cpu` in `cpu_worker.py`). Every device call names `self.device`: a
+`collective_rpc` may run on a thread whose current CUDA device is not the worker's (vLLM's own IPC weight
+transfer engine says as much), so `torch.cuda.current_device()` and argument-less `synchronize()` /
+`mem_get_info()` could read another GPU. Only the model runner's `model` and `kv_caches` are read from the
+runner: its V2 version (CUDA's default) has little else that the V1 one (the CPU's) has
+(tests/unit/test_engine_runner_api.py). Method names carry a `colocate_` prefix: the worker class already has
 `sleep`, `wake_up`, `load_model`, ... and vLLM refuses an extension whose names collide.
 
     llm = LLM(path, worker_extension_cls="colocate.engine.extension.ColocateWorkerExtension", ...)
@@ -88,7 +94,7 @@ class ColocateWorkerExtension:
         if plan.in_place:
             ring, handle = self._colocate_arena.tensor, self._colocate_arena.handle
         elif shared_handle is None:
-            owner = create_buffer(plan.ring_bytes, device=torch.device(self.model_runner.device), tag="ring")
+            owner = create_buffer(plan.ring_bytes, device=self.device, tag="ring")
             ring, handle = owner.tensor, owner.handle
         else:
             ring, handle = attach(shared_handle), shared_handle
@@ -155,16 +161,15 @@ class ColocateWorkerExtension:
 
         from colocate.devices import device_name
 
-        device = torch.device(self.model_runner.device)
-        if device.type == "cuda":
-            return device_name(torch.device("cuda", torch.cuda.current_device()))
+        if self.device.type == "cuda":
+            return device_name(self.device)
         slots = os.environ["COLOCATE_ENGINE_SLOTS"].split(",")
-        return device_name(device, slot=int(slots[get_tensor_model_parallel_rank()]))
+        return device_name(self.device, slot=int(slots[get_tensor_model_parallel_rank()]))
 
     def colocate_device_free_bytes(self) -> int:
         """Free memory of this worker's GPU as the driver sees it (what vLLM's sleep mode hands back)."""
-        torch.cuda.synchronize()
-        return torch.cuda.mem_get_info()[0]
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.mem_get_info(self.device)[0]
 
     def colocate_param_layout(self) -> dict:
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -174,20 +179,6 @@ class ColocateWorkerExtension:
             "tp_size": get_tensor_model_parallel_world_size(),
             "params": [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model_runner.model.named_parameters()],
         }
-
-    # ------------------------------------------------------------------------------------ partial rollout
-
-    def colocate_read_random_states(self, num_tokens: dict[str, int]) -> dict[str, bytes]:
-        """Before an abort: the random state of each request to be continued (engine.random_streams)."""
-        from colocate.engine.random_streams import read_states
-
-        return read_states(self.model_runner, num_tokens)
-
-    def colocate_expect_random_states(self, states: dict[str, bytes]) -> None:
-        """Before the step that schedules them: continuations resume these random states."""
-        from colocate.engine.random_streams import expect_states
-
-        expect_states(self.model_runner, states)
 
     # ------------------------------------------------------------------------------------- portable sleep
 
@@ -222,7 +213,7 @@ class ColocateWorkerExtension:
         from colocate.devices import device_memory
 
         return {"weight_bytes": weights, "kv_cache_bytes": kv, "rss_bytes": self.colocate_rss(), "pid": os.getpid(),
-                **device_memory(torch.device(self.model_runner.device))}
+                **device_memory(self.device)}
 
     def colocate_load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load a whole HF state dict through vLLM's loaders (the benchmark's naive baseline)."""

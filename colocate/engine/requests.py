@@ -11,6 +11,15 @@ request's new tokens, how many sequences were decoding, and whether enough group
 A request is one answer's next segment. `final` says whether its `max_tokens` is the answer's whole remaining
 budget (reaching it completes the answer) or only this step's share (partial rollout: the answer goes on next
 step). A group is complete when every one of its answers is (stopped, or at its final length).
+
+Random streams: every segment is seeded by `segment_seed(answer seed, tokens the answer already has)`. A
+continuation is then a plain seeded request, decided by the answer alone: the same after a resume from a
+checkpoint, the same on every TP worker, and the same whichever model runner vLLM picks. Nothing is read from
+the runner: vLLM 0.32 runs its V1 runner on the CPU (a `torch.Generator` per request, `v1/worker/
+gpu_model_runner.py`) and its V2 runner on CUDA by default (`config/vllm.py`, `use_v2_model_runner`; noise
+hashed from the seed and position, `v1/worker/gpu/sample/gumbel.py`, and no `requests` table at all). The price:
+a continued answer is not the uninterrupted one token for token (its later segments draw from other seeds),
+only equal in distribution.
 """
 
 from __future__ import annotations
@@ -30,8 +39,7 @@ class EngineRequest:
     max_tokens: int
     final: bool
     seed: int
-    random_state: bytes | None = None
-    """Where this answer's random stream stopped (engine.random_streams), for a continuation."""
+    """This segment's seed: `segment_seed(answer seed, tokens it already has)`."""
 
 
 @dataclass
@@ -43,7 +51,6 @@ class RequestResult:
     """stop / length as vLLM says; None: aborted when enough groups were complete."""
     num_cached_tokens: int
     """Prompt tokens served from the prefix cache (their prefill was not computed)."""
-    random_state: bytes | None = None
 
     def done(self, request: EngineRequest) -> bool:
         return self.finish_reason == "stop" or (self.finish_reason == "length" and request.final)
@@ -61,7 +68,6 @@ def run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_w
     engine = llm.llm_engine
     by_id = {r.request_id: r for r in requests}
     results = {r.request_id: RequestResult(r.request_id, [], [], None, 0) for r in requests}
-    internal_ids, expected_states = {}, {}
     # Rendered as LLM.generate renders them (vLLM 0.32: entrypoints/common/offline.py; a raw prompt passed to
     # add_request is deprecated there): LLM's own offline path forces FINAL_ONLY outputs, which would lose the
     # tokens of the requests this pass aborts.
@@ -73,11 +79,7 @@ def run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_w
             # ignore_eos (the long-tail benchmark's fixed lengths) must also skip the EOS stop token
             stop_token_ids=[eos_token_id] if eos_token_id is not None and not sampling.get("ignore_eos") else None,
             output_kind=RequestOutputKind.DELTA)
-        internal_ids[r.request_id] = engine.add_request(r.request_id, prompt, params)
-        if r.random_state is not None:
-            expected_states[internal_ids[r.request_id]] = r.random_state
-    if expected_states:  # before the first step schedules (and samples for) these requests
-        llm.collective_rpc("colocate_expect_random_states", args=(expected_states,))
+        engine.add_request(r.request_id, prompt, params)
 
     groups_left = {}  # group -> its requests not yet done
     for r in requests:
@@ -87,7 +89,6 @@ def run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_w
     while unfinished and (num_groups_wanted is None or num_complete < num_groups_wanted):
         outputs = engine.step()
         timeline.append((time.perf_counter() - started, sum(1 for o in outputs if o.outputs[0].token_ids)))
-        capped = []  # stopped at this step's share of their budget: they go on next pass, from where they are
         for out in outputs:
             result, completion = results[out.request_id], out.outputs[0]
             result.token_ids += completion.token_ids
@@ -101,24 +102,18 @@ def run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_w
                     left = groups_left[by_id[out.request_id].group]
                     left.discard(out.request_id)
                     num_complete += not left
-                else:
-                    capped.append(result)
-        if capped:
-            # Hazard: the runner frees a finished request's state (and generator) at the next engine step, so
-            # its random state is read now.
-            _read_random_states(llm, capped, internal_ids)
-    if unfinished:
-        still_running = [results[i] for i in unfinished]
-        _read_random_states(llm, still_running, internal_ids)
-        engine.abort_request([r.request_id for r in still_running])
+    if unfinished:  # stopped mid-segment: they go on next pass, from where they are, under their next seed
+        engine.abort_request(sorted(unfinished))
     return [results[r.request_id] for r in requests], timeline
 
 
-def _read_random_states(llm, results: list[RequestResult], internal_ids: dict[str, str]) -> None:
-    """Each request's random state, for its continuation. Every TP worker samples the same tokens with the same
-    generator, so their states agree; the first worker's is kept."""
-    num_tokens = {internal_ids[r.request_id]: len(r.token_ids) for r in results}
-    states = llm.collective_rpc("colocate_read_random_states", args=(num_tokens,))
-    assert all(s == states[0] for s in states[1:]), "TP workers' random streams diverged"
-    for r in results:
-        r.random_state = states[0].get(internal_ids[r.request_id])
+def segment_seed(answer_seed: int, num_tokens: int) -> int:
+    """The seed of an answer's segment that starts after its first `num_tokens` tokens: the answer's own seed
+    for its first segment, a splitmix64 mix of (seed, position) for each continuation (nearby seeds and
+    positions give unrelated streams), kept below 2**31 like the pool's answer seeds."""
+    if num_tokens == 0:
+        return answer_seed
+    x = (answer_seed * 0x9E3779B97F4A7C15 + num_tokens) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) % 2**31

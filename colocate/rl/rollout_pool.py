@@ -5,12 +5,12 @@ token, and what each engine request of the next pass must be.
     pool.top_up(new_groups)                      # new prompts fill the places of the groups trained
     pool.expire(version)                         # the lag cap
     requests = pool.requests(version)            # unfinished answers' next segments (context guard)
-    pool.apply(requests, results, version)       # engine results: tokens, logprobs, finish, random state
+    pool.apply(requests, results, version)       # engine results: tokens, logprobs, finish
     groups = pool.take()                         # complete groups, oldest first; the rest carried or dropped
 
 Partial rollout: an answer gets at most `partial_tokens` new tokens per pass (a step makes another pass only
-while none of its groups is complete); unfinished, it keeps its tokens (and its random stream,
-engine.random_streams) and goes on next step under the newer policy. Each token keeps the behaviour logprob of
+while none of its groups is complete); unfinished, it keeps its tokens and goes on next step under the
+newer policy, its next segment seeded from its seed and its length (engine.requests.segment_seed). Each token keeps the behaviour logprob of
 the policy that sampled it, so the loss's ratio (and TIS/MIS) corrects the stale ones; an answer whose oldest
 token is more than `max_lag` policy versions old, finished or not, is restarted from its prompt instead (so
 `max_tokens` must fit in (max_lag + 1) passes, or a long answer could never finish: config.py checks it).
@@ -21,12 +21,11 @@ cut to what is left of it: a continued answer never gets a fresh budget.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from colocate.engine.requests import EngineRequest, RequestResult
+from colocate.engine.requests import EngineRequest, RequestResult, segment_seed
 from colocate.rl.tasks import Sample
 
 
@@ -60,7 +59,6 @@ class Answer:
     versions: list[int] = field(default_factory=list)
     """Policy version that sampled each token."""
     finish_reason: str | None = None
-    random_state: bytes | None = None
     num_prefill_computed: int = 0
     num_prefill_cached: int = 0
 
@@ -70,7 +68,7 @@ class Answer:
 
     def restart(self) -> None:
         self.token_ids, self.logprobs, self.versions = [], [], []
-        self.finish_reason, self.random_state = None, None
+        self.finish_reason = None
 
 
 @dataclass
@@ -150,7 +148,7 @@ class RolloutPool:
                 out.append(EngineRequest(
                     request_id=f"g{group.group_id}-a{i}-v{version}-t{len(answer.token_ids)}", group=group.group_id,
                     index=i, prompt_ids=group.prompt_ids + answer.token_ids, max_tokens=segment, final=segment == left,
-                    seed=answer.seed, random_state=answer.random_state))
+                    seed=segment_seed(answer.seed, len(answer.token_ids))))
         return out
 
     def apply(self, requests: list[EngineRequest], results: list[RequestResult], version: int) -> None:
@@ -164,7 +162,6 @@ class RolloutPool:
             answer.versions += [version] * len(result.token_ids)
             answer.num_prefill_computed += len(request.prompt_ids) - result.num_cached_tokens
             answer.num_prefill_cached += result.num_cached_tokens
-            answer.random_state = result.random_state
             if result.done(request):
                 answer.finish_reason = result.finish_reason
             self.stats.num_aborted += result.finish_reason is None
@@ -203,20 +200,18 @@ class RolloutPool:
     # ------------------------------------------------------------------------------------------ checkpoints
 
     def state(self) -> dict:
-        """The groups in flight (unfinished answers with their tokens, versions and random streams) as JSON."""
-        def answer(a: Answer) -> dict:
-            d = dataclasses.asdict(a)
-            d["random_state"] = base64.b64encode(a.random_state).decode() if a.random_state is not None else None
-            return d
-
+        """The groups in flight (unfinished answers with their tokens and versions) as JSON. Each answer's seed
+        and length decide its next segment's seed, so a resumed run continues as the saved one would have."""
         return {"next_group_id": self._next_group_id,
                 "groups": [{"group_id": g.group_id, "sample": dataclasses.asdict(g.sample), "prompt_ids": g.prompt_ids,
-                            "answers": [answer(a) for a in g.answers]} for g in self.groups]}
+                            "answers": [dataclasses.asdict(a) for a in g.answers]} for g in self.groups]}
 
     def load_state(self, state: dict) -> None:
         def answer(d: dict) -> Answer:
-            raw = d["random_state"]
-            return Answer(**{**d, "random_state": base64.b64decode(raw) if raw is not None else None})
+            d = dict(d)
+            # a checkpoint of an earlier release carried the V1 runner's generator state: seeds replace it
+            d.pop("random_state", None)
+            return Answer(**d)
 
         self._next_group_id = state["next_group_id"]
         self.groups = [Group(g["group_id"], Sample(**g["sample"]), g["prompt_ids"], [answer(a) for a in g["answers"]])

@@ -91,7 +91,7 @@ def run_copies(copies: list[Copy], *, checksum: bool = True,
         for copy in copies:
             copy.destination.copy_(copy.source)
     if copies and copies[0].ring.is_cuda:
-        torch.cuda.synchronize()  # the engine workers read these bytes from other processes
+        torch.cuda.synchronize(copies[0].ring.device)  # the engine workers read these bytes from other processes
     if not checksum or not copies:
         return []
     if spans is not None:

@@ -4,8 +4,8 @@ their tokens and version tags, the lag cap restarts stale answers, and no contin
 The engine pass is replaced at the actor boundary by `fake_pass`, which follows EngineActor.run_pass's contract
 (engine.requests): every running request decodes one token per engine step, stops at EOS (its natural length)
 or max_tokens, and the pass aborts what runs once the quota of complete groups is reached. A token depends only
-on (seed, absolute position), as a carried random stream makes it on the real engine (tested there in
-tests/e2e/test_rollout.py)."""
+on (the segment's seed, absolute position), as on vLLM's V2 runner; an answer's natural length on the answer
+(group, index), so it is the same however the answer is cut into segments. `SEGMENTS` logs what was asked."""
 
 from __future__ import annotations
 
@@ -13,16 +13,18 @@ import random
 
 import pytest
 
-from colocate.engine.requests import EngineRequest, RequestResult
+from colocate.engine.requests import EngineRequest, RequestResult, segment_seed
 from colocate.rl.rollout_pool import PoolSettings, RolloutPool
 from colocate.rl.tasks import Sample
 
 EOS = 2
+SEGMENTS: dict[tuple[int, int], list[tuple[int, int]]] = {}
+"""(group, answer index) -> every segment the fake engine ran for it: (first position, seed)."""
 
 
-def natural_length(seed: int) -> int:
-    """How long the answer of this seed wants to be: log-normal-ish, a few very long."""
-    return 1 + int(random.Random(seed).lognormvariate(1.5, 0.9))
+def natural_length(group: int, index: int) -> int:
+    """How long this answer wants to be: log-normal-ish, a few very long."""
+    return 1 + int(random.Random(group * 1009 + index).lognormvariate(1.5, 0.9))
 
 
 def token(seed: int, position: int) -> int:
@@ -36,11 +38,13 @@ def fake_pass(requests: list[EngineRequest], num_groups_wanted: int | None, prom
     for r in requests:
         left.setdefault(r.group, set()).add(r.request_id)
     num_complete = 0
+    for r in requests:
+        SEGMENTS.setdefault((r.group, r.index), []).append((len(r.prompt_ids) - prompt_len[r.group], r.seed))
     while running and (num_groups_wanted is None or num_complete < num_groups_wanted):
         for rid, r in list(running.items()):
             res = results[rid]
             position = len(r.prompt_ids) - prompt_len[r.group] + len(res.token_ids)
-            stop = position + 1 >= natural_length(r.seed)
+            stop = position + 1 >= natural_length(r.group, r.index)
             res.token_ids.append(EOS if stop else token(r.seed, position))
             res.logprobs.append(-1.0)
             if stop or len(res.token_ids) == r.max_tokens:
@@ -49,8 +53,6 @@ def fake_pass(requests: list[EngineRequest], num_groups_wanted: int | None, prom
                 if res.done(r):
                     left[r.group].discard(rid)
                     num_complete += not left[r.group]
-    for rid in running:
-        results[rid].random_state = b"state"
     return [results[r.request_id] for r in requests]
 
 
@@ -78,10 +80,16 @@ def run_step(pool: RolloutPool, version: int, rng: random.Random, prompt_len: di
     return pool.take()
 
 
-def answer_of(seed: int, max_tokens: int) -> list[int]:
-    """The uninterrupted answer of this seed."""
-    length = min(natural_length(seed), max_tokens)
-    return [EOS if p + 1 >= natural_length(seed) else token(seed, p) for p in range(length)]
+def answer_of(group: int, index: int, max_tokens: int) -> list[int]:
+    """The answer the fake engine's segments make, each token from the seed of the segment it was sampled in."""
+    natural = natural_length(group, index)
+    starts = dict(SEGMENTS[(group, index)])  # a restarted answer's segments overwrite its earlier ones
+    seed = None
+    tokens = []
+    for p in range(min(natural, max_tokens)):
+        seed = starts.get(p, seed)
+        tokens.append(EOS if p + 1 >= natural else token(seed, p))
+    return tokens
 
 
 @pytest.mark.parametrize("leftover", ["carry", "drop"])
@@ -101,14 +109,19 @@ def test_over_sampling_trains_exactly_the_groups_asked_for(leftover, num_engines
         pool.stats.reset()
 
 
-def test_partial_rollout_continues_answers_as_if_uninterrupted_and_tags_versions():
+def test_partial_rollout_continues_answers_from_their_segment_seeds_and_tags_versions():
     settings = PoolSettings(num_groups=4, num_samples=4, partial_tokens=3, max_lag=100, max_model_len=64)
     pool, rng, prompt_len = RolloutPool(settings), random.Random(1), {}
     carried_any = False
+    SEGMENTS.clear()
     for version in range(12):
         for group in run_step(pool, version, rng, prompt_len, max_tokens=40):
-            for answer in group.answers:
-                assert answer.token_ids == answer_of(answer.seed, answer.max_tokens)
+            for i, answer in enumerate(group.answers):
+                segments = SEGMENTS[(group.group_id, i)]
+                # each segment's seed follows from the answer's seed and where the segment starts, nothing else
+                assert segments[0] == (0, answer.seed)
+                assert all(seed == segment_seed(answer.seed, start) for start, seed in segments)
+                assert answer.token_ids == answer_of(group.group_id, i, answer.max_tokens)
                 assert len(answer.versions) == len(answer.token_ids)
                 assert answer.versions == sorted(answer.versions) and answer.versions[-1] <= version
                 carried_any |= answer.versions[0] < version
@@ -161,3 +174,30 @@ def test_quotas_split_what_the_step_lacks_over_the_engines_with_work():
     assert sum(pool.quotas(3)) == 5
     pool.groups[0].answers[0].finish_reason = "stop"  # one complete already: the step lacks 4
     assert sum(pool.quotas(2)) == 4
+
+
+def test_segment_seeds_are_the_answer_seed_first_then_distinct_per_position():
+    assert segment_seed(12345, 0) == 12345
+    seeds = {segment_seed(s, n) for s in range(50) for n in range(1, 50)}
+    assert len(seeds) == 50 * 49  # no two (seed, position) pairs share a stream
+    assert all(0 <= s < 2**31 for s in seeds)
+
+
+def test_a_restored_pool_asks_for_the_same_segments_and_reads_an_older_checkpoint():
+    """The checkpoint carries seeds and tokens: a restored pool's next requests are the saved pool's. A state
+    written by the release that carried the V1 runner's generator state ('random_state') still loads."""
+    settings = PoolSettings(num_groups=2, num_samples=2, partial_tokens=3, max_lag=100, max_model_len=64)
+    pool, rng, prompt_len = RolloutPool(settings), random.Random(4), {}
+    for version in range(3):
+        run_step(pool, version, rng, prompt_len, max_tokens=40)
+    state = pool.state()
+    assert any(a["token_ids"] for g in state["groups"] for a in g["answers"]), "nothing was carried"
+    restored = RolloutPool(settings)
+    restored.load_state(state)
+    assert restored.requests(3) == pool.requests(3)
+    for g in state["groups"]:
+        for a in g["answers"]:
+            a["random_state"] = "AAAA"
+    older = RolloutPool(settings)
+    older.load_state(state)
+    assert older.requests(3) == pool.requests(3)
