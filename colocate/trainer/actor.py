@@ -108,7 +108,7 @@ class TrainerActor:
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if self.cfg.mixed_precision else MixedPrecisionPolicy()
         self._offloader = make_offloader(self.device, backend=self.cfg.offload_backend,
-                                         directory=self.cfg.offload_dir or None)
+                                         directory=self.cfg.offload_dir or None, owner=f"trainer rank {self.rank}")
         for block in [*decoder_layers(model), model]:
             _move_unsharded(block, self.device)  # the root: what no layer holds (embeddings, norm, lm_head)
             with self._offloader.allocation_region():

@@ -15,8 +15,9 @@ Backends (`make_offloader` picks one; `select_backend` is the pure choice):
 - CUDA "pinned", `PinnedOffload`: one exact-size host buffer, page-locked with cudaHostRegister, allocated on
   the first offload and reused every step; each device storage has a 64-byte aligned slice of it
   (`host_layout`). CPU-resident state (AdamW's `step` scalars) stays where it is.
-- CUDA "torch_memory_saver", `MemorySaverOffload`: the package's region/pause/resume. Tensors keep their
-  virtual addresses; pause unmaps the physical memory behind them after backing it up on the host.
+- CUDA "torch_memory_saver", `MemorySaverOffload` (trainer/memory_saver.py): the package's region/pause/resume.
+  Tensors keep their virtual addresses; pause unmaps the physical memory behind them after backing it up on the
+  host. Its pause/resume state is kept in Python: the package's C++ core ends the process on a wrong one.
 - CUDA "auto": torch_memory_saver when it is installed (and usable), else pinned.
 
 All keep tensor identity: file and pinned resize storages to 0 and back (`untyped_storage().resize_`), so
@@ -65,17 +66,22 @@ class Offloader(Protocol):
 
 
 def make_offloader(device: torch.device, *, backend: str = "auto", directory: str | None = None,
-                   tag: str = MEMORY_SAVER_TAG) -> Offloader:
+                   tag: str = MEMORY_SAVER_TAG, owner: str = "this process") -> Offloader:
     """The offloader for `device`: `backend` ("auto", "pinned", "torch_memory_saver") chooses among the CUDA
     ones; the CPU always gets the file tier in `directory` (None: the system's temporary directory).
-    Hazard: torch_memory_saver pauses a whole tag at once; each offloader in a process needs its own `tag`."""
+    Hazard: torch_memory_saver pauses a whole tag at once; each offloader in a process needs its own `tag`.
+    `owner` names the process in errors ("trainer rank 3")."""
     problem = memory_saver_problem() if device.type == "cuda" else None
     chosen = select_backend(device, backend=backend, memory_saver_problem=problem)
     if chosen == "file":
         return FileOffload(directory)
-    if device.index is None:  # storages report "cuda:N": compare like with like
+    if device.index is None:  # storages report "cuda:N": compare like with like (a test's "cuda")
         device = torch.device("cuda", torch.cuda.current_device())
-    return PinnedOffload(device) if chosen == "pinned" else MemorySaverOffload(device, tag=tag)
+    if chosen == "pinned":
+        return PinnedOffload(device)
+    from colocate.trainer.memory_saver import MemorySaverOffload
+
+    return MemorySaverOffload(device, tag=tag, owner=owner)
 
 
 def select_backend(device: torch.device, *, backend: str = "auto", memory_saver_problem: str | None) -> str:
@@ -290,65 +296,3 @@ class PinnedOffload:
         self._host = torch.frombuffer(self._mapping, dtype=torch.uint8)
         # flags 0 = cudaHostRegisterDefault; this pins (and faults in) the pages once, for the whole run
         torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self._host.data_ptr(), num_bytes, 0))
-
-
-class MemorySaverOffload:
-    """CUDA -> torch_memory_saver (0.0.10): pause/resume of everything allocated in its region, backed up on the
-    host. The trainer must allocate its parameters (FSDP2's sharded storages: `fully_shard`) and its optimizer
-    state inside `allocation_region()`: only allocations made in the region are paused, so state allocated
-    elsewhere silently stays on the device (and is not counted in what offload returns).
-
-    What the package's source says (torch_memory_saver/, read from the 0.0.10 wheel):
-    - `hook_mode="torch"` (hooks/mode_torch.py `HookUtilModeTorch`) routes the region's allocations through a
-      `CUDAPluggableAllocator` over the package's own library: no LD_PRELOAD. It is set on the singleton
-      (`torch_memory_saver.hook_mode = ...`), which only works before its first use (entrypoint.py
-      `TorchMemorySaver.hook_mode` setter; `_ensure_initialized` deletes the kwargs it reads).
-    - `region(tag, enable_cpu_backup=True)` (entrypoint.py `_TorchMemorySaverImpl.region`) allocates from a
-      `MemPool` keyed by (tag, backup, backend, *current device*); the host backup defaults to "pinned"
-      (cudaMallocHost, exact size, not torch's caching host allocator).
-    - `pause(tag)` / `resume(tag)` call `tms_pause` / `tms_resume` of the library; no byte count comes back
-      (the byte counters exist for XPU only), so offload reports the bytes of the device storages it was given.
-    Hazard: the pool is torch's caching allocator over the library, so whole segments are paused, including
-    blocks freed inside the region (temporaries of an optimizer step run in it): allocate the state in the
-    region, not the work.
-    """
-
-    name = "torch_memory_saver"
-
-    def __init__(self, device: torch.device, *, tag: str = MEMORY_SAVER_TAG):
-        from torch_memory_saver import torch_memory_saver
-
-        try:
-            torch_memory_saver.hook_mode = "torch"
-        except AttributeError:  # already started in this process (by its owner): keep the mode it chose
-            pass
-        self._saver = torch_memory_saver
-        self.device = device
-        self.tag = tag
-        self._paused_bytes: int | None = None
-
-    @contextlib.contextmanager
-    def allocation_region(self):
-        with torch.cuda.device(self.device), self._saver.region(tag=self.tag, enable_cpu_backup=True):
-            yield
-
-    def offload(self, tensors) -> int:
-        assert self._paused_bytes is None, "offload twice without an onload"
-        num_bytes = sum(s.nbytes() for s in device_storages(tensors, self.device))
-        torch.cuda.synchronize(self.device)  # no kernel may still write the state when its memory is unmapped
-        self._saver.pause(self.tag)
-        torch.cuda.empty_cache()  # the rest of torch's cache (activations, all-gather buffers) to the driver too
-        self._paused_bytes = num_bytes
-        return num_bytes
-
-    def onload(self) -> int:
-        if self._paused_bytes is None:
-            return 0
-        self._saver.resume(self.tag)
-        num_bytes, self._paused_bytes = self._paused_bytes, None
-        return num_bytes
-
-    def close(self) -> None:
-        # Nothing of ours to release: the pool and its backups belong to the process-wide singleton and go with
-        # the process. Not resumed here: at shutdown the engine may hold the memory a resume would need.
-        pass

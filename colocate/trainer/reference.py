@@ -46,7 +46,7 @@ class ReferencePolicy:
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if cfg.mixed_precision \
             else MixedPrecisionPolicy()
         self._offloader = make_offloader(device, backend=cfg.offload_backend, directory=cfg.offload_dir or None,
-                                         tag=REFERENCE_TAG)
+                                         tag=REFERENCE_TAG, owner=f"trainer rank {mesh.get_rank()} (reference policy)")
         # As in TrainerActor.setup: each full block moves outside the offloader's region, only its shards are in it.
         # reshard_after_forward=True, the root's too: by default FSDP2 keeps the root's gathered parameters
         # (embeddings, lm_head: the largest) after the forward for the backward to use, and this model has no

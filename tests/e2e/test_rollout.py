@@ -1,6 +1,6 @@
-"""Rollout on the real engine (vLLM CPU, TP=2, fp32): a continued answer equals an uninterrupted one, partial
-rollout and over-sampling inside real steps (train and sync between them), the context guard, and prefix
-sharing counted by the engine."""
+"""Rollout on the real engine (vLLM CPU, TP=2, fp32): an aborted answer keeps what its seed gave and goes on
+from its segment seed, partial rollout and over-sampling inside real steps (train and sync between them) and
+reproducible across them, the context guard, and prefix sharing counted by the engine."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from colocate.controller import Controller
-from colocate.engine.requests import EngineRequest
+from colocate.engine.requests import EngineRequest, segment_seed
 from colocate.runtime import Runtime
 from tests.e2e.conftest import assert_nothing_left, colocate_processes, shm_segments, small_job
 
@@ -35,26 +35,30 @@ def run_pass(rt, requests, sampling=IGNORE_EOS, quota=None):
     return ray.get(rt.engines[0].run_pass.remote(requests, sampling, quota))["results"]
 
 
-def test_a_continued_answer_equals_one_uninterrupted_generation(runtime):
-    """Same seed, same weights: aborted after a few tokens and continued from its random state, an answer is
-    the uninterrupted one, token for token (both TP workers carry the stream)."""
+def test_an_aborted_answer_keeps_its_seeds_tokens_and_goes_on_from_its_segment_seed(runtime):
+    """Aborted mid-way, an answer holds exactly the first tokens its seed gives uninterrupted; its continuation
+    is the plain request of its next segment seed (engine.requests.segment_seed), the same every time it is
+    asked, with nothing read from vLLM's model runner."""
     prompt = [5, 6, 7, 16]
     (whole,) = run_pass(runtime, [EngineRequest("whole", 0, 0, prompt, 40, True, seed=99)])
     assert len(whole.token_ids) == 40
 
-    # a one-token group completes first; with a quota of one group the long answer is aborted mid-way
-    head, _ = run_pass(runtime, [EngineRequest("head", 0, 0, prompt, 40, True, seed=99),
-                                 EngineRequest("short", 1, 0, prompt, 1, True, seed=5)], quota=1)
-    assert head.finish_reason is None and 0 < len(head.token_ids) < 40 and head.random_state is not None
-    (tail,) = run_pass(runtime, [EngineRequest("tail", 0, 0, prompt + head.token_ids, 40 - len(head.token_ids),
-                                               True, seed=99, random_state=head.random_state)])
-    assert head.token_ids + tail.token_ids == whole.token_ids
-    np.testing.assert_allclose(head.logprobs + tail.logprobs, whole.logprobs, atol=1e-4)
+    def head_then_tail(tag: str):
+        # a one-token group completes first; with a quota of one group the long answer is aborted mid-way
+        head, _ = run_pass(runtime, [EngineRequest(f"head-{tag}", 0, 0, prompt, 40, True, seed=99),
+                                     EngineRequest(f"short-{tag}", 1, 0, prompt, 1, True, seed=5)], quota=1)
+        assert head.finish_reason is None and 0 < len(head.token_ids) < 40
+        (tail,) = run_pass(runtime, [EngineRequest(f"tail-{tag}", 0, 0, prompt + head.token_ids,
+                                                   40 - len(head.token_ids), True,
+                                                   seed=segment_seed(99, len(head.token_ids)))])
+        return head, tail
 
-    # without the carried stream the continuation replays the seed's first draws: a different answer
-    (fresh,) = run_pass(runtime, [EngineRequest("fresh", 0, 0, prompt + head.token_ids, 40 - len(head.token_ids),
-                                                True, seed=99)])
-    assert head.token_ids + fresh.token_ids != whole.token_ids
+    head, tail = head_then_tail("a")
+    assert head.token_ids == whole.token_ids[:len(head.token_ids)]
+    np.testing.assert_allclose(head.logprobs, whole.logprobs[:len(head.logprobs)], atol=1e-4)
+    assert len(head.token_ids + tail.token_ids) == 40
+    again_head, again_tail = head_then_tail("b")
+    assert (again_head.token_ids, again_tail.token_ids) == (head.token_ids, tail.token_ids)
 
 
 def test_samples_of_a_prompt_share_its_prefill(runtime):
@@ -118,23 +122,26 @@ def test_partial_rollout_carries_answers_over_steps_within_the_context(runtime):
     assert longest == MAX_MODEL_LEN, "no answer reached the context limit: the guard was not exercised"
 
 
-def test_answers_continued_across_steps_equal_uninterrupted_ones_when_weights_do_not_change(runtime):
+def test_answers_continued_across_steps_are_reproducible_when_weights_do_not_change(runtime):
     """Partial rollout over real steps with every switch and sync between them but no training (the weights
-    stay the same, though level-2 sleep discards them and the sync writes them back): every trained answer is
-    the one an uninterrupted request with its seed and budget generates."""
-    controller = job(runtime, num_prompts=4, num_samples=2, max_tokens=40, partial_tokens=8, max_lag=4)
-    continued = 0
-    for step in range(4):
-        groups, _ = controller.rollout(step)
-        controller.switch_to_train()
-        controller.switch_to_sync()
-        controller.sync()
-        controller.switch_to_rollout()
-        for group in groups:
-            requests = [EngineRequest(f"whole-{step}-{i}", 0, i, group.prompt_ids, c["max_tokens"], True,
-                                      seed=c["seed"]) for i, c in enumerate(group.completions)]
-            sampling = {"temperature": 1.0, "top_p": 1.0}
-            for completion, whole in zip(group.completions, run_pass(runtime, requests, sampling)):
-                assert completion["token_ids"] == whole.token_ids
-                continued += len(set(completion["versions"])) > 1
+    stay the same, though level-2 sleep discards them and the sync writes them back): a second run of the same
+    job trains exactly the same answers, continued ones included. Their seeds follow from the answers alone."""
+    def answers_of_a_run():
+        controller = job(runtime, num_prompts=4, num_samples=2, max_tokens=40, partial_tokens=8, max_lag=4)
+        answers, continued = [], 0
+        for step in range(4):
+            groups, _ = controller.rollout(step)
+            controller.switch_to_train()
+            controller.switch_to_sync()
+            controller.sync()
+            controller.switch_to_rollout()
+            for group in groups:
+                for c in group.completions:
+                    answers.append((step, group.prompt_ids, c["seed"], c["token_ids"], c["versions"]))
+                    continued += len(set(c["versions"])) > 1
+        return answers, continued
+
+    first, continued = answers_of_a_run()
     assert continued > 0, "no answer was continued across a step"
+    second, _ = answers_of_a_run()
+    assert [a[:4] for a in second] == [a[:4] for a in first]
