@@ -54,3 +54,15 @@ def test_members_are_described_with_slots_and_node():
                                           ("STOP:engine2:sync:0", "engine 2")])
 def test_injections_name_members_as_the_watchdog_does(spec, member):
     assert parse_injection(spec).member == member
+
+
+def test_a_checkpoint_save_has_its_own_bound_and_its_fault_names_it():
+    from colocate.config import FaultConfig
+    from colocate.faults import Watchdog
+
+    watchdog = Watchdog.__new__(Watchdog)  # the deadlines only: no Ray, no members
+    watchdog.cfg, watchdog.members, watchdog.local_node = FaultConfig(checkpoint_timeout_s=3600), [], "node"
+    assert watchdog.timeout_s("checkpoint") == 3600
+    assert watchdog.timeout_s("sync") == watchdog.timeout_s("switch") == 600
+    assert "within 3600 s (fault.checkpoint_timeout_s)" in str(watchdog._overdue("checkpoint", 20))
+    assert "(fault.sync_timeout_s)" in str(watchdog._overdue("switch", 20))
