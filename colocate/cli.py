@@ -4,7 +4,7 @@
     colocate validate [CONFIG] [key=value ...]   print the resolved config and its placement; starts nothing
     colocate submit [CONFIG] [key=value ...]     run the job on a Ray cluster through the Job Submission API
     colocate jobs | logs JOB [-f] | stop JOB     list, read or follow, and stop the jobs on a Ray cluster
-    colocate bench {sync,switch,mismatch,rollout}  sync, switch, mismatch and long-tail rollout benchmarks
+    colocate bench {sync,switch,mismatch,rollout,soak,train-memory}  benchmarks
     colocate plot RUN_DIR                        draw a run's metrics as a PNG
     colocate export CKPT OUT [--dtype D]         write a checkpoint as a Hugging Face model
     colocate clean [RUN_DIR ...] [--dry-run]     remove what a killed job left (its segments, processes, actors)
@@ -61,7 +61,15 @@ def local_preflight(cfg: JobConfig, *, num_gpus: int | None = None, gpu_memory_g
     if cfg.placement.ray_address:
         return None, None  # the cluster's devices are checked once connected, before any actor starts
     plan = plan_slots(cfg, device=device, num_devices=local_device_count(device))
-    return plan, preflight(cfg, device=device)
+    prediction = preflight(cfg, device=device)
+    if device == "cuda" and prediction.phases:  # this machine is the GPU node: what it must provide
+        from colocate.node_checks import check_node, compute_modes, host_needs, mps_pipe_directory, shm_free_bytes
+        from colocate.preflight import host_available_bytes, model_dims
+
+        check_node(cfg, host_needs(cfg, model_dims(cfg), offload=prediction.plan.trainer_offload),
+                   available_host_bytes=host_available_bytes(), shm_bytes=shm_free_bytes(), modes=compute_modes(),
+                   mps=mps_pipe_directory())
+    return plan, prediction
 
 
 def cmd_validate(args) -> int:
@@ -99,6 +107,13 @@ def cmd_validate(args) -> int:
     for phase in prediction.phases:
         parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in phase.parts.items() if v)
         print(f"#   {phase.name:<8} {phase.total / GIB:6.2f} GiB  ({parts}){'  <- peak' if phase is peak else ''}")
+    if prediction.device == "cuda":
+        from colocate.node_checks import host_needs
+        from colocate.preflight import model_dims
+
+        host = host_needs(cfg, model_dims(cfg), offload=prediction.plan.trainer_offload)
+        print("# host memory on the node (the larger must fit; docs/gpu.md, node requirements): "
+              + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in host.items()))
     return 0
 
 
@@ -199,6 +214,10 @@ def cmd_bench(args) -> int:
         from colocate.bench.switch import run_switch_bench
 
         run_switch_bench(cfg, num_cycles=args.repeats, out_dir=args.out, name=args.name or "switch")
+    elif args.which == "train-memory":
+        from colocate.bench.train_memory import run_train_memory_bench
+
+        run_train_memory_bench(cfg, lengths=_lengths(args.lengths), out_dir=args.out, name=args.name or "train_memory")
     elif args.which == "rollout":
         from colocate.bench.rollout import run_rollout_bench
 
@@ -209,6 +228,17 @@ def cmd_bench(args) -> int:
         run_mismatch_bench(cfg, num_prompts=cfg.rollout.num_prompts, num_samples=cfg.rollout.num_samples,
                            max_tokens=args.max_tokens, out_dir=args.out, name=args.name or "mismatch")
     return 0
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or any(n <= 64 for n in lengths) or lengths != sorted(set(lengths)):
+        raise ConfigError(f"--lengths {text!r} is invalid: expected ascending token counts above 64 (the prompt), "
+                          "e.g. 256,512,1024,2048")
+    return lengths
 
 
 def cmd_plot(args) -> int:
@@ -302,11 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
     stop.set_defaults(func=cmd_stop)
 
     bench = sub.add_parser("bench", help="benchmarks: sync (weight sync), switch (sleep/wake), mismatch (logprobs), "
-                           "rollout (long tail)",
+                           "rollout (long tail), soak, train-memory (the preflight against a train step's peak)",
                            description="Benchmark against the floor measured in the same run; writes JSON and a PNG "
                            "plot. Without a CONFIG, the bench preset (24 layers, >= 0.4 GB bf16, TP=2); rollout: the "
                            "tiny model with long-tailed answer lengths.")
-    bench.add_argument("which", choices=["sync", "switch", "mismatch", "rollout", "soak"])
+    bench.add_argument("which", choices=["sync", "switch", "mismatch", "rollout", "soak", "train-memory"])
     bench.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
     bench.add_argument("--repeats", type=int, default=5,
                        help="timed syncs per method / switch cycles / rollout steps per mode (default 5)")
@@ -315,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--name", default="", help="result file name without extension (default: the benchmark)")
     bench.add_argument("--max-tokens", type=int, default=120,
                        help="mismatch: longest sampled answer (default 120, as in the published measurement)")
+    bench.add_argument("--lengths", default="256,512,1024,2048",
+                       help="train-memory: sequence lengths in tokens, ascending (default 256,512,1024,2048)")
     bench.set_defaults(func=cmd_bench, command="bench")
 
     plot = sub.add_parser("plot", help="draw a run's metrics (reward, mismatch, phase times, memory) as a PNG",

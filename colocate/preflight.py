@@ -23,6 +23,7 @@ from pathlib import Path
 
 from colocate.config import ConfigError, JobConfig
 from colocate.placement import sync_in_place, sync_transport
+from colocate.trainer.step_memory import micro_batch_parts, unsharded_group_bytes
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -40,11 +41,21 @@ DRIVER_PROCESS_BYTES = int(0.32 * GIB)  # the `colocate launch` process
 PROMPT_TOKENS = 64
 HEADROOM = 0.10  # leave this fraction of the available memory to the OS and page cache
 
-# CUDA: estimates, not yet measured on a GPU of ours (docs/preflight.md says how to measure them).
+# CUDA: estimates, not yet measured on a GPU of ours; scripts/gpu_check.py's "constants" section measures those
+# one GPU can show (docs/preflight.md lists them).
 CUDA_CONTEXT_BYTES = int(0.5 * GIB)  # per process (trainer rank, engine worker): context, kernels, cuBLAS
-# What an engine keeps outside vLLM's cuMem sleep pool while asleep (torch's cache, sampler and NCCL buffers)
+# An NCCL communicator's buffers and its share of the context (reported 0.5-1.5 GiB per process): the trainer's
+# FSDP2 group (world > 1) and an engine worker's TP group (tp > 1). vLLM creates its TP group *before* the
+# snapshot its memory budget starts from (vllm/v1/worker/gpu_worker.py, init_device: "Initialize the distributed
+# environment BEFORE taking memory snapshot"), so it lies outside gpu_memory_utilization, as the context does.
+NCCL_COMMUNICATOR_BYTES = int(1.0 * GIB)
+# What an engine keeps outside vLLM's cuMem sleep pool while asleep: torch's cache, the sampler's buffers
 ENGINE_ASLEEP_BYTES = int(0.5 * GIB)
-GPU_HEADROOM = 0.03  # fragmentation of two caching allocators, NCCL communicators' buffers
+# CUDA graphs' memory pool: inside the budget while awake (vLLM 0.32 subtracts its estimate from the KV cache,
+# VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1 by default), but resident while asleep
+# (ModelConfig.sleep_mode_offload_cudagraph=False by default, vllm/config/model.py)
+CUDA_GRAPH_POOL_BYTES = int(1.0 * GIB)
+GPU_HEADROOM = 0.03  # fragmentation of two caching allocators
 
 
 @dataclass
@@ -55,6 +66,10 @@ class ModelDims:
     vocab_size: int
     layer_params: int  # one decoder layer
     tie_word_embeddings: bool
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
 
     @classmethod
     def from_config_dict(cls, d: dict) -> ModelDims:
@@ -68,7 +83,8 @@ class ModelDims:
         per_layer = attention + 3 * hidden * inter + 2 * hidden
         tied = bool(d.get("tie_word_embeddings"))
         embeddings = d["vocab_size"] * hidden * (1 if tied else 2)
-        return cls(layers * per_layer + embeddings + hidden, layers, hidden, d["vocab_size"], per_layer, tied)
+        return cls(layers * per_layer + embeddings + hidden, layers, hidden, d["vocab_size"], per_layer, tied,
+                   inter, heads, kv, head_dim)
 
     @property
     def root_params(self) -> int:
@@ -149,19 +165,27 @@ def predict_phases(cfg: JobConfig, dims: ModelDims, *, device: str, plan: Switch
     return _cpu_phases(cfg, dims, plan)
 
 
-def _activation_bytes_per_rank(cfg: JobConfig, dims: ModelDims) -> int:
-    # Sequences are prompt + response: the response is bounded by rollout.max_tokens, the prompt is not known
-    # before the task runs; PROMPT_TOKENS is a generous guess, capped by the engine's context.
-    tokens = cfg.trainer.micro_batch_size * min(cfg.engine.max_model_len, PROMPT_TOKENS + cfg.rollout.max_tokens)
-    # logits and log-softmax in fp32, plus ~16 hidden-sized fp32 activations per layer kept for backward
-    return tokens * 4 * (3 * dims.vocab_size + 16 * dims.hidden_size * dims.num_layers)
+def train_tokens_per_rank(cfg: JobConfig) -> int:
+    """Tokens of one micro-batch as the trainer pads it: rows x (prompt + response). The response is bounded by
+    rollout.max_tokens; the prompt is not known before the task runs, so PROMPT_TOKENS is a generous guess,
+    capped by the engine's context."""
+    return cfg.trainer.micro_batch_size * min(cfg.engine.max_model_len, PROMPT_TOKENS + cfg.rollout.max_tokens)
+
+
+def micro_batch_bytes(cfg: JobConfig, dims: ModelDims) -> dict[str, int]:
+    """One rank's activations, log-prob pass and FSDP2 unsharded groups while it trains (trainer/step_memory.py)."""
+    compute = 2 if cfg.trainer.mixed_precision else 4
+    return {**micro_batch_parts(dims, num_tokens=train_tokens_per_rank(cfg),
+                                micro_batch_size=cfg.trainer.micro_batch_size, compute_bytes=compute,
+                                top_p=cfg.rollout.top_p),
+            "fsdp unsharded groups": unsharded_group_bytes(dims, compute_bytes=compute)}
 
 
 def _cpu_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan) -> list[Phase]:
     world, tp, engines = cfg.placement.num_slots, cfg.engine.tp, cfg.num_engines
     params = dims.num_params * 4  # fp32 master weights
     engine_weights = engines * dims.num_params * DTYPE_BYTES[cfg.engine.dtype]
-    activations = world * _activation_bytes_per_rank(cfg, dims)
+    training = {part: world * num_bytes for part, num_bytes in micro_batch_bytes(cfg, dims).items()}
     layer_bytes = engine_weights // engines // max(dims.num_layers, 1)
     ring = engines * cfg.sync.num_bucket_slots * max(int(cfg.sync.bucket_mb * MIB), layer_bytes)
     if sync_in_place(cfg, "cpu"):
@@ -179,7 +203,7 @@ def _cpu_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan) -> list[Phase
         # offloaded, the trainer's state waits in a file (page cache the kernel may reclaim), not in a process
         Phase("rollout", {**base, "trainer params + optimizer": 0 if plan.trainer_offload else 3 * params,
                           "engine weights": engine_weights, "kv cache": kv, "sync ring": ring}),
-        Phase("train", {**base, "trainer params + grads + optimizer": 4 * params, "activations": activations,
+        Phase("train", {**base, "trainer params + grads + optimizer": 4 * params, **training,
                         "sync ring": ring, **engine_in_train}),
         Phase("sync", {**base, "trainer params + optimizer": 3 * params, "engine weights": engine_weights,
                        "engine kv cache (awake)": kv if awake else 0, "sync ring": ring}),
@@ -191,7 +215,9 @@ def _cuda_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan, gpu_bytes: i
     world, tp = cfg.placement.num_slots, cfg.engine.tp
     engine_dtype = DTYPE_BYTES[cfg.engine.dtype]
     shard = 4 * dims.num_params // world  # fp32 params; grads and each AdamW moment are the same size
-    contexts = {"cuda contexts (2 processes, est.)": 2 * CUDA_CONTEXT_BYTES}
+    num_communicators = (world > 1) + (tp > 1)  # the trainer's FSDP2 group, the engine worker's TP group
+    contexts = {"cuda contexts (2 processes, est.)": 2 * CUDA_CONTEXT_BYTES,
+                f"nccl communicators ({num_communicators}, est.)": num_communicators * NCCL_COMMUNICATOR_BYTES}
     # vLLM's budget holds its weights, KV cache and activations; it refuses to start with less free than this
     engine_share = {"engine (gpu_memory_utilization)": int(cfg.engine.gpu_memory_utilization * gpu_bytes)}
     # the ring lives in the engine worker outside vLLM's sleep pool (CUDA IPC cannot export cuMem memory), so it
@@ -201,12 +227,9 @@ def _cuda_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan, gpu_bytes: i
     # FSDP2 moves each group to the device whole, then shards it: the largest group is a transient, which the
     # caching allocator keeps reserved until the trainer empties its cache (it does, before the engines start)
     transient = 4 * max(dims.layer_params, dims.root_params)
-    # FSDP2 keeps the root group (embeddings, lm_head) unsharded from forward through backward, with its full
-    # gradients until the root's reduce-scatter at the end; decoder layers: the current, the prefetched one and
-    # one layer's unsharded gradients
-    compute = 2 if cfg.trainer.mixed_precision else 4
-    unsharded = compute * (2 * dims.root_params + 3 * dims.layer_params)
     residue = {"engine outside its sleep pool (est.)": ENGINE_ASLEEP_BYTES}
+    if cfg.engine.enforce_eager != "true":  # CUDA graphs ("auto" captures them on CUDA)
+        residue["cuda graph pool, kept asleep (est.)"] = CUDA_GRAPH_POOL_BYTES
     awake = plan.engine_sleep_level == 0
     # the CUDA sync all-gathers each layer group over the trainers, in the engine dtype: the full group plus this
     # rank's send chunk
@@ -220,8 +243,7 @@ def _cuda_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan, gpu_bytes: i
                              else {**engine_share, **ring})}),
         Phase("rollout", {**contexts, **engine_share, **ring,
                           **({} if plan.trainer_offload else {"trainer params + optimizer": 3 * shard})}),
-        Phase("train", {**contexts, "trainer params + grads + optimizer": 4 * shard,
-                        "fsdp unsharded groups": unsharded, "activations": _activation_bytes_per_rank(cfg, dims),
+        Phase("train", {**contexts, "trainer params + grads + optimizer": 4 * shard, **micro_batch_bytes(cfg, dims),
                         **(engine_share if awake else residue), **ring}),
         # grads were released; the engine woke its weights only, the KV cache stays asleep
         Phase("sync", {**contexts, "trainer params + optimizer": 3 * shard,
@@ -351,8 +373,12 @@ def _advice(phase: Phase, largest: str, cfg: JobConfig, plan: SwitchPlan) -> str
         return "use engine.sleep_level=2 (the sync restores the weights)"
     if "ring" in largest:
         return f"lower sync.bucket_mb (now {cfg.sync.bucket_mb})"
-    if "activations" in largest:
-        return f"lower trainer.micro_batch_size (now {cfg.trainer.micro_batch_size}) or engine.max_model_len"
+    if largest == "attention masks":
+        return (f"use trainer.micro_batch_size=1 (now {cfg.trainer.micro_batch_size}): one row needs no padding "
+                "mask, and every layer keeps a copy of it that grows with the square of the length")
+    if largest in ("activations kept for backward", "logits and log-softmax"):
+        return (f"lower trainer.micro_batch_size (now {cfg.trainer.micro_batch_size}), rollout.max_tokens (now "
+                f"{cfg.rollout.max_tokens}) or engine.max_model_len (now {cfg.engine.max_model_len})")
     if "unsharded" in largest and not cfg.trainer.mixed_precision:
         return "use trainer.mixed_precision=true (bf16 gathers), more device slots or a smaller model"
     return "use more device slots (placement.num_slots) or a smaller model"

@@ -156,8 +156,12 @@ def test_every_range_checked_key_is_refused_naming_it(helper, key):
     pytest.param("train", "engine host copy (sleep level 1)", ["engine.sleep_level=1"], (1, True),
                  "use engine.sleep_level=2 (the sync restores the weights)", id="host_copy"),
     pytest.param("sync", "sync ring", [], (2, True), "lower sync.bucket_mb (now 0.0)", id="ring"),
-    pytest.param("train", "activations", [], (2, True), "lower trainer.micro_batch_size (now 16) or "
-                 "engine.max_model_len", id="activations"),
+    pytest.param("train", "activations kept for backward", [], (2, True), "lower trainer.micro_batch_size (now 16), "
+                 "rollout.max_tokens (now 3) or engine.max_model_len (now 128)", id="activations"),
+    pytest.param("train", "logits and log-softmax", [], (2, True), "lower trainer.micro_batch_size (now 16), "
+                 "rollout.max_tokens (now 3) or engine.max_model_len (now 128)", id="logits"),
+    pytest.param("train", "attention masks", [], (2, True), "use trainer.micro_batch_size=1 (now 16): one row needs "
+                 "no padding mask", id="attention_masks"),
     pytest.param("train", "fsdp unsharded groups", [], (2, True), "use trainer.mixed_precision=true",
                  id="unsharded_groups"),
     pytest.param("train", "trainer params + grads + optimizer", [], (2, True),
@@ -337,6 +341,13 @@ def test_token_mode_without_a_readable_token_is_one_line():
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("colocate: error: no token for the job server: "), result.stderr
+
+
+@pytest.mark.parametrize("lengths", ["512,256", "64,128", "abc", "256,256"])
+def test_bench_lengths_are_checked(lengths, capsys):
+    code = main(["bench", "train-memory", "--lengths", lengths])
+    line = one_error_line(capsys, code)
+    assert f"--lengths {lengths!r} is invalid: expected ascending token counts above 64" in line
 
 
 # --------------------------------------------------------------------------------- the catalogue's own checks

@@ -9,8 +9,9 @@ import pytest
 
 from colocate.cli import main
 from colocate.config import ConfigError, load_config
-from colocate.preflight import (GIB, SwitchPlan, check_environment, check_fits, model_dims, plan_switch, predict_phases,
-                                preflight, switch_plan)
+from colocate.preflight import (CUDA_GRAPH_POOL_BYTES, ENGINE_ASLEEP_BYTES, GIB, NCCL_COMMUNICATOR_BYTES, SwitchPlan,
+                                check_environment, check_fits, model_dims, plan_switch, predict_phases, preflight,
+                                switch_plan)
 
 QWEN_7B = str(Path(__file__).resolve().parents[2] / "configs" / "models" / "Qwen2.5-7B")
 H100, H200 = int(79.6 * GIB), int(139.7 * GIB)
@@ -74,16 +75,27 @@ def test_qwen_config_gives_the_published_parameter_count():
 def test_cuda_predicts_four_phases_with_their_parts():
     _, by_name = cuda_phases("placement.num_slots=8", "engine.tp=2", plan=SwitchPlan(2, True, ""))
     assert list(by_name) == ["startup", "rollout", "train", "sync"]
-    contexts = "cuda contexts (2 processes, est.)"
+    # every process's context, and an NCCL communicator each: the trainer's FSDP2 group, the worker's TP group
+    contexts = {"cuda contexts (2 processes, est.)", "nccl communicators (2, est.)"}
+    asleep = {"engine outside its sleep pool (est.)", "cuda graph pool, kept asleep (est.)"}
     # the sharding transient is gone (torch's cache emptied) before the engine claims its share: the larger counts
-    assert set(by_name["startup"].parts) == {contexts, "trainer params (fp32 shard)", "sync ring",
+    assert set(by_name["startup"].parts) == {*contexts, "trainer params (fp32 shard)", "sync ring",
                                              "engine (gpu_memory_utilization)"}
-    assert set(by_name["rollout"].parts) == {contexts, "engine (gpu_memory_utilization)", "sync ring"}
-    assert set(by_name["train"].parts) == {contexts, "trainer params + grads + optimizer", "fsdp unsharded groups",
-                                           "activations", "engine outside its sleep pool (est.)", "sync ring"}
-    assert set(by_name["sync"].parts) == {contexts, "trainer params + optimizer", "engine weights (woken)",
-                                          "engine outside its sleep pool (est.)", "sync ring",
-                                          "gather buffer (largest group + send chunk)"}
+    assert set(by_name["rollout"].parts) == {*contexts, "engine (gpu_memory_utilization)", "sync ring"}
+    assert set(by_name["train"].parts) == {*contexts, "trainer params + grads + optimizer", "fsdp unsharded groups",
+                                           "activations kept for backward", "logits and log-softmax",
+                                           "attention masks", *asleep, "sync ring"}  # 16 padded rows
+    assert set(by_name["sync"].parts) == {*contexts, "trainer params + optimizer", "engine weights (woken)",
+                                          *asleep, "sync ring", "gather buffer (largest group + send chunk)"}
+
+
+def test_cuda_counts_communicators_only_where_groups_exist_and_graphs_only_when_captured():
+    _, one = cuda_phases("placement.num_slots=1", "engine.tp=1", "engine.enforce_eager=true",
+                         plan=SwitchPlan(2, True, ""))
+    assert one["train"].parts["nccl communicators (0, est.)"] == 0
+    assert "cuda graph pool, kept asleep (est.)" not in one["train"].parts
+    _, tp_only = cuda_phases("placement.num_slots=2", "engine.tp=2", plan=SwitchPlan(2, True, ""))
+    assert tp_only["train"].parts["nccl communicators (2, est.)"] == 2 * NCCL_COMMUNICATOR_BYTES
 
 
 def test_cuda_startup_peak_is_the_sharding_transient_when_it_outweighs_the_engine():
@@ -109,7 +121,7 @@ def test_cuda_switches_move_exactly_what_they_say():
              for level in (0, 2) for offload in (False, True)}
     awake, asleep = plans[0, False], plans[2, False]
     assert awake["rollout"].total - plans[0, True]["rollout"].total == 12 * 7_615_616_512 // 8
-    assert awake["train"].total - asleep["train"].total == int(0.5 * H100) - int(0.5 * GIB)
+    assert awake["train"].total - asleep["train"].total == int(0.5 * H100) - ENGINE_ASLEEP_BYTES - CUDA_GRAPH_POOL_BYTES
     # nothing moves: the sync is the rollout's memory plus the gather buffer; train adds grads, activations and
     # FSDP's unsharded groups, and is the peak
     gather = awake["sync"].parts["gather buffer (largest group + send chunk)"]
@@ -137,17 +149,22 @@ def test_cuda_peak_phase_with_a_sleeping_engine_and_a_resident_trainer(overrides
 
 @pytest.mark.parametrize("overrides, device, available, expected", [
     pytest.param([], "cpu", 16 * GIB, (0, False), id="tiny_on_big_machine_nothing_moves"),
-    pytest.param(["model.preset=bench", "trainer.micro_batch_size=1", "engine.kv_cache_gib=1"], "cpu", 9 * GIB,
+    pytest.param(["model.preset=bench", "trainer.micro_batch_size=1", "engine.kv_cache_gib=2"], "cpu", 11 * GIB,
                  (2, True), id="bench_on_small_budget_sleeps_and_offloads"),
-    pytest.param(["model.preset=bench", "trainer.micro_batch_size=1"], "cpu", 9 * GIB, (2, False),
+    pytest.param(["model.preset=bench", "trainer.micro_batch_size=1"], "cpu", int(10.5 * GIB), (2, False),
                  id="bench_small_kv_cache_sleeps_trainer_stays"),
     pytest.param(["engine.sleep_level=1", "trainer.offload=true"], "cpu", 16 * GIB, (1, True),
                  id="user_choices_obeyed_though_nothing_needs_to_move"),
     pytest.param([f"model.path={QWEN_7B}", "engine.sleep_level=0", "trainer.offload=false",
                   "placement.num_slots=1", "engine.tp=1"], "cuda", H200, (0, False),
                  id="user_choices_obeyed_though_they_cannot_fit"),
-    pytest.param([f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2"], "cuda", H100, (0, False),
-                 id="qwen7b_8x80gib_nothing_moves"),
+    # 16 rows of 576 tokens per micro-batch in fp32 need 40 GiB of activations and padding masks: no room for
+    # the engine beside them
+    pytest.param([f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2"], "cuda", H100, (2, False),
+                 id="qwen7b_8x80gib_engine_sleeps"),
+    pytest.param([f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2", "trainer.micro_batch_size=1",
+                  "trainer.mixed_precision=true", "engine.max_model_len=1024", "rollout.max_tokens=512"], "cuda",
+                 H100, (0, False), id="qwen7b_8x80gib_short_answers_bf16_nothing_moves"),
     pytest.param([f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2",
                   "engine.gpu_memory_utilization=0.85"], "cuda", H100, (2, True),
                  id="qwen7b_8x80gib_big_engine_share_both_move"),
@@ -165,13 +182,13 @@ def test_plan_switch(overrides, device, available, expected):
 
 
 def test_the_chosen_plan_is_what_preflight_checks():
-    cfg = load_config(None, ["model.preset=bench", "trainer.micro_batch_size=1", "engine.kv_cache_gib=1"])
-    result = preflight(cfg, device="cpu", available_bytes=9 * GIB)  # fits only because both move
+    cfg = load_config(None, ["model.preset=bench", "trainer.micro_batch_size=1", "engine.kv_cache_gib=2"])
+    result = preflight(cfg, device="cpu", available_bytes=11 * GIB)  # fits only because both move
     assert (result.plan.engine_sleep_level, result.plan.trainer_offload) == (2, True)
     assert result.phases == predict_phases(cfg, model_dims(cfg), device="cpu", plan=result.plan)
     with pytest.raises(ConfigError, match="phase 'train'.*use engine.sleep_level=auto or 2 \\(now 0"):
-        preflight(load_config(None, ["model.preset=bench", "trainer.micro_batch_size=1", "engine.kv_cache_gib=1",
-                                     "engine.sleep_level=0"]), device="cpu", available_bytes=9 * GIB)
+        preflight(load_config(None, ["model.preset=bench", "trainer.micro_batch_size=1", "engine.kv_cache_gib=2",
+                                     "engine.sleep_level=0"]), device="cpu", available_bytes=11 * GIB)
 
 
 def test_unknown_model_dims_move_everything_unless_chosen():
@@ -186,12 +203,14 @@ def test_unknown_model_dims_move_everything_unless_chosen():
 
 
 def test_validate_predicts_for_a_gpu_node_not_present(capsys):
+    # the README's 7B command
     code = main(["validate", f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2",
+                 "engine.max_model_len=4096", "rollout.max_tokens=1024", "trainer.micro_batch_size=1",
                  "--gpus", "8", "--gpu-memory-gib", "79.6"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "# 8 cuda slot(s), 4 engine(s) x TP=2, FSDP2 over 8 rank(s)" in out
-    assert "# switch plan: engine sleep level 0, trainer offload false" in out
+    assert "# switch plan: engine sleep level 2, trainer offload false" in out
     assert "budget 77.2 of 79.6 GiB" in out
     for name in ("startup", "rollout", "train", "sync"):
         assert any(line.startswith(f"#   {name} ") for line in out.splitlines()), name

@@ -1,0 +1,114 @@
+"""What one training micro-batch holds on a trainer rank beyond its state: activations kept for backward, the
+loss's log-prob pass over the vocabulary, and FSDP2's unsharded groups. Pure arithmetic on the model's
+dimensions, for the preflight (before any actor starts) and for `colocate bench train-memory`, which checks it
+against a real train step's measured peak.
+
+    parts = micro_batch_parts(dims, num_tokens=2 * 1088, micro_batch_size=2, compute_bytes=2, top_p=1.0)
+    parts["activations kept for backward"], parts["logits and log-softmax"], ...
+
+Activations, per token (h hidden, q = heads x head_dim, kv = kv heads x head_dim, i intermediate, c the compute
+dtype's bytes: 4, or 2 under bf16 mixed precision). Read from transformers' Qwen2 decoder
+(models/qwen2/modeling_qwen2.py), what autograd saves in each op's backward node:
+
+| op | kept | bytes |
+| --- | --- | --- |
+| RMSNorm (`Qwen2RMSNorm.forward`) | its input upcast to fp32 (the pow and the product keep it), the fp32 rsqrt, the normalised value cast back (the weight's product keeps it) | 4h + 4 + c h |
+| the projection after it (q/k/v, or gate/up: one shared input) | its input | c h |
+| attention (sdpa, flash kernels on CPU and CUDA) | rotated q, k, v, the output (which o_proj keeps too: the same storage) and the log-sum-exp per head | c (2q + 2kv) + 4 heads |
+| MLP (`Qwen2MLP.forward`, down(act(gate(x)) * up(x))) | gate's output (SiLU keeps it), SiLU's output and up's output (the product keeps both), the product (down keeps it) | 4 c i |
+
+A layer has two norm+projection pairs, so `2 (4h + 4 + 2c h) + c (2q + 2kv) + 4 heads + 4 c i`; fp32:
+32h + 8kv + 16i + 24 bytes (about 8h + 2kv + 4i values), bf16: 20h + 4kv + 8i + 24. The final norm and lm_head's
+input add `4h + 4 + 2c h`, the rotary cos/sin `2 c head_dim`, the input ids 8. tests/unit/test_step_memory.py
+walks a real Qwen2's autograd graph and finds exactly these bytes in fp32 and bf16.
+
+The log-prob pass (trainer/grpo.py `token_logprobs`) over V vocabulary entries per token: the model's logits
+(c V, alive through the backward: the train step holds them), an fp32 copy or the temperature's quotient (4V),
+log-softmax's output (4V, kept for backward), and in the backward the gather's and log-softmax's gradients
+(4V each): `(c + 12) V` at the peak, whichever of forward and backward it falls in. A nucleus (top_p < 1) adds
+the sort's values and int64 indices, the softmax, the cumulative sum, the mask and two [tokens, V] results:
+`17 V` more.
+
+Padding: a micro-batch of rows of unequal length carries transformers' [rows, 1, T, T] boolean sdpa mask, and
+every layer's attention keeps its own copy converted to the compute dtype for its backward (aten's
+scaled_dot_product_attention turns a boolean mask into an additive one before it picks a kernel, and the kernel's
+backward node keeps it): `rows T^2 (1 + layers c)` bytes, quadratic in the length. A micro-batch of one row
+needs no mask (sdpa runs causal). With a mask, k and v are kept at the query heads' size (grouped-query sdpa
+runs without a mask only). tests/unit/test_step_memory.py finds both in the graph too.
+
+FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, `foreach_reduce`): a group's reduce-scatter
+copies its unsharded gradients into one flat buffer in the reduce dtype (fp32) before it frees them, so the
+largest group's gradients exist twice for a moment.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+FP32 = 4
+LOGITS_BYTES_PER_VOCAB = 12  # beyond the model's own logits: fp32 copy, log-softmax, two gradients
+NUCLEUS_BYTES_PER_VOCAB = 17  # top_p < 1: sort values + int64 indices, softmax, mask, masked and scattered copies
+
+
+class Dims(Protocol):
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    vocab_size: int
+    layer_params: int
+    root_params: int
+
+
+def saved_bytes_per_token(dims: Dims, *, compute_bytes: int, masked: bool = False) -> int:
+    """Bytes autograd keeps per token through the decoder, for the backward (the table above). `masked`: sdpa
+    gets a padding mask, and transformers then repeats k and v to every query head before the kernel
+    (integrations/sdpa_attention.py `use_gqa_in_sdpa`: grouped-query sdpa only without a mask), so the kernel
+    keeps them that size."""
+    h, c = dims.hidden_size, compute_bytes
+    q = dims.num_heads * dims.head_dim
+    kv = q if masked else dims.num_kv_heads * dims.head_dim
+    norm_and_projection = FP32 * h + FP32 + 2 * c * h
+    layer = 2 * norm_and_projection + c * (2 * q + 2 * kv) + FP32 * dims.num_heads + 4 * c * dims.intermediate_size
+    return dims.num_layers * layer + norm_and_projection + 8  # + the final norm and lm_head's input, the ids
+
+
+def rotary_bytes(dims: Dims, *, num_tokens: int, compute_bytes: int) -> int:
+    return 2 * compute_bytes * dims.head_dim * num_tokens  # cos and sin, shared by every layer
+
+
+def logits_bytes_per_token(dims: Dims, *, compute_bytes: int, top_p: float) -> int:
+    per_vocab = compute_bytes + LOGITS_BYTES_PER_VOCAB + (NUCLEUS_BYTES_PER_VOCAB if top_p < 1.0 else 0)
+    return per_vocab * dims.vocab_size
+
+
+def attention_mask_bytes(dims: Dims, *, rows: int, length: int, compute_bytes: int) -> int:
+    """The padded micro-batch's boolean mask and each layer's additive copy of it."""
+    return rows * length * length * (1 + dims.num_layers * compute_bytes)
+
+
+def unsharded_group_bytes(dims: Dims, *, compute_bytes: int) -> int:
+    """FSDP2 keeps the root group (embeddings, final norm, lm_head) unsharded from the forward to the end of the
+    backward, with its full gradients until the root's reduce-scatter; of the decoder layers, the current one,
+    the prefetched one and one layer's unsharded gradients; and the reduce-scatter's flat fp32 input of the
+    largest group."""
+    return compute_bytes * (2 * dims.root_params + 3 * dims.layer_params) + \
+        FP32 * max(dims.root_params, dims.layer_params)
+
+
+def micro_batch_parts(dims: Dims, *, num_tokens: int, micro_batch_size: int, compute_bytes: int,
+                      top_p: float) -> dict[str, int]:
+    """What one micro-batch of `num_tokens` (rows x padded length) adds on a rank while it trains."""
+    length = num_tokens // micro_batch_size
+    parts = {
+        "activations kept for backward": num_tokens * saved_bytes_per_token(dims, compute_bytes=compute_bytes,
+                                                                           masked=micro_batch_size > 1)
+        + rotary_bytes(dims, num_tokens=length, compute_bytes=compute_bytes),
+        "logits and log-softmax": num_tokens * logits_bytes_per_token(dims, compute_bytes=compute_bytes, top_p=top_p),
+    }
+    if micro_batch_size > 1:
+        parts["attention masks"] = attention_mask_bytes(dims, rows=micro_batch_size, length=length,
+                                                        compute_bytes=compute_bytes)
+    return parts
