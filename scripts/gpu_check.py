@@ -24,6 +24,14 @@ and the JSON is rewritten after each one (a run cut short still leaves what it m
 5. offload         ~4 GiB of trainer state through `make_offloader(..., backend=pinned | torch_memory_saver)`:
                    times against a plain D2H / H2D copy into one pinned buffer, device memory freed, bit-exact.
 6. memory_release  `empty_cache` hands freed blocks back to the driver (cudaMemGetInfo).
+7. constants       the preflight's CUDA estimates one GPU can show (colocate/preflight.py): a second process's
+                   CUDA context with cuBLAS (CUDA_CONTEXT_BYTES) and its NCCL communicator, world size 1
+                   (NCCL_COMMUNICATOR_BYTES; 8 ranks take more), each the driver's free memory before and after,
+                   read from this process while the child holds it. Not measurable here (no vLLM on the lent
+                   machine): ENGINE_ASLEEP_BYTES and CUDA_GRAPH_POOL_BYTES; they are listed as such.
+8. memory_saver    torch_memory_saver's guarded transitions on the GPU (trainer/memory_saver.py): a second pause,
+                   a resume without a pause and a resume that cannot fit are refused with named errors and the
+                   process lives on; with retain_cpu_backup a second pause adds no host memory.
 """
 
 from __future__ import annotations
@@ -504,6 +512,110 @@ def memory_section(device: torch.device) -> dict:
             "returned_by_empty_cache": returned}
 
 
+# -------------------------------------------------------------------------------------------- 7. constants
+
+
+def _context_child(port: int, steps, results) -> None:
+    """A fresh process: its CUDA context (with a cuBLAS matmul), then an NCCL communicator of world size 1,
+    waiting after each for the parent to read the driver's free memory."""
+    try:
+        import torch.distributed as dist
+
+        a = torch.ones(256, 256, device="cuda")
+        (a @ a).sum().item()
+        results.put("context")
+        steps.get()
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+        t = torch.ones(1 << 20, device="cuda")
+        dist.all_reduce(t)
+        dist.all_gather_into_tensor(torch.empty(1 << 20, device="cuda"), t)
+        torch.cuda.synchronize()
+        results.put("nccl")
+        steps.get()
+        dist.destroy_process_group()
+        results.put("done")
+    except BaseException:
+        results.put("error: " + traceback.format_exc()[-3000:])
+
+
+def constants_section(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {"status": "skipped", "reason": "needs CUDA"}
+    from colocate import preflight
+
+    ctx = mp.get_context("spawn")
+    steps, results = ctx.Queue(), ctx.Queue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    free = {"before": free_bytes()}
+    child = ctx.Process(target=_context_child, args=(port, steps, results))
+    child.start()
+    readings = {}
+    for stage in ("context", "nccl"):
+        got = results.get(timeout=120)
+        if got != stage:
+            child.join(10)
+            return {"status": "fail", "error": str(got).splitlines()[-1], "traceback": got}
+        free[stage] = free_bytes()
+        steps.put("next")
+    results.get(timeout=60)
+    child.join(30)
+    readings["cuda_context_bytes"] = free["before"] - free["context"]
+    readings["nccl_communicator_bytes_world_1"] = free["context"] - free["nccl"]
+    estimates = {"cuda_context_bytes": preflight.CUDA_CONTEXT_BYTES,
+                 "nccl_communicator_bytes_world_1": preflight.NCCL_COMMUNICATOR_BYTES}
+    return {"status": "pass", "free": free, "measured": readings, "preflight_estimates": estimates,
+            "ratio_measured_over_estimate": {k: readings[k] / estimates[k] for k in readings},
+            "not_measured_here": {"ENGINE_ASLEEP_BYTES": "needs vLLM's sleep mode (no vLLM on the lent machine)",
+                                  "CUDA_GRAPH_POOL_BYTES": "needs vLLM's graph capture (no vLLM on the lent machine)"}}
+
+
+# ----------------------------------------------------------------------------------------- 8. memory_saver
+
+
+def memory_saver_section(device: torch.device, tms: dict) -> dict:
+    if device.type != "cuda":
+        return {"status": "skipped", "reason": "needs CUDA"}
+    if not tms["available"]:
+        return {"status": "skipped", "reason": tms["reason"]}
+    from colocate.memory import process_rss_bytes
+    from colocate.trainer.memory_saver import DeviceMemoryShortfall, MemorySaverError, MemorySaverOffload
+
+    offloader = MemorySaverOffload(device, tag="gpu-check-guard", owner="gpu_check")
+    with offloader.allocation_region():
+        state = [torch.ones(256 << 20, dtype=torch.uint8, device=device)]  # 256 MiB
+    refused = {}
+    try:
+        offloader.onload()
+    except MemorySaverError as e:
+        refused["resume_without_pause"] = str(e)
+    rss = {"before_first_pause": process_rss_bytes()}
+    offloader.offload(state)
+    rss["after_first_pause"] = process_rss_bytes()
+    try:
+        offloader.offload(state)
+    except MemorySaverError as e:
+        refused["second_pause"] = str(e)
+    real_free = offloader._free_bytes
+    offloader._free_bytes = lambda: 1 << 20
+    try:
+        offloader.onload()
+    except DeviceMemoryShortfall as e:
+        refused["resume_that_cannot_fit"] = str(e)
+    offloader._free_bytes = real_free
+    offloader.onload()
+    rss["after_resume"] = process_rss_bytes()
+    offloader.offload(state)
+    rss["after_second_pause"] = process_rss_bytes()
+    offloader.onload()
+    intact = bool((state[0] == 1).all())
+    ok = len(refused) == 3 and intact
+    return {"status": "pass" if ok else "fail", "refused": refused, "state_intact": intact, "rss": rss,
+            "second_pause_host_growth_bytes": rss["after_second_pause"] - rss["after_first_pause"]}
+
+
 # --------------------------------------------------------------------------------------------------- main
 
 
@@ -534,7 +646,9 @@ def main() -> int:
     tms = ensure_tms(args.tms_wheel) if device.type == "cuda" else {"available": False, "reason": "CPU mode"}
     sections = {"env": lambda: env_section(device, tms), "ring_ipc": lambda: ring_section(args, device),
                 "late_load_race": lambda: race_section(args, device), "fsdp2_nccl": lambda: fsdp2_section(device, tms),
-                "offload": lambda: offload_section(args, device, tms), "memory_release": lambda: memory_section(device)}
+                "offload": lambda: offload_section(args, device, tms), "memory_release": lambda: memory_section(device),
+                "constants": lambda: constants_section(device),
+                "memory_saver": lambda: memory_saver_section(device, tms)}
     for key, run in sections.items():
         t0 = time.perf_counter()
         try:

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
-SECTIONS = {"env", "ring_ipc", "late_load_race", "fsdp2_nccl", "offload", "memory_release"}
+SECTIONS = {"env", "ring_ipc", "late_load_race", "fsdp2_nccl", "offload", "memory_release", "constants",
+            "memory_saver"}
 
 
 def test_cpu_mode_runs_the_ring_protocol_bit_exact(tmp_path):
@@ -27,4 +28,5 @@ def test_cpu_mode_runs_the_ring_protocol_bit_exact(tmp_path):
     assert ring["transport"] == "shm" and ring["num_buckets"] == 6 and ring["bytes"] == 6 * (8 << 20)
     assert ring["protocol_s"] > 0 and ring["floor_memcpy_s"] > 0 and ring["ratio"] > 0
     assert report["sections"]["late_load_race"]["status"] == "not_applicable"
-    assert {report["sections"][k]["status"] for k in ("fsdp2_nccl", "offload", "memory_release")} == {"skipped"}
+    assert {report["sections"][k]["status"] for k in ("fsdp2_nccl", "offload", "memory_release", "constants",
+                                                       "memory_saver")} == {"skipped"}
