@@ -124,11 +124,12 @@ class MemorySaverOffload:
 
     def _reserved_bytes(self) -> int:
         """What the tag's pool reserves on the device: whole segments, which a resume maps back whole. Read from
-        the package's private pool table (0.0.10: keyed (tag, backup, disk, backend, device index)); if a later
-        release changes it this finds nothing and the storages' bytes stand alone."""
-        pools = getattr(getattr(self._saver, "_impl", None), "_mem_pools", {})
-        total = 0
-        for key, pool in pools.items():
-            if key[0] == self.tag and key[-1] == self.device.index:
-                total += sum(segment["total_size"] for segment in pool.snapshot())
-        return total
+        the package's private pool table (0.0.10: keyed (tag, backup, disk, backend, device index)) and torch's
+        `MemPool.snapshot()` segments; a release that changes either finds nothing here, and the storages'
+        bytes stand alone (never an error: this only sharpens the resume check)."""
+        try:
+            pools = self._saver._impl._mem_pools
+            return sum(segment["total_size"] for key, pool in list(pools.items())
+                       if key[0] == self.tag and key[-1] == self.device.index for segment in pool.snapshot())
+        except (AttributeError, KeyError, IndexError, TypeError, RuntimeError):
+            return 0
