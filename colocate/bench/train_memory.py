@@ -20,17 +20,16 @@ import dataclasses
 import gc
 import json
 import multiprocessing as mp
-import os
 import socket
 import time
 
 from colocate.bench.common import write_result
 from colocate.config import JobConfig
 from colocate.memory import process_rss_bytes, return_free_memory_to_os
+from colocate.preflight import PROMPT_TOKENS  # the rows the preflight pictures: a 64-token prompt, then the answer
 
 TOLERANCE = 0.15
 DEFAULT_LENGTHS = (256, 512, 1024, 2048)
-PROMPT_TOKENS = 64  # as preflight.PROMPT_TOKENS: the rows the preflight pictures
 
 
 def peak_rss_bytes() -> int:
@@ -129,7 +128,6 @@ def run_train_memory_bench(cfg: JobConfig, *, lengths: list[int], out_dir: str, 
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # daemon: the measuring process goes with this one (Ctrl-C), never left to compete for the memory it measures
     worker = ctx.Process(target=_measure, args=(cfg, model_path, runs, port, queue), daemon=True)
     worker.start()

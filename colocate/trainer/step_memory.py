@@ -10,12 +10,13 @@ Activations, per token (h hidden, q = heads x head_dim, kv = kv heads x head_dim
 dtype's bytes: 4, or 2 under bf16 mixed precision). Read from transformers' Qwen2 decoder
 (models/qwen2/modeling_qwen2.py), what autograd saves in each op's backward node:
 
-| op | kept | bytes |
-| --- | --- | --- |
-| RMSNorm (`Qwen2RMSNorm.forward`) | its input upcast to fp32 (the pow and the product keep it), the fp32 rsqrt, the normalised value cast back (the weight's product keeps it) | 4h + 4 + c h |
-| the projection after it (q/k/v, or gate/up: one shared input) | its input | c h |
-| attention (sdpa, flash kernels on CPU and CUDA) | rotated q, k, v, the output (which o_proj keeps too: the same storage) and the log-sum-exp per head | c (2q + 2kv) + 4 heads |
-| MLP (`Qwen2MLP.forward`, down(act(gate(x)) * up(x))) | gate's output (SiLU keeps it), SiLU's output and up's output (the product keeps both), the product (down keeps it) | 4 c i |
+- RMSNorm (`Qwen2RMSNorm.forward`): its input upcast to fp32 (the pow and the product keep it), the fp32
+  rsqrt, the normalised value cast back (the weight's product keeps it): 4h + 4 + c h;
+- the projection after it (q/k/v, or gate/up: one shared input): its input, c h;
+- attention (sdpa, flash kernels on CPU and CUDA): rotated q, k, v, the output (which o_proj keeps too: the
+  same storage) and the log-sum-exp per head: c (2q + 2kv) + 4 heads;
+- MLP (`Qwen2MLP.forward`, down(act(gate(x)) * up(x))): gate's output (SiLU keeps it), SiLU's and up's outputs
+  (the product keeps both), the product (down keeps it): 4 c i.
 
 A layer has two norm+projection pairs, so `2 (4h + 4 + 2c h) + c (2q + 2kv) + 4 heads + 4 c i`; fp32:
 32h + 8kv + 16i + 24 bytes (about 8h + 2kv + 4i values), bf16: 20h + 4kv + 8i + 24. The final norm and lm_head's
