@@ -15,7 +15,7 @@ run: setup
 	$(VENV)/bin/colocate launch
 
 test: setup
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=12
 
 docs: setup
 	$(VENV)/bin/colocate config-docs > docs/config.md

@@ -1,7 +1,8 @@
 """Checkpoints, exact resume and HF export through `colocate launch` / `colocate export`, as a user runs them.
 
 One uninterrupted 4-step run against a 2-step run resumed to 4 (resume=auto): the trainer shards (weights and
-AdamW moments), the data place and every step's metrics are equal. The resumed run's final checkpoint exported as
+AdamW moments), the data place, the answers carried in flight (partial rollout: each continues from its segment
+seed, which the saved answer decides) and every step's metrics are equal. The resumed run's final checkpoint exported as
 a Hugging Face model is loaded by vLLM (the CPU build) and by transformers, and both answer the evaluation prompts
 greedily with exactly the tokens the job's own engine gave (engine.dtype=float32: bit-equal weights everywhere).
 """
@@ -22,7 +23,10 @@ from tests.e2e.conftest import ROOT, launch
 pytestmark = pytest.mark.e2e
 
 JOB = ["algo.num_steps=4", "engine.dtype=float32", "checkpoint.keep_last=0", "logging.progress=false",
-       "rollout.max_tokens=6", "eval.max_prompts=6", "eval.max_tokens=6", "engine.tp=1"]
+       "rollout.max_tokens=6", "eval.max_prompts=6", "eval.max_tokens=6", "engine.tp=1",
+       # answers carried across steps, and so across the checkpoint: 3 tokens a pass, 24 groups in flight for 16
+       # trained, 64 decoding at once (the third wave's answers wait with their first 3 tokens)
+       "rollout.partial_tokens=3", "rollout.oversample=1.5", "engine.max_num_seqs=64"]
 
 
 def _steps(run: Path) -> dict[int, dict]:
@@ -64,6 +68,9 @@ def test_resume_is_exact_and_the_export_loads(tmp_path):
         assert torch.equal(value, resumed_state[key]), key
     controller = [json.loads((d / "step_00000003" / "controller.json").read_text()) for d in (a, b)]
     assert controller[0] == controller[1]
+    saved = json.loads((b / "step_00000001" / "controller.json").read_text())  # where the resumed run started
+    assert any(ans["token_ids"] and not ans["finish_reason"] for g in saved["rollouts"]["pool"]["groups"]
+               for ans in g["answers"]), "no unfinished answer was carried across the checkpoint"
     whole_steps, resumed_steps = _steps(whole / "out"), _steps(resumed / "out")
     for step in (2, 3):
         for key in ("reward_mean", "response_len_mean", "loss", "mismatch"):
