@@ -15,6 +15,13 @@ Two ways a fault shows:
   which Ray's blocking `get` honours like Ctrl-C) and the controller raises the stored `JobFault` instead.
 Members on other nodes are watched by Ray itself: a lost node's actors fail their calls (after Ray's own health
 check), and `explain` names them by actor id.
+
+The first error out of a `ray.get` is often not the cause but its echo: when a node is lost, a surviving trainer's
+collective fails at once ("gloo ... Connection reset by peer"), seconds before Ray's health check declares the
+node dead. So before it reports a Ray error, `explain` looks for a root cause: a member on this node that is gone
+or stopped, then a member that does not answer a probe, for which it waits (at most `LOSS_WAIT_S`) until Ray
+says whether its node or its actor died. A member that answers, or a lost one nobody confirms, leaves the
+original error as it was.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ import time
 from dataclasses import dataclass
 
 import ray
+
+PROBE_TIMEOUT_S = 5.0  # a member's pid() that does not return within this is silent: busy, or lost
+LOSS_WAIT_S = 60.0  # how long a silent member's fate is awaited (Ray's health check takes ~15-30 s by default)
 
 
 class JobFault(RuntimeError):
@@ -252,6 +262,11 @@ class Watchdog:
         """A JobFault naming the member behind a Ray error; other errors (a reward's, a config's) unchanged."""
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 
+        if not isinstance(error, (RayActorError, ActorDiedError, ActorUnavailableError, RayTaskError)):
+            return error
+        root = self._dead_member(phase, step) or self._lost_member(phase, step)
+        if root is not None:
+            return root
         member = self._member_of(error)
         if isinstance(error, (RayActorError, ActorDiedError, ActorUnavailableError)) and member is not None:
             cause = "its node was lost" if "node" in str(error).lower() and "died" in str(error).lower() \
@@ -263,6 +278,30 @@ class Watchdog:
                 m, cause = first
                 return JobFault(f"{m.describe(self.local_node)} died during {_where(phase, step)}: {cause}")
         return error
+
+    def _lost_member(self, phase: str, step: int | None) -> JobFault | None:
+        """The member whose loss a Ray error echoes. Every actor member is asked its pid: one whose answer is an
+        actor error died; one that does not answer is busy or lost, and is awaited (at most LOSS_WAIT_S) until
+        it answers (busy: no cause), its answer fails, or Ray declares its node dead."""
+        handles = {h._actor_id.hex(): h for h in [*self.runtime.trainers, *self.runtime.engines]}
+        pending = {handles[m.actor_id].pid.remote(): m for m in self.members if m.actor_id in handles}
+        deadline, timeout = time.monotonic() + LOSS_WAIT_S, PROBE_TIMEOUT_S
+        while pending and time.monotonic() < deadline:
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout)
+            dead_nodes = {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
+            for ref in ready:
+                member = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError:
+                    cause = "its node was lost" if member.node in dead_nodes else self._cause(member)
+                    return JobFault(f"{member.describe(self.local_node)} died during {_where(phase, step)}: {cause}")
+            lost = [m for m in pending.values() if m.node in dead_nodes]
+            if lost:
+                return JobFault(f"{lost[0].describe(self.local_node)} died during {_where(phase, step)}: its node "
+                                "was lost")
+            timeout = 1.0
+        return None
 
     def _member_of(self, error: Exception) -> Member | None:
         # The RayTaskError that ray.get raises (`as_instanceof_cause`) keeps pid and actor id in its text only:
