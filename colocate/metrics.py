@@ -2,7 +2,9 @@
 Weights & Biases: colocate/loggers.py), and progress on stderr.
 
 Each record is flushed as it is written, so a run that stops (error, Ctrl-C) keeps every finished step. The JSONL
-is the source of truth: events ({"event": "startup"}, errors) and the text of samples go there only.
+is the source of truth: events ({"event": "startup"}, errors) and the text of samples go there only. A run killed
+mid-write (SIGKILL) leaves half a last line: readers skip it (`read_records`), and the next run in the same
+directory (a resume) cuts it off before it appends, so its records never share a line with the fragment.
 
 Progress: on a terminal one line that updates in place (a bar, step i/N, reward, eval pass@1, elapsed and ETA,
 phase times); elsewhere (CI, `ray job logs`, a file) one plain line per step, which a carriage return would garble.
@@ -25,6 +27,40 @@ from colocate.loggers import Sink, open_sinks, scalar_tags
 log = logging.getLogger("colocate")
 
 
+def drop_torn_tail(path: Path) -> int:
+    """Cut a last line that has no newline (a record a killed writer left half-written); returns its bytes."""
+    if not path.is_file():
+        return 0
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return 0
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        start = max(0, size - (1 << 20))  # a record is at most a few KiB: search the last MiB for its start
+        f.seek(start)
+        tail = f.read()
+        keep = start + tail.rfind(b"\n") + 1 if b"\n" in tail else start
+        f.truncate(keep)
+        return size - keep
+
+
+def read_records(path: Path) -> list[dict]:
+    """Every record of a metrics.jsonl; a torn last line (a run killed mid-write) is skipped. A line inside the
+    file that is not JSON raises ValueError naming it."""
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}: line {number} is not JSON") from None
+    return records
+
+
 class MetricsWriter:
     def __init__(self, cfg: LoggingConfig, *, num_steps: int, run_config: dict | None = None,
                  stream: TextIO | None = None, terminal: bool | None = None):
@@ -35,9 +71,12 @@ class MetricsWriter:
         # first: a missing wandb package is a ConfigError before anything is written or started
         self.sinks: list[Sink] = open_sinks(cfg, run_config)
         self.path = self.dir / "metrics.jsonl"
+        dropped = drop_torn_tail(self.path)
         self._file = open(self.path, "a", buffering=1)
         self.progress = Progress(num_steps, stream or sys.stderr, terminal) if cfg.progress else None
         self._failed = False
+        if dropped:
+            self.write({"event": "torn_record_dropped", "bytes": dropped})
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps({"time": time.time(), **record}) + "\n")

@@ -13,12 +13,12 @@ of truth; this only draws it.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 
 from colocate.config import ConfigError
+from colocate.metrics import read_records
 
 PHASES = ("rollout", "score", "switch", "train", "sync")
 GIB = 1 << 30
@@ -29,14 +29,12 @@ def read_steps(run_dir: str) -> list[dict]:
     if not path.is_file():
         raise ConfigError(f"RUN_DIR={run_dir!r} is invalid: it has no metrics.jsonl (a run's "
                           "logging.output_dir, e.g. outputs/default)")
-    steps, lines = {}, path.read_text().splitlines()
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):
-                continue  # a run killed mid-write leaves half a last line
-            raise ConfigError(f"{path}: line {number} is not JSON") from None
+    try:
+        records = read_records(path)  # a run killed mid-write leaves half a last line: skipped
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    steps = {}
+    for record in records:
         if "event" not in record:
             steps[record["step"]] = record  # a step run again after a resume counts by its last record
     if not steps:

@@ -243,3 +243,36 @@ def test_progress_false_prints_nothing_and_still_writes_the_jsonl(tmp_path):
     writer.step(step_record(1))
     writer.close()
     assert stream.getvalue().startswith("step   2/2 | reward 0.500")
+
+
+# ------------------------------------------------------------------------------------------------ a killed run
+
+
+def test_a_resumed_run_cuts_the_record_a_killed_one_left_half_written(tmp_path):
+    from colocate.metrics import read_records
+
+    first = MetricsWriter(logging_cfg(tmp_path), num_steps=3)
+    first.step(step_record(0, 0.25))
+    first.close()
+    path = tmp_path / "out" / "metrics.jsonl"
+    whole = path.read_bytes()
+    torn = json.dumps(step_record(1, 0.5))[:37]
+    path.write_bytes(whole + torn.encode())  # SIGKILL mid-write: no newline after the fragment
+    assert [r["step"] for r in read_records(path)] == [0]  # readers skip it
+
+    resumed = MetricsWriter(logging_cfg(tmp_path), num_steps=3)
+    resumed.step(step_record(1, 0.5))
+    resumed.close()
+    records = read_records(path)  # every line parses: the fragment is gone, not glued to the next record
+    assert [r.get("step") for r in records] == [0, None, 1]
+    assert records[1] == {"time": records[1]["time"], "event": "torn_record_dropped", "bytes": len(torn)}
+    assert path.read_bytes().startswith(whole)
+
+
+def test_a_broken_line_inside_the_file_is_named(tmp_path):
+    from colocate.metrics import read_records
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\nnot json\n{"step": 1}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not JSON"):
+        read_records(path)
