@@ -4,7 +4,8 @@ vLLM mixes this class into its worker class (`worker_extension_cls`), so `self` 
 `self.model_runner.model` its model and `self.device` its device (set by the worker's `init_device`: `cuda:<i>`
 in `v1/worker/gpu_worker.py`, `cpu` in `cpu_worker.py`). Every device call names `self.device`: a
 `collective_rpc` may run on a thread whose current CUDA device is not the worker's (vLLM's own IPC weight
-transfer engine says as much), so `torch.cuda.current_device()` and argument-less `synchronize()` /
+transfer engine says so: `distributed/weight_transfer/ipc_engine.py`, "the current device is not guaranteed to
+match self.device"), so `torch.cuda.current_device()` and argument-less `synchronize()` /
 `mem_get_info()` could read another GPU. Only the model runner's `model` and `kv_caches` are read from the
 runner: its V2 version (CUDA's default) has little else that the V1 one (the CPU's) has
 (tests/unit/test_engine_runner_api.py). Method names carry a `colocate_` prefix: the worker class already has
