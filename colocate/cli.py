@@ -62,13 +62,12 @@ def local_preflight(cfg: JobConfig, *, num_gpus: int | None = None, gpu_memory_g
         return None, None  # the cluster's devices are checked once connected, before any actor starts
     plan = plan_slots(cfg, device=device, num_devices=local_device_count(device))
     prediction = preflight(cfg, device=device)
-    if device == "cuda" and prediction.phases:  # this machine is the GPU node: what it must provide
-        from colocate.node_checks import check_node, compute_modes, host_needs, mps_pipe_directory, shm_free_bytes
-        from colocate.preflight import host_available_bytes, model_dims
+    if prediction.host_needs:  # a CUDA job, and this machine is its node: what the node must provide
+        from colocate.node_checks import check_node, compute_modes, mps_pipe_directory, shm_free_bytes
+        from colocate.preflight import host_available_bytes
 
-        check_node(cfg, host_needs(cfg, model_dims(cfg), offload=prediction.plan.trainer_offload),
-                   available_host_bytes=host_available_bytes(), shm_bytes=shm_free_bytes(), modes=compute_modes(),
-                   mps=mps_pipe_directory())
+        check_node(cfg, prediction.host_needs, available_host_bytes=host_available_bytes(),
+                   shm_bytes=shm_free_bytes(), modes=compute_modes(), mps=mps_pipe_directory())
     return plan, prediction
 
 
@@ -107,13 +106,9 @@ def cmd_validate(args) -> int:
     for phase in prediction.phases:
         parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in phase.parts.items() if v)
         print(f"#   {phase.name:<8} {phase.total / GIB:6.2f} GiB  ({parts}){'  <- peak' if phase is peak else ''}")
-    if prediction.device == "cuda":
-        from colocate.node_checks import host_needs
-        from colocate.preflight import model_dims
-
-        host = host_needs(cfg, model_dims(cfg), offload=prediction.plan.trainer_offload)
+    if prediction.host_needs:
         print("# host memory on the node (the larger must fit; docs/gpu.md, node requirements): "
-              + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in host.items()))
+              + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in prediction.host_needs.items()))
     return 0
 
 

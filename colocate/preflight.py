@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from colocate.config import ConfigError, JobConfig
+from colocate.node_checks import host_needs
 from colocate.placement import sync_in_place, sync_transport
 from colocate.trainer.step_memory import micro_batch_parts, unsharded_group_bytes
 
@@ -122,6 +123,8 @@ class Prediction:
     device: str
     available_bytes: int  # CPU: the host's available memory; CUDA: one GPU's total memory
     budget_bytes: int  # what a phase may use: available_bytes less the headroom
+    host_needs: dict[str, int] = field(default_factory=dict)
+    """CUDA: what the node's host memory must hold (node_checks.host_needs); empty on the CPU or without dims."""
 
 
 def model_dims(cfg: JobConfig) -> ModelDims | None:
@@ -403,4 +406,5 @@ def preflight(cfg: JobConfig, *, device: str, available_bytes: int | None = None
     plan = plan_switch(cfg, dims, device=device, available_bytes=available)
     phases = predict_phases(cfg, dims, device=device, plan=plan, gpu_bytes=available)
     check_fits(phases, available_bytes=available, cfg=cfg, device=device, plan=plan)
-    return Prediction(plan, phases, device, available, budget)
+    host = host_needs(cfg, dims, offload=plan.trainer_offload) if device == "cuda" else {}
+    return Prediction(plan, phases, device, available, budget, host)

@@ -81,7 +81,6 @@ class MemorySaverOffload:
         self.tag = tag
         self.owner = owner
         self._free_bytes = free_bytes or (lambda: torch.cuda.mem_get_info(self.device)[0])
-        self._pool_bytes: Callable[[], int] = self._reserved_bytes
 
     @contextlib.contextmanager
     def allocation_region(self):
@@ -96,7 +95,7 @@ class MemorySaverOffload:
             raise MemorySaverError(f"{self.owner}: torch_memory_saver tag {self.tag!r} is already paused; a second "
                                    "pause would end the process (exit(1) in its C++ core)")
         num_bytes = sum(s.nbytes() for s in device_storages(tensors, self.device))
-        to_map_back = max(num_bytes, self._pool_bytes())
+        to_map_back = max(num_bytes, self._reserved_bytes())
         torch.cuda.synchronize(self.device)  # no kernel may still write the state when its memory is unmapped
         self._saver.pause(self.tag)
         _PAUSED[self.tag] = to_map_back
