@@ -237,7 +237,7 @@ def _lengths(text: str) -> list[int]:
 
 
 def cmd_plot(args) -> int:
-    from colocate.plot import plot_run
+    from colocate.telemetry.plot import plot_run
 
     print(plot_run(args.run_dir, args.out))
     return 0

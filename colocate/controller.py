@@ -40,7 +40,7 @@ from colocate.checkpoint import Checkpointer
 from colocate.config import JobConfig
 from colocate.data import PromptSource, make_prompt_source
 from colocate.faults import Watchdog
-from colocate.metrics import MetricsWriter
+from colocate.telemetry.metrics import MetricsWriter
 from colocate.rl.corrections import mismatch_stats
 from colocate.rl.evaluation import make_evaluator, should_evaluate
 from colocate.rl.rewards import make_reward

@@ -19,7 +19,7 @@ from colocate.controller import Controller
 from colocate.checkpoint import checkpoint_root, complete_checkpoints, resume_point
 from colocate.data import load_val_samples, make_prompt_source
 from colocate.faults import JobFault
-from colocate.metrics import MetricsWriter
+from colocate.telemetry.metrics import MetricsWriter
 from colocate.models import ensure_model, load_tokenizer
 from colocate.rl.evaluation import enabled as evaluation_enabled
 from colocate.runtime import Runtime

@@ -41,7 +41,7 @@ from colocate.bench.common import write_result
 from colocate.config import JobConfig, to_dict
 from colocate.controller import Controller
 from colocate.memory import process_tree
-from colocate.metrics import MetricsWriter
+from colocate.telemetry.metrics import MetricsWriter
 from colocate.runtime import Runtime
 
 # Prepended to the command line's overrides, with or without a CONFIG (the command line still wins). No

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from colocate.metrics import read_records
+from colocate.telemetry.metrics import read_records
 from tests.e2e.conftest import ROOT, assert_nothing_left, colocate_processes, launch, shm_segments
 
 pytestmark = pytest.mark.e2e

@@ -270,7 +270,7 @@ def test_plot_without_matplotlib(tmp_path, capsys, monkeypatch):
 
 def test_tensorboard_on_without_the_package(tmp_path, monkeypatch):
     from colocate.config import LoggingConfig
-    from colocate.loggers import check_sinks
+    from colocate.telemetry.sinks import check_sinks
 
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     with pytest.raises(ConfigError) as info:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from colocate.config import ConfigError
-from colocate.plot import read_steps
+from colocate.telemetry.plot import read_steps
 
 
 def test_a_directory_without_metrics_is_refused(tmp_path):
@@ -43,7 +43,7 @@ def plotted_step(step: int, **extra) -> dict:
 
 def test_evaluations_and_kl_get_their_own_panels(tmp_path):
     pytest.importorskip("matplotlib")
-    from colocate.plot import draw_steps, plot_run
+    from colocate.telemetry.plot import draw_steps, plot_run
 
     steps = [plotted_step(0, kl=0.0, eval={"pass_at_1": 0.25, "pass_at_4": 0.5}), plotted_step(1, kl=0.01),
              plotted_step(2, kl=0.02, eval={"pass_at_1": 0.5, "pass_at_4": 0.75})]
@@ -62,7 +62,7 @@ def test_evaluations_and_kl_get_their_own_panels(tmp_path):
 
 def test_without_evaluations_or_kl_there_are_four_panels():
     pytest.importorskip("matplotlib")
-    from colocate.plot import draw_steps
+    from colocate.telemetry.plot import draw_steps
 
     fig = draw_steps([plotted_step(0), plotted_step(1)], title="run")
     assert [ax.get_title() for ax in fig.axes if ax.get_title()] == [
@@ -71,7 +71,7 @@ def test_without_evaluations_or_kl_there_are_four_panels():
 
 def test_an_odd_number_of_panels_leaves_no_empty_cell():
     pytest.importorskip("matplotlib")
-    from colocate.plot import draw_steps
+    from colocate.telemetry.plot import draw_steps
 
     fig = draw_steps([plotted_step(0, eval={"pass_at_1": 1.0}), plotted_step(1)], title="run")
     titled = [ax for ax in fig.axes if ax.get_title()]
@@ -82,7 +82,7 @@ def test_an_odd_number_of_panels_leaves_no_empty_cell():
 
 
 def test_a_step_run_again_after_a_resume_counts_by_its_last_record(tmp_path):
-    from colocate.plot import read_steps
+    from colocate.telemetry.plot import read_steps
 
     records = [{"step": 0, "reward_mean": 0.1}, {"step": 1, "reward_mean": 0.2}, {"event": "resume", "step": 0},
                {"step": 1, "reward_mean": 0.3}, {"step": 2, "reward_mean": 0.4}]

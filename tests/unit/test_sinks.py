@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from colocate.config import ConfigError, LoggingConfig, load_config
-from colocate.loggers import check_sinks, scalar_tags
-from colocate.metrics import MetricsWriter, Progress, format_duration
+from colocate.telemetry.sinks import check_sinks, scalar_tags
+from colocate.telemetry.metrics import MetricsWriter, Progress, format_duration
 
 
 def step_record(step: int, reward: float = 0.5, **extra) -> dict:
@@ -249,7 +249,7 @@ def test_progress_false_prints_nothing_and_still_writes_the_jsonl(tmp_path):
 
 
 def test_a_resumed_run_cuts_the_record_a_killed_one_left_half_written(tmp_path):
-    from colocate.metrics import read_records
+    from colocate.telemetry.metrics import read_records
 
     first = MetricsWriter(logging_cfg(tmp_path), num_steps=3)
     first.step(step_record(0, 0.25))
@@ -270,7 +270,7 @@ def test_a_resumed_run_cuts_the_record_a_killed_one_left_half_written(tmp_path):
 
 
 def test_a_broken_line_inside_the_file_is_named(tmp_path):
-    from colocate.metrics import read_records
+    from colocate.telemetry.metrics import read_records
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0}\nnot json\n{"step": 1}\n')

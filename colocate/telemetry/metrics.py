@@ -1,5 +1,5 @@
 """Metrics: one JSON line per step in `<output_dir>/metrics.jsonl`, fanned out to the optional sinks (TensorBoard,
-Weights & Biases: colocate/loggers.py), and progress on stderr.
+Weights & Biases: colocate/telemetry/sinks.py), and progress on stderr.
 
 Each record is flushed as it is written, so a run that stops (error, Ctrl-C) keeps every finished step. The JSONL
 is the source of truth: events ({"event": "startup"}, errors) and the text of samples go there only. A run killed
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TextIO
 
 from colocate.config import LoggingConfig
-from colocate.loggers import Sink, open_sinks, scalar_tags
+from colocate.telemetry.sinks import Sink, open_sinks, scalar_tags
 
 log = logging.getLogger("colocate")
 

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 from colocate.config import ConfigError
-from colocate.metrics import read_records
+from colocate.telemetry.metrics import read_records
 
 PHASES = ("rollout", "score", "switch", "train", "sync")
 GIB = 1 << 30
