@@ -63,7 +63,7 @@ def local_preflight(cfg: JobConfig, *, num_gpus: int | None = None, gpu_memory_g
     plan = plan_slots(cfg, device=device, num_devices=local_device_count(device))
     prediction = preflight(cfg, device=device)
     if prediction.host_needs:  # a CUDA job, and this machine is its node: what the node must provide
-        from colocate.node_checks import check_node, compute_modes, mps_pipe_directory, shm_free_bytes
+        from colocate.host.node_checks import check_node, compute_modes, mps_pipe_directory, shm_free_bytes
         from colocate.preflight import host_available_bytes
 
         check_node(cfg, prediction.host_needs, available_host_bytes=host_available_bytes(),
@@ -244,7 +244,7 @@ def cmd_plot(args) -> int:
 
 
 def cmd_clean(args) -> int:
-    from colocate.cleanup import CleanError, clean_runs
+    from colocate.host.clean import CleanError, clean_runs
 
     try:
         return clean_runs(args.run_dirs, dry_run=args.dry_run)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from colocate.config import ConfigError, JobConfig
-from colocate.node_checks import host_needs
+from colocate.host.node_checks import host_needs
 from colocate.placement import sync_in_place, sync_transport
 from colocate.trainer.step_memory import micro_batch_parts, unsharded_group_bytes
 

@@ -7,7 +7,7 @@
 
 Each runtime is one job with a random token (`self.job`): its segments' names, its Ray namespace
 (`colocate-<job>`) and its actors' names carry it, and <logging.output_dir>/job.json records what it started, so
-`colocate clean` can remove what a SIGKILLed controller left and nothing else (colocate/cleanup.py). The Ray it
+`colocate clean` can remove what a SIGKILLed controller left and nothing else (colocate/host/clean.py). The Ray it
 starts itself listens on loopback only; so does the trainers' TCPStore when they share one node
 (docs/security.md).
 
@@ -27,7 +27,7 @@ import time
 
 import ray
 
-from colocate.cleanup import JobRecord, actor_processes, process_tree, stop_processes
+from colocate.host.clean import JobRecord, actor_processes, process_tree, stop_processes
 from colocate.config import JobConfig
 from colocate.engine.actor import EngineActor, engine_env
 from colocate.models import ensure_model, load_tokenizer

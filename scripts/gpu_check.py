@@ -580,7 +580,7 @@ def memory_saver_section(device: torch.device, tms: dict) -> dict:
         return {"status": "skipped", "reason": "needs CUDA"}
     if not tms["available"]:
         return {"status": "skipped", "reason": tms["reason"]}
-    from colocate.memory import process_rss_bytes
+    from colocate.host.memory import process_rss_bytes
     from colocate.trainer.memory_saver import DeviceMemoryShortfall, MemorySaverError, MemorySaverOffload
 
     offloader = MemorySaverOffload(device, tag="gpu-check-guard", owner="gpu_check")

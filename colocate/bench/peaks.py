@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 
-from colocate.memory import tree_pss_bytes
+from colocate.host.memory import tree_pss_bytes
 
 # The controller's last recorded event -> the phase whose memory is resident now. Each switch first releases
 # (engine sleep, gradients, trainer offload: memory falls, still the old phase's) and then acquires (trainer

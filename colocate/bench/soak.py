@@ -40,7 +40,7 @@ import ray
 from colocate.bench.common import write_result
 from colocate.config import JobConfig, to_dict
 from colocate.controller import Controller
-from colocate.memory import process_tree
+from colocate.host.memory import process_tree
 from colocate.telemetry.metrics import MetricsWriter
 from colocate.runtime import Runtime
 
@@ -123,7 +123,7 @@ def _device(memory: dict) -> dict:
 
 def trainer_resources(actor) -> dict:
     """Runs inside a TrainerActor (`__ray_call__`)."""
-    from colocate.devices import device_memory
+    from colocate.host.devices import device_memory
 
     return {**process_resources(os.getpid()), **_device(device_memory(actor.device))}
 

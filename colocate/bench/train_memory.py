@@ -25,7 +25,7 @@ import time
 
 from colocate.bench.common import write_result
 from colocate.config import JobConfig
-from colocate.memory import process_rss_bytes, return_free_memory_to_os
+from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.preflight import PROMPT_TOKENS  # the rows the preflight pictures: a 64-token prompt, then the answer
 
 TOLERANCE = 0.15

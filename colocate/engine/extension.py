@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from colocate.memory import process_rss_bytes, return_free_memory_to_os
+from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.sync.load import verify_then_load
 from colocate.sync.reshard import SyncPlan
 from colocate.sync.transport import attach, create_buffer
@@ -160,7 +160,7 @@ class ColocateWorkerExtension:
         TP rank (COLOCATE_ENGINE_SLOTS, set by placement.engine_placement)."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        from colocate.devices import device_name
+        from colocate.host.devices import device_name
 
         if self.device.type == "cuda":
             return device_name(self.device)
@@ -211,7 +211,7 @@ class ColocateWorkerExtension:
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 kv += storage.nbytes()
-        from colocate.devices import device_memory
+        from colocate.host.devices import device_memory
 
         return {"weight_bytes": weights, "kv_cache_bytes": kv, "rss_bytes": self.colocate_rss(), "pid": os.getpid(),
                 **device_memory(self.device)}

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from colocate.memory import advise_huge_pages, return_free_memory_to_os
+from colocate.host.memory import advise_huge_pages, return_free_memory_to_os
 
 WEIGHTS = "weights"
 KV_CACHE = "kv_cache"

@@ -18,8 +18,8 @@ from datetime import timedelta
 
 import torch
 
-from colocate.devices import device_memory, device_name, local_cuda_device
-from colocate.memory import process_rss_bytes, return_free_memory_to_os
+from colocate.host.devices import device_memory, device_name, local_cuda_device
+from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.sync.buckets import TensorSpec
 from colocate.sync.reshard import SyncPlan
 from colocate.sync.shards import bucket_copies, local_shards, run_copies

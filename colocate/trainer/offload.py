@@ -42,7 +42,7 @@ from typing import Protocol
 
 import torch
 
-from colocate.memory import advise_huge_pages, return_free_memory_to_os
+from colocate.host.memory import advise_huge_pages, return_free_memory_to_os
 
 RETURN_EVERY_BYTES = 256 << 20  # trim the heap this often while offloading: bounds the transient double copy
 HOST_ALIGN = 64  # byte alignment of each storage's slice of the pinned host buffer

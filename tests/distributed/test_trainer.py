@@ -66,7 +66,7 @@ def test_two_ranks_match_one_rank(tmp_path, loss):
 
 
 def _offload_round_trip(rank: int, world_size: int, port: int, model_path: str):
-    from colocate.memory import process_rss_bytes
+    from colocate.host.memory import process_rss_bytes
     from colocate.trainer.actor import TrainerActor
 
     cfg = TrainerConfig(lr=1e-3, micro_batch_size=2, offload="true")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate.memory import process_rss_bytes
+from colocate.host.memory import process_rss_bytes
 from colocate.sync.arena import WeightArena
 from colocate.sync.buckets import ALIGN
 from colocate.sync.transport import attach

@@ -1,4 +1,4 @@
-"""A GPU node's requirements beyond GPU memory (colocate/node_checks.py), each refused in one line naming what
+"""A GPU node's requirements beyond GPU memory (colocate/host/node_checks.py), each refused in one line naming what
 to change; the readings (NVML's compute modes, the MPS pipe, /dev/shm, MemAvailable) are passed in."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from colocate.config import ConfigError, load_config
-from colocate.node_checks import GIB, check_node, host_needs, mps_pipe_directory, shm_free_bytes
+from colocate.host.node_checks import GIB, check_node, host_needs, mps_pipe_directory, shm_free_bytes
 from colocate.preflight import model_dims
 from tests.unit.test_preflight import QWEN_7B
 

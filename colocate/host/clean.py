@@ -313,7 +313,7 @@ def _other_drivers(ray_info: dict, ours: set[int]) -> set[int]:
 def _cluster_actors(ray_info: dict, *, kill: bool) -> list[str]:
     """Kill (or list) the job's named actors on the cluster it joined, in a child process with a deadline: a
     cluster that is gone must not hang `clean`. Normally there is none: Ray kills a driver's actors with it."""
-    cmd = [sys.executable, "-m", "colocate.cleanup", ray_info.get("address") or "auto", ray_info["namespace"],
+    cmd = [sys.executable, "-m", "colocate.host.clean", ray_info.get("address") or "auto", ray_info["namespace"],
            "kill" if kill else "list"]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=90, check=False)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from colocate.cleanup import (CleanError, JobRecord, check_cleanable, clean, clean_runs, process_entry,
+from colocate.host.clean import (CleanError, JobRecord, check_cleanable, clean, clean_runs, process_entry,
                               process_tree, same_process, start_ticks)
 from colocate.sync.transport import (JOB_ENV, SHM_DIR, ShmBuffer, ShmHandle, attach, remove_orphaned_entries,
                                      remove_stale_segments)
