@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import ray
 
+from colocate.host.procfs import process_state
+
 PROBE_TIMEOUT_S = 5.0  # a member's pid() that does not return within this is silent: busy, or lost
 LOSS_WAIT_S = 60.0  # how long a silent member's fate is awaited (Ray's health check takes ~15-30 s by default)
 
@@ -117,15 +119,6 @@ def parse_injection(spec: str) -> Injection:
     name = f"trainer rank {trainer}" if trainer is not None else \
         f"engine {engine}" + (f" TP worker {worker}" if worker is not None else "")
     return Injection(signum, name, phase, int(step))
-
-
-def process_state(pid: int) -> str | None:
-    """The kernel's one-letter state of a process (R, S, D, T stopped, t traced, Z zombie), None when gone."""
-    try:
-        stat = open(f"/proc/{pid}/stat").read()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[0]
 
 
 def signal_name(exit_code: int | None) -> str:

@@ -27,7 +27,8 @@ import time
 
 import ray
 
-from colocate.host.clean import JobRecord, actor_processes, process_tree, stop_processes
+from colocate.host.clean import JobRecord
+from colocate.host.procfs import actor_processes, process_tree, stop_processes
 from colocate.config import JobConfig
 from colocate.engine.actor import EngineActor, engine_env
 from colocate.models import ensure_model, load_tokenizer

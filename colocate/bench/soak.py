@@ -40,7 +40,7 @@ import ray
 from colocate.bench.common import write_result
 from colocate.config import JobConfig, to_dict
 from colocate.controller import Controller
-from colocate.host.memory import process_tree
+from colocate.host.procfs import process_tree
 from colocate.telemetry.metrics import MetricsWriter
 from colocate.runtime import Runtime
 
@@ -133,7 +133,7 @@ def engine_resources(actor) -> dict:
     are found by the pids their own `colocate_memory` reports, anything else under the actor by its comm."""
     workers = {w["pid"]: (rank, w) for rank, w in enumerate(actor.memory())}
     out = {"actor": process_resources(os.getpid())}
-    pids = set(process_tree(os.getpid())) | set(workers)  # on CUDA the workers are Ray's, not our children
+    pids = {e["pid"] for e in process_tree(os.getpid())} | set(workers)  # on CUDA the workers are Ray's, not our children
     for pid in sorted(pids - {os.getpid()}):
         try:
             if pid in workers:
@@ -165,7 +165,7 @@ def sample(rt: Runtime) -> tuple[dict[str, float], dict[str, dict]]:
     """One reading of every resource, flat: "kind/process" -> value; and per process its fds and threads by name
     and its RSS by kind of page."""
     procs = {"controller": process_resources(os.getpid())}
-    for pid in process_tree(os.getpid()):  # Ray's daemons, when this job started its own Ray
+    for pid in [e["pid"] for e in process_tree(os.getpid())]:  # Ray's daemons, when this job started its own Ray
         try:
             comm = Path(f"/proc/{pid}/comm").read_text().strip()
             if comm in ("gcs_server", "raylet"):

@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from colocate.host.procfs import (cmdline, process_entry, same_process, session_daemons, session_processes,
+                                   start_ticks, stop_processes, tcp_clients)
 from colocate.sync.transport import SEGMENT_PREFIX, SHM_DIR, is_ours, job_segments, mapped_by, segment_pid
 
 RECORD = "job.json"
@@ -43,131 +43,6 @@ RECORD = "job.json"
 
 class CleanError(Exception):
     """A run `clean` must not or cannot touch; one line for the user (exit 2)."""
-
-
-# ------------------------------------------------------------------------------------------------- processes
-
-def start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks after boot (None: no such process, or a zombie: it holds
-    nothing but its pid, and its parent, not us, reaps it)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # the name may hold spaces
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])  # fields 3 (state) and 22 (starttime)
-
-
-def process_entry(pid: int) -> dict | None:
-    ticks = start_ticks(pid)
-    return None if ticks is None else {"pid": pid, "start": ticks}
-
-
-def same_process(entry: dict) -> bool:
-    """The recorded process is still alive (not a later process that reuses its pid) and is this user's."""
-    try:
-        owner = os.stat(f"/proc/{entry['pid']}").st_uid
-    except OSError:
-        return False
-    return owner == os.getuid() and start_ticks(entry["pid"]) == entry["start"]
-
-
-def process_tree(root: int) -> list[dict]:
-    """`root` and its descendants, as {pid, start}."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        if (entry := process_entry(pid)) is not None:
-            found.append(entry)
-        todo.extend(children.get(pid, []))
-    return found
-
-
-def actor_processes(_actor=None) -> dict:
-    """Run inside an actor (`actor.__ray_call__.remote(actor_processes)`): its host and process tree (for an
-    engine, with its vLLM workers)."""
-    return {"host": socket.gethostname(), "processes": process_tree(os.getpid())}
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-def session_daemons(session_dir: str) -> list[int]:
-    """This user's processes whose command line names Ray session `session_dir`: gcs_server, the raylet, the
-    dashboard, the monitors (not the workers: Ray renames them `ray::...`)."""
-    names = re.compile(re.escape(session_dir.rstrip("/")) + r"(/|\s|$)")  # not a session whose name extends it
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        entry = process_entry(int(proc.name))
-        if entry and entry["pid"] != os.getpid() and same_process(entry) and names.search(_cmdline(entry["pid"])):
-            found.append(entry["pid"])
-    return found
-
-
-def session_processes(session_dir: str) -> list[dict]:
-    """The session's daemons and their descendants (the raylet's workers)."""
-    found = {e["pid"]: e for pid in session_daemons(session_dir) for e in process_tree(pid)}
-    return [e for e in found.values() if same_process(e)]
-
-
-def _tcp_clients(port: int) -> set[int]:
-    """Pids with an established TCP connection to `port` (any local address)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:  # ESTABLISHED, remote port
-                inodes.add(fields[9])
-    pids = set()
-    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
-        try:
-            links = [os.readlink(fd) for fd in fd_dir.iterdir()]
-        except OSError:
-            continue
-        if any(link.startswith("socket:[") and link[8:-1] in inodes for link in links):
-            pids.add(int(fd_dir.parent.name))
-    return pids
-
-
-def stop_processes(entries: list[dict], *, grace_s: float = 5.0) -> list[dict]:
-    """SIGTERM, then SIGKILL what is still alive after `grace_s`; returns the entries that were alive.
-
-    multiprocessing's resource trackers go last, and are given the time to finish on their own: a tracker
-    unlinks the named semaphores (sem.mp-*) its process created once every holder of its pipe is gone, and
-    nothing else knows those names (vLLM's engine creates two; killed first, the tracker left them behind).
-    It ignores SIGTERM; SIGKILL only if it is still there after the grace."""
-    alive = [e for e in entries if same_process(e)]
-    trackers = [e for e in alive if "multiprocessing.resource_tracker" in _cmdline(e["pid"])]
-    _signal_and_wait([e for e in alive if e not in trackers], grace_s, (signal.SIGTERM, signal.SIGKILL))
-    _signal_and_wait(trackers, grace_s, (None, signal.SIGKILL))
-    return alive
-
-
-def _signal_and_wait(entries: list[dict], grace_s: float, signals: tuple) -> None:
-    for sig in signals:
-        for entry in entries:
-            if sig is not None and same_process(entry):
-                try:
-                    os.kill(entry["pid"], sig)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace_s
-        while any(same_process(e) for e in entries) and time.monotonic() < deadline:
-            time.sleep(0.1)
 
 
 # ---------------------------------------------------------------------------------------------------- record
@@ -239,7 +114,7 @@ def clean(run_dir: str | Path, *, dry_run: bool = False, say=print) -> tuple[int
         else:
             processes.update({e["pid"]: e for e in session})
     alive = [e for e in processes.values() if same_process(e)]
-    names = {e["pid"]: _cmdline(e["pid"])[:80] for e in alive}
+    names = {e["pid"]: cmdline(e["pid"])[:80] for e in alive}
     stopped = alive if dry_run else stop_processes(alive)
     for entry in stopped:
         say(f"{verb} process {entry['pid']} ({names[entry['pid']]})")
@@ -306,7 +181,7 @@ def _other_drivers(ray_info: dict, ours: set[int]) -> set[int]:
     address = ray_info.get("gcs_address") or ""
     if ":" not in address:
         return set()
-    clients = _tcp_clients(int(address.rsplit(":", 1)[1]))
+    clients = tcp_clients(int(address.rsplit(":", 1)[1]))
     return {pid for pid in clients - ours if pid != os.getpid()}
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import os
 
+from colocate.host.procfs import process_tree
+
 
 def process_rss_bytes(pid: int | str = "self", *, shared_memory: bool = True) -> int:
     """Resident set size of a process (default: this one), in bytes. `shared_memory=False` leaves out its
@@ -59,34 +61,12 @@ def return_free_memory_to_os() -> None:
         libc.malloc_trim(0)
 
 
-def process_tree(root: int) -> list[int]:
-    """`root` and every process descending from it (a local job: the driver, Ray's daemons and workers, the
-    actors, vLLM's TP workers)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:  # exited meanwhile
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
-
-
 def tree_pss_bytes(root: int) -> dict[str, int]:
     """Memory of a whole process tree by process name (`/proc/PID/comm`, e.g. ray::TrainerAct), each page
     counted once: proportional set sizes (a page shared by n processes counts 1/n in each). Summing RSS instead
     would count a weight arena, a ring or a shared library once per process mapping it."""
     by_name: dict[str, int] = {}
-    for pid in process_tree(root):
+    for pid in [e["pid"] for e in process_tree(root)]:
         try:
             with open(f"/proc/{pid}/comm") as f:
                 name = f.read().strip()

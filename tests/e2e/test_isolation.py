@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from colocate.host.clean import process_tree, same_process, session_processes
+from colocate.host.procfs import process_tree, same_process, session_processes
 from colocate.sync.transport import SEGMENT_PREFIX, SHM_DIR, segment_job
 from tests.e2e.conftest import ROOT, small_job
 

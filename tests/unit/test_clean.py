@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from colocate.host.clean import (CleanError, JobRecord, check_cleanable, clean, clean_runs, process_entry,
-                              process_tree, same_process, start_ticks)
+from colocate.host.clean import CleanError, JobRecord, check_cleanable, clean, clean_runs
+from colocate.host.procfs import process_entry, process_tree, same_process, start_ticks
 from colocate.sync.transport import (JOB_ENV, SHM_DIR, ShmBuffer, ShmHandle, attach, remove_orphaned_entries,
                                      remove_stale_segments)
 
