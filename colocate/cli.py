@@ -121,7 +121,7 @@ def cmd_launch(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    from colocate.submit import submit_job
+    from colocate.cluster.submit import submit_job
 
     # Not resolve(): the job joins the cluster from inside it (`--address auto`), so neither the job server's URL
     # nor this shell's RAY_ADDRESS belongs in its config.
@@ -132,20 +132,20 @@ def cmd_submit(args) -> int:
 
 
 def cmd_jobs(args) -> int:
-    from colocate.submit import show_jobs
+    from colocate.cluster.submit import show_jobs
 
     return _job_command(lambda: show_jobs(address=args.job_server, token_file=args.token_file))
 
 
 def cmd_logs(args) -> int:
-    from colocate.submit import show_logs
+    from colocate.cluster.submit import show_logs
 
     return _job_command(lambda: show_logs(args.job, follow=args.follow, address=args.job_server,
                                           token_file=args.token_file))
 
 
 def cmd_stop(args) -> int:
-    from colocate.submit import stop_job
+    from colocate.cluster.submit import stop_job
 
     if args.timeout <= 0:
         raise ConfigError(f"--timeout {args.timeout:g} is invalid: expected seconds > 0")
@@ -156,7 +156,7 @@ def cmd_stop(args) -> int:
 def _job_command(run) -> int:
     """The job server's failures are one line and exit 1 (user mistakes are ConfigErrors, exit 2, in main);
     Ctrl-C is exit 130 (while following a job, follow_or_detach says first that the job keeps running)."""
-    from colocate.submit import JobServerError
+    from colocate.cluster.submit import JobServerError
 
     try:
         code = run()

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from colocate.submit import follow_job
+from colocate.cluster.submit import follow_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 BIN = Path(sys.executable).parent

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import colocate.submit as jobs
+import colocate.cluster.submit as jobs
 from colocate.cli import build_parser, main
 from colocate.config import ConfigError
 
@@ -215,7 +215,7 @@ def test_token_from_rays_variables_only_in_token_mode(tmp_path, monkeypatch):
     token.chmod(0o600)
     # Read in a child each time: Ray's token loader caches per process, and a Ray started earlier in this
     # process (the e2e tests run before the unit tests) switches it to token mode.
-    probe = ("import colocate.submit as j; h, s = j.token_headers(None); "
+    probe = ("import colocate.cluster.submit as j; h, s = j.token_headers(None); "
              "print(list(h.values())[0] if h else '', s, sep='|')")
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_API_SERVER", "RAY_AUTH"))}
     for extra, expected in [({}, "|no token (RAY_AUTH_MODE is not 'token' and no --token-file)"),

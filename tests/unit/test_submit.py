@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 
 from colocate.config import load_config
-from colocate.submit import entrypoint
+from colocate.cluster.submit import entrypoint
 
 
 def test_entrypoint_round_trips_the_resolved_config():
