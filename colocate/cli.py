@@ -254,7 +254,7 @@ def cmd_clean(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from colocate.export import ExportError, export_hf, find_checkpoint
+    from colocate.checkpoint.export import ExportError, export_hf, find_checkpoint
 
     try:
         checkpoint = find_checkpoint(args.checkpoint)

@@ -13,7 +13,7 @@
                  trainer.offload ; engine.wake(kv_cache)  ──> next step
 
 After the sync, when due: evaluation on the validation prompts (rl.evaluation, the same engines, awake) and a
-checkpoint (colocate.checkpoint: trainer shards, data place, unfinished answers). A resumed run loads the
+checkpoint (colocate.checkpoint.layout: trainer shards, data place, unfinished answers). A resumed run loads the
 checkpoint, syncs the loaded weights into the engines, and goes on with the next step.
 
 The switching order is written down here and only here. It keeps each side's large state off the device while
@@ -36,7 +36,7 @@ import numpy as np
 import ray
 import torch
 
-from colocate.checkpoint import Checkpointer
+from colocate.checkpoint.checkpointer import Checkpointer
 from colocate.config import JobConfig
 from colocate.data import PromptSource, make_prompt_source
 from colocate.faults import Watchdog

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from colocate.config import ConfigError, JobConfig, to_dict
 from colocate.controller import Controller
-from colocate.checkpoint import checkpoint_root, complete_checkpoints, resume_point
+from colocate.checkpoint.layout import checkpoint_root, complete_checkpoints, resume_point
 from colocate.data import load_val_samples, make_prompt_source
 from colocate.faults import JobFault
 from colocate.telemetry.metrics import MetricsWriter

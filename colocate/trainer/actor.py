@@ -340,7 +340,7 @@ class TrainerActor:
     def save_checkpoint(self, directory: str) -> None:
         """This rank's shards of the model and optimizer (a collective: every rank calls it), wherever the
         state is now; an offloaded state comes back for the write and goes out again."""
-        from colocate.trainer.checkpoint import save_rank_state
+        from colocate.checkpoint.rank_state import save_rank_state
 
         offloaded = self._offloaded
         self.onload()
@@ -351,7 +351,7 @@ class TrainerActor:
     def load_checkpoint(self, directory: str) -> None:
         """Read a checkpoint into the live shards (a collective). The optimizer's state is created first, in the
         offloader's region as a step would create it, then overwritten in place."""
-        from colocate.trainer.checkpoint import load_rank_state
+        from colocate.checkpoint.rank_state import load_rank_state
 
         offloaded = self._offloaded
         self.onload()

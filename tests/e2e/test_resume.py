@@ -99,7 +99,7 @@ def test_resume_is_exact_and_the_export_loads(tmp_path):
 def test_a_checkpoint_of_another_model_is_refused_before_anything_starts(tmp_path):
     checkpoint = tmp_path / "ckpt" / "step_00000000"
     (checkpoint / "trainer").mkdir(parents=True)
-    from colocate.checkpoint import model_signature
+    from colocate.checkpoint.layout import model_signature
     from colocate.config import ModelConfig
     from colocate.models import ensure_model
 

@@ -185,7 +185,7 @@ def test_each_preflight_advice_names_the_key_to_change(phase, largest, overrides
 
 
 def _checkpoint(tmp_path: Path, cfg, **signature_changes) -> Path:
-    from colocate.checkpoint import COMMIT_FILE, job_signature
+    from colocate.checkpoint.layout import COMMIT_FILE, job_signature
 
     path = tmp_path / "checkpoints" / "step_00000004"
     path.mkdir(parents=True)
@@ -200,7 +200,7 @@ def _checkpoint(tmp_path: Path, cfg, **signature_changes) -> Path:
 
 
 def _resume(cfg, path) -> str:
-    from colocate.checkpoint import resume_point
+    from colocate.checkpoint.layout import resume_point
 
     cfg.checkpoint.resume = str(path)
     with pytest.raises(ConfigError) as info:
@@ -231,7 +231,7 @@ def test_resume_from_a_checkpoint_of_another_job(changes, needle, tmp_path):
     cfg = load_config(None, [])
     message = _resume(cfg, _checkpoint(tmp_path, cfg, **changes))
     assert message.startswith("checkpoint.resume=") and needle in message, message
-    from colocate.checkpoint import resume_point
+    from colocate.checkpoint.layout import resume_point
 
     cfg.checkpoint.resume = str(_checkpoint(tmp_path / "same", cfg))
     assert resume_point(cfg, MODEL_DIR).name == "step_00000004"  # the same job's checkpoint is accepted

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from colocate.checkpoint import COMMIT_FILE, MODEL_FILES, complete_checkpoints
+from colocate.checkpoint.layout import COMMIT_FILE, MODEL_FILES, complete_checkpoints
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _MODEL_PREFIX = "model."  # the trainer saves {"model": ..., "optimizer": ...}; DCP flattens keys with dots

@@ -25,13 +25,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import shutil
-import time
 from pathlib import Path
 
-from colocate.config import ConfigError, JobConfig, to_dict
+from colocate.config import ConfigError, JobConfig
 
 log = logging.getLogger("colocate")
 
@@ -116,58 +113,3 @@ def check_compatible(path: Path, mine: dict) -> None:
         if theirs[key] != mine[key]:
             raise ConfigError(f"checkpoint.resume={str(path)!r} is invalid: it was saved with {theirs[key]} {what}, "
                               f"this job has {mine[key]}")
-
-
-class Checkpointer:
-    """Saves the job's state after chosen steps and keeps the newest few."""
-
-    def __init__(self, cfg: JobConfig, model_path: str):
-        self.cfg, self.model_path = cfg, model_path
-        self.root = checkpoint_root(cfg)
-
-    def due(self, num_done: int, num_steps: int) -> bool:
-        every, at_end = self.cfg.checkpoint.every_steps, self.cfg.checkpoint.at_end
-        return (at_end and num_done == num_steps) or (every > 0 and num_done % every == 0)
-
-    def save(self, step: int, trainers: list, controller_state: dict) -> Path:
-        """A collective of the trainers (each writes its shards) and the controller's JSON; committed by the
-        rename of the finished folder. Returns the checkpoint's path."""
-        import ray
-
-        final = step_path(self.root, step)
-        partial = final.with_name(final.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)  # a save killed halfway
-        partial.mkdir(parents=True)
-        started = time.perf_counter()
-        ray.get([t.save_checkpoint.remote(str(partial)) for t in trainers])
-        (partial / "controller.json").write_text(json.dumps(controller_state))
-        (partial / "model").mkdir()
-        for name in MODEL_FILES:
-            if (Path(self.model_path) / name).is_file():
-                shutil.copy2(Path(self.model_path) / name, partial / "model" / name)
-        if self.cfg.checkpoint.export_hf:
-            from colocate.export import export_hf
-
-            export_hf(partial, partial / "hf", dtype=self.cfg.engine.dtype)
-        meta = {"step": step, "time": time.time(), "signature": job_signature(self.cfg, self.model_path),
-                "config": to_dict(self.cfg), "seconds": time.perf_counter() - started}
-        (partial / COMMIT_FILE).write_text(json.dumps(meta, indent=1))
-        if final.exists():  # the same step saved again by a run resumed from before it
-            shutil.rmtree(final)
-        os.rename(partial, final)
-        self.prune()
-        return final
-
-    def prune(self) -> None:
-        keep = self.cfg.checkpoint.keep_last
-        if keep:
-            for _, path in complete_checkpoints(self.root)[:-keep]:
-                shutil.rmtree(path, ignore_errors=True)
-
-    @staticmethod
-    def load(path: Path, trainers: list) -> dict:
-        """Load the trainer shards (a collective) and return the controller's state."""
-        import ray
-
-        ray.get([t.load_checkpoint.remote(str(path)) for t in trainers])
-        return json.loads((path / "controller.json").read_text())
