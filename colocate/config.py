@@ -286,7 +286,7 @@ class JobConfig:
 
     def validate(self) -> None:
         """Checks that need no machine. Raises ConfigError naming the first bad key."""
-        from colocate import models  # local: models imports this module
+        from colocate.models import sources as models  # local: models imports this module
 
         _positive(self, "trainer.lr", "trainer.micro_batch_size", "trainer.num_threads", "engine.tp",
                   "engine.max_model_len", "sync.num_bucket_slots", "rollout.num_prompts", "rollout.num_samples",
@@ -404,7 +404,7 @@ class JobConfig:
     def _validate_data(self) -> None:
         """The data keys and that every file exists with a supported extension; reading the rows (keys, empty
         prompts, lengths) needs the tokenizer and is `data.make_prompt_source`'s, still before any actor starts."""
-        from colocate.data import data_files
+        from colocate.rl.data import data_files
 
         _one_of(self, "data.too_long", ["filter", "error"])
         _non_negative(self, "data.max_prompt_tokens")
@@ -464,7 +464,7 @@ def largest_tensor_bytes(cfg: JobConfig) -> int | None:
     (None when the model is a hub id not on this machine)."""
     import json
 
-    from colocate import models
+    from colocate.models import sources as models
 
     if not cfg.model.path:
         p = models.PRESETS[cfg.model.preset]

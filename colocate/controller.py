@@ -38,7 +38,7 @@ import torch
 
 from colocate.checkpoint.checkpointer import Checkpointer
 from colocate.config import JobConfig
-from colocate.data import PromptSource, make_prompt_source
+from colocate.rl.data import PromptSource, make_prompt_source
 from colocate.faults import Watchdog
 from colocate.telemetry.metrics import MetricsWriter
 from colocate.rl.corrections import mismatch_stats

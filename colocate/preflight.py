@@ -129,7 +129,7 @@ class Prediction:
 
 def model_dims(cfg: JobConfig) -> ModelDims | None:
     """From the preset, or the model's config.json on this machine (None for a hub id not on this machine)."""
-    from colocate import models
+    from colocate.models import sources as models
 
     if not cfg.model.path:
         p = models.PRESETS[cfg.model.preset]

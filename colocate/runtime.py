@@ -31,7 +31,7 @@ from colocate.host.clean import JobRecord
 from colocate.host.procfs import actor_processes, process_tree, stop_processes
 from colocate.config import JobConfig
 from colocate.engine.actor import EngineActor, engine_env
-from colocate.models import ensure_model, load_tokenizer
+from colocate.models.sources import ensure_model, load_tokenizer
 from colocate.placement import (ENGINE_SHARE, TRAINER_SHARE, actor_options, cluster_nodes, create_placement_group,
                                 engine_placement, local_device_count, pair_devices, plan_nodes, plan_slots,
                                 resolve_device, sleep_backend, sync_transport)

@@ -17,10 +17,10 @@ from pathlib import Path
 from colocate.config import ConfigError, JobConfig, to_dict
 from colocate.controller import Controller
 from colocate.checkpoint.layout import checkpoint_root, complete_checkpoints, resume_point
-from colocate.data import load_val_samples, make_prompt_source
+from colocate.rl.data import load_val_samples, make_prompt_source
 from colocate.faults import JobFault
 from colocate.telemetry.metrics import MetricsWriter
-from colocate.models import ensure_model, load_tokenizer
+from colocate.models.sources import ensure_model, load_tokenizer
 from colocate.rl.evaluation import enabled as evaluation_enabled
 from colocate.runtime import Runtime
 

@@ -336,7 +336,7 @@ def _fsdp2_child(backends: list[str], cache_dir: str, results) -> None:
     """One process, one trainer per offload backend in turn (a fresh NCCL group each), so a backend that fails
     does not hide what the other shows."""
     try:
-        from colocate.models import ensure_model
+        from colocate.models.sources import ensure_model
 
         t0 = time.perf_counter()
         path = ensure_model(ModelConfig(preset="tiny", cache_dir=cache_dir))

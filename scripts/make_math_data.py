@@ -13,7 +13,7 @@ Each row has three keys:
 - ``answer``: the non-negative integer result, as text.
 
 Every character of prompt, expression and answer is in the embedded tiny model's character vocabulary
-(`colocate.models.CHARACTERS`: digits, lowercase letters, space and "+-=*,:;"), so the default model can read
+(`colocate.models.sources.CHARACTERS`: digits, lowercase letters, space and "+-=*,:;"), so the default model can read
 both variants and write every answer. The output depends on the arguments only (a private `random.Random`), and
 no validation prompt appears in the training file; a unit test regenerates the files and compares bytes.
 """

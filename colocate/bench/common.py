@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-# The bench preset on the CPU: 24 layers, >= 0.4 GB of bf16 weights, engine TP=2 (see colocate.models). The
+# The bench preset on the CPU: 24 layers, >= 0.4 GB of bf16 weights, engine TP=2 (see colocate.models.sources). The
 # switch is what the switch benchmark measures: both sides move, whatever the preflight would choose.
 BENCH_DEFAULTS = ["model.preset=bench", "engine.kv_cache_gib=0.25", "engine.max_model_len=128",
                   "logging.progress=false", "engine.sleep_level=2", "trainer.offload=true"]

@@ -116,7 +116,7 @@ def _next_reading(queue, worker) -> dict | None:
 
 
 def run_train_memory_bench(cfg: JobConfig, *, lengths: list[int], out_dir: str, name: str) -> dict:
-    from colocate.models import ensure_model
+    from colocate.models.sources import ensure_model
     from colocate.preflight import micro_batch_bytes, model_dims
 
     assert lengths == sorted(lengths) and lengths, "lengths ascending"

@@ -177,7 +177,7 @@ class Evaluator:
 def eval_samples(cfg: JobConfig, tokenizer, task: Task | None) -> list[Sample]:
     """data.val_files' samples, or with no data files a fixed draw of the toy task's prompts (eval.seed)."""
     if cfg.data.val_files:
-        from colocate.data import load_val_samples
+        from colocate.rl.data import load_val_samples
 
         return load_val_samples(cfg, tokenizer)
     # JobConfig.validate refuses evaluation of a run on data.train_files without val files

@@ -1,7 +1,7 @@
 """Toy RL tasks for the character-vocabulary models: prompts, reference answers and dense rewards.
 
 A task turns a random generator into a (prompt, answer) pair and scores a model's response against the
-answer. The built-ins use only characters of `colocate.models.CHARACTERS`, so the embedded models can
+answer. The built-ins use only characters of `colocate.models.sources.CHARACTERS`, so the embedded models can
 read and write them:
 
 - ``copy``:    ``"4071="``      -> ``"4071"``

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from colocate.config import ModelConfig, TrainerConfig
-from colocate.models import ensure_model
+from colocate.models.sources import ensure_model
 from tests.distributed.conftest import run_distributed
 from tests.distributed.test_trainer import SEQS
 

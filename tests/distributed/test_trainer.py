@@ -8,7 +8,7 @@ import torch
 
 from colocate.config import ModelConfig, TrainerConfig
 from colocate.trainer.grpo import LossSettings
-from colocate.models import ensure_model
+from colocate.models.sources import ensure_model
 from tests.distributed.conftest import run_distributed
 
 SEQS = [
@@ -96,7 +96,7 @@ def test_offload_frees_the_trainer_state_and_restores_it_exactly(tmp_path):
     # big enough that its tensors come from mmap'd allocations the OS takes back (~9M parameters)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from colocate.models import build_tokenizer
+    from colocate.models.sources import build_tokenizer
 
     path = tmp_path / "model"
     config = Qwen2Config(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=2,

@@ -101,7 +101,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_anything_starts(tmp_pat
     (checkpoint / "trainer").mkdir(parents=True)
     from colocate.checkpoint.layout import model_signature
     from colocate.config import ModelConfig
-    from colocate.models import ensure_model
+    from colocate.models.sources import ensure_model
 
     model = model_signature(ensure_model(ModelConfig(cache_dir=str(ROOT / ".cache" / "models"))))
     signature = {"model": {**model, "hidden_size": 12345}, "num_trainer_ranks": 2, "num_samples": 4}

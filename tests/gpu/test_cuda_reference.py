@@ -59,7 +59,7 @@ def _kl_on_gpu(rank: int, world_size: int, port: int, model_path: str, backend: 
 def test_reference_in_bf16_offloaded_on_its_own(tmp_path, backend):
     if backend == "torch_memory_saver":
         pytest.importorskip("torch_memory_saver")
-    from colocate.models import ensure_model
+    from colocate.models.sources import ensure_model
 
     path = ensure_model(ModelConfig(preset="tiny-tied", cache_dir=str(tmp_path)))
     run_distributed(_kl_on_gpu, path, backend, world_size=1, init=False)

@@ -50,7 +50,7 @@ def _train_on_gpu(rank: int, world_size: int, port: int, model_path: str):
 
 
 def test_fsdp2_nccl_train_offload_and_ring_write(tmp_path):
-    from colocate.models import ensure_model
+    from colocate.models.sources import ensure_model
 
     path = ensure_model(ModelConfig(preset="tiny", cache_dir=str(tmp_path)))
     run_distributed(_train_on_gpu, path, world_size=1, init=False)

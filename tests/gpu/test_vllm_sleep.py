@@ -22,7 +22,7 @@ def free_bytes() -> int:
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_frees_and_wake_restores(tmp_path, level):
     from colocate.engine.actor import EngineActor
-    from colocate.models import ensure_model
+    from colocate.models.sources import ensure_model
 
     path = ensure_model(ModelConfig(preset="tiny", cache_dir=str(tmp_path)))
     engine = EngineActor(EngineConfig(tp=1, gpu_memory_utilization=0.3), path, device="cuda", sleep_backend="vllm",

@@ -283,7 +283,7 @@ def test_tensorboard_on_without_the_package(tmp_path, monkeypatch):
 
 
 def test_evaluation_without_prompts_or_with_a_prompt_that_fills_the_context():
-    from colocate.models import build_tokenizer
+    from colocate.models.sources import build_tokenizer
     from colocate.rl.evaluation import Evaluator
     from colocate.rl.tasks import Sample
 
@@ -305,8 +305,8 @@ def test_evaluation_without_prompts_or_with_a_prompt_that_fills_the_context():
 def test_a_bad_row_names_its_key_file_and_row(row, needle, tmp_path, monkeypatch):
     import datasets
 
-    from colocate.data import make_prompt_source
-    from colocate.models import build_tokenizer
+    from colocate.rl.data import make_prompt_source
+    from colocate.models.sources import build_tokenizer
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
     path = tmp_path / "train.jsonl"

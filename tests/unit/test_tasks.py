@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from colocate.models import CHARACTERS
+from colocate.models.sources import CHARACTERS
 from colocate.rl.tasks import (
     AddTask,
     PromptStream,

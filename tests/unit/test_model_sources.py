@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from colocate.config import ModelConfig
-from colocate.models import PRESETS, VOCAB, ensure_model, load_tokenizer, preset_dir
+from colocate.models.sources import PRESETS, VOCAB, ensure_model, load_tokenizer, preset_dir
 
 
 def test_tiny_builds_once_and_loads_in_transformers(tmp_path):
@@ -41,7 +41,7 @@ def test_bench_preset_is_big_enough_for_benchmarks():
 
 def test_a_hub_id_that_cannot_be_fetched_is_one_line_naming_model_path(monkeypatch, tmp_path):
     from colocate.config import ConfigError, ModelConfig
-    from colocate.models import ensure_model
+    from colocate.models.sources import ensure_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here: the hub answers at once that it cannot
     monkeypatch.setenv("HF_HOME", str(tmp_path))
@@ -53,6 +53,6 @@ def test_a_hub_id_that_cannot_be_fetched_is_one_line_naming_model_path(monkeypat
 
 def test_a_local_directory_is_used_as_is(tmp_path):
     from colocate.config import ModelConfig
-    from colocate.models import ensure_model
+    from colocate.models.sources import ensure_model
 
     assert ensure_model(ModelConfig(path=str(tmp_path))) == str(tmp_path)
