@@ -40,7 +40,7 @@ from colocate.sync.transport import (JOB_ENV, mapped_by, new_job_token, remove_o
                                      remove_stale_segments, shm_entries)
 from colocate.sync.weight_sync import WeightSync
 from colocate.trainer.actor import TrainerActor
-from colocate.trainer.grpo import LossSettings
+from colocate.trainer.loss import LossSettings
 
 log = logging.getLogger("colocate")
 

@@ -79,7 +79,7 @@ def _measure(cfg: JobConfig, model_path: str, runs: list[tuple[int, int, float]]
     import torch
 
     from colocate.trainer.actor import TrainerActor
-    from colocate.trainer.grpo import LossSettings
+    from colocate.trainer.loss import LossSettings
 
     torch.manual_seed(0)
     trainer = TrainerActor(0, 1, cfg.trainer, model_path, device="cpu", pad_id=0, loss=LossSettings.from_job(cfg))

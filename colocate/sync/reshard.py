@@ -14,7 +14,7 @@ column [n, 1]):
 
     pieces = plan_pieces(engine_params, hf_shapes, layout)   # None: unknown architecture -> load_weights path
 
-`engine_tensor` in plan.py computes the same layout independently, from full tensors; the tests hold the two
+`engine_tensor` in tp_layout.py computes the same layout independently, from full tensors; the tests hold the two
 against each other and against vLLM's real parameter shapes.
 """
 
@@ -26,7 +26,7 @@ import torch
 
 from colocate.sync.buckets import (Run, TensorSpec, group_by_layer, largest_group_bytes, largest_layer_bytes,
                                    plan_buckets, plan_in_place_buckets, plan_sliced_buckets)
-from colocate.sync.plan import VOCAB_PADDING, TPLayout
+from colocate.sync.tp_layout import VOCAB_PADDING, TPLayout
 
 
 @dataclass(frozen=True)

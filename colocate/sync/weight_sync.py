@@ -44,7 +44,7 @@ import ray
 
 from colocate.config import SyncConfig
 from colocate.sync.buckets import TensorSpec, aligned
-from colocate.sync.plan import TPLayout
+from colocate.sync.tp_layout import TPLayout
 from colocate.sync.reshard import SyncPlan, build_sync_plan
 
 MIB = 1 << 20
@@ -186,7 +186,7 @@ class WeightSync:
     def verify_full(self, engine_dtype: str) -> list[str]:
         """Compare every engine worker's parameters with the trainer's, cast to the engine dtype, through the
         independent layout oracle (plan.engine_tensor). Returns the mismatched "engine/worker/param" names."""
-        from colocate.sync.plan import compare_engine_state
+        from colocate.sync.tp_layout import compare_engine_state
 
         # a collective on every rank; only rank 0 ships the result
         trainer_state = ray.get([t.full_state_dict.remote(engine_dtype, rank0_only=True) for t in self.trainers])[0]

@@ -24,7 +24,7 @@ from colocate.sync.buckets import TensorSpec
 from colocate.sync.reshard import SyncPlan
 from colocate.sync.shards import bucket_copies, local_shards, run_copies
 from colocate.trainer.finite import check_weights, clip_checked
-from colocate.trainer.grpo import LossSettings, Sequence, collate, policy_loss, token_logprobs
+from colocate.trainer.loss import LossSettings, Sequence, collate, policy_loss, token_logprobs
 from colocate.trainer.offload import make_offloader
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

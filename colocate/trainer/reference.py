@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from colocate.trainer.actor import _move_unsharded, decoder_layers
-from colocate.trainer.grpo import MicroBatch, token_logprobs
+from colocate.trainer.loss import MicroBatch, token_logprobs
 from colocate.trainer.offload import make_offloader
 
 REFERENCE_TAG = "colocate-reference"  # torch_memory_saver pauses by tag: not the policy's

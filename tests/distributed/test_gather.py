@@ -20,7 +20,7 @@ VOCAB = 49  # rows split 25/24 by FSDP2, padded to 64 for TP=2: TP rank 0's rows
 
 def _plan(full, tp: int, tied: bool, bucket_bytes: int, sliced: bool):
     from colocate.sync.buckets import TensorSpec
-    from colocate.sync.plan import TPLayout
+    from colocate.sync.tp_layout import TPLayout
     from colocate.sync.reshard import build_sync_plan
 
     specs = [TensorSpec(n, tuple(t.shape), torch.bfloat16) for n, t in full.items()]
@@ -32,7 +32,7 @@ def _plan(full, tp: int, tied: bool, bucket_bytes: int, sliced: bool):
 
 
 def _expected(full, layout_dict, tied: bool) -> dict[str, torch.Tensor]:
-    from colocate.sync.plan import TPLayout, engine_tensor
+    from colocate.sync.tp_layout import TPLayout, engine_tensor
 
     layout = TPLayout(layout_dict["tp_rank"], layout_dict["tp_size"], NQ, NKV, HD, VOCAB)
     hf = {n: t.to(torch.bfloat16) for n, t in full.items()}
@@ -78,7 +78,7 @@ def _sync_rank(rank: int, world_size: int, handles: list[ShmHandle], tp: int, ti
                                                (name, view.clone()) for name, view in weights))
             assert error is None, error
         if not sliced:  # sliced here by the layout oracle, as vLLM's load_weights slices full tensors
-            from colocate.sync.plan import TPLayout, engine_tensor
+            from colocate.sync.tp_layout import TPLayout, engine_tensor
 
             for name in engine:
                 value = engine_tensor(name, received, TPLayout(worker, tp, NQ, NKV, HD, VOCAB))
@@ -112,7 +112,7 @@ def test_gather_groups_read_the_embeddings_for_a_tied_lm_head():
     post group's buckets read a tensor of the pre group, so the post group gathers it too."""
     from colocate.sync.buckets import TensorSpec
     from colocate.sync.gather import plan_gather
-    from colocate.sync.plan import TPLayout
+    from colocate.sync.tp_layout import TPLayout
     from colocate.sync.reshard import build_sync_plan
 
     full = hf_state(VOCAB, tied=True, num_layers=1)

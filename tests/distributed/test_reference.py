@@ -8,7 +8,7 @@ import torch
 
 from colocate.config import ModelConfig, TrainerConfig
 from colocate.models.sources import ensure_model
-from colocate.trainer.grpo import LossSettings
+from colocate.trainer.loss import LossSettings
 from tests.distributed.conftest import run_distributed
 from tests.distributed.test_trainer import SEQS
 

@@ -9,7 +9,7 @@ import torch
 
 from colocate.controller import Controller
 from colocate.runtime import Runtime
-from colocate.sync.plan import TPLayout, engine_tensor
+from colocate.sync.tp_layout import TPLayout, engine_tensor
 from tests.e2e.conftest import assert_nothing_left, colocate_processes, shm_segments, small_job
 
 pytestmark = pytest.mark.e2e

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from colocate.config import ModelConfig, TrainerConfig
-from colocate.trainer.grpo import LossSettings
+from colocate.trainer.loss import LossSettings
 from tests.distributed.conftest import run_distributed
 
 pytest.importorskip("transformers")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from colocate.rl.corrections import importance_weights, mismatch_stats
-from colocate.trainer.grpo import LOGPROB_FLOOR, LossSettings, Sequence, collate, policy_loss, token_logprobs
+from colocate.trainer.loss import LOGPROB_FLOOR, LossSettings, Sequence, collate, policy_loss, token_logprobs
 
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
 # log w = logp_trainer - logp_engine per token; the padding position carries garbage that must not count

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from colocate.config import ConfigError, JobConfig
-from colocate.trainer.grpo import KL_CLAMP, LossSettings, Sequence, collate, kl_estimator, policy_loss
+from colocate.trainer.loss import KL_CLAMP, LossSettings, Sequence, collate, kl_estimator, policy_loss
 
 CPU = torch.device("cpu")
 

@@ -9,7 +9,7 @@ import torch
 
 from colocate.rl.scoring import RewardError, Rollout, group_advantages, score
 from colocate.rl.tasks import Sample
-from colocate.trainer.grpo import LossSettings, Sequence, collate, policy_loss, token_logprobs
+from colocate.trainer.loss import LossSettings, Sequence, collate, policy_loss, token_logprobs
 
 
 def test_collate_aligns_targets_with_response_tokens():
