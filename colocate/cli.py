@@ -48,8 +48,8 @@ def local_preflight(cfg: JobConfig, *, num_gpus: int | None = None, gpu_memory_g
     """Device checks that need no Ray: the slots must fit this machine, or, with `num_gpus` and
     `gpu_memory_gib`, a GPU node described by the caller (nothing of this machine's devices is read).
     Returns (slot plan, preflight prediction), or (None, None) when the job's devices are a Ray cluster's."""
-    from colocate.placement import local_device_count, plan_slots, resolve_device
-    from colocate.preflight import GIB, preflight
+    from colocate.job.placement import local_device_count, plan_slots, resolve_device
+    from colocate.job.preflight import GIB, preflight
 
     if num_gpus is not None:
         if cfg.placement.device == "cpu":
@@ -64,7 +64,7 @@ def local_preflight(cfg: JobConfig, *, num_gpus: int | None = None, gpu_memory_g
     prediction = preflight(cfg, device=device)
     if prediction.host_needs:  # a CUDA job, and this machine is its node: what the node must provide
         from colocate.host.node_checks import check_node, compute_modes, mps_pipe_directory, shm_free_bytes
-        from colocate.preflight import host_available_bytes
+        from colocate.job.preflight import host_available_bytes
 
         check_node(cfg, prediction.host_needs, available_host_bytes=host_available_bytes(),
                    shm_bytes=shm_free_bytes(), modes=compute_modes(), mps=mps_pipe_directory())
@@ -74,7 +74,7 @@ def local_preflight(cfg: JobConfig, *, num_gpus: int | None = None, gpu_memory_g
 def cmd_validate(args) -> int:
     from omegaconf import OmegaConf
 
-    from colocate.preflight import GIB
+    from colocate.job.preflight import GIB
 
     if (args.gpus is None) != (args.gpu_memory_gib is None):
         raise ConfigError("--gpus and --gpu-memory-gib go together: they describe a GPU node that need not be "
@@ -115,7 +115,7 @@ def cmd_validate(args) -> int:
 def cmd_launch(args) -> int:
     cfg = resolve(args)
     local_preflight(cfg)
-    from colocate.train import run_job
+    from colocate.job.run import run_job
 
     return run_job(cfg)
 

@@ -367,7 +367,7 @@ class JobConfig:
         _non_negative(self, "checkpoint.every_steps", "checkpoint.keep_last")
         _positive(self, "fault.heartbeat_s")
         if self.fault.inject:
-            from colocate.faults import parse_injection
+            from colocate.job.faults import parse_injection
 
             parse_injection(self.fault.inject)
         _non_negative(self, "fault.sync_timeout_s", "fault.checkpoint_timeout_s", "fault.rollout_timeout_s",

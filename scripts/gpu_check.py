@@ -24,7 +24,7 @@ and the JSON is rewritten after each one (a run cut short still leaves what it m
 5. offload         ~4 GiB of trainer state through `make_offloader(..., backend=pinned | torch_memory_saver)`:
                    times against a plain D2H / H2D copy into one pinned buffer, device memory freed, bit-exact.
 6. memory_release  `empty_cache` hands freed blocks back to the driver (cudaMemGetInfo).
-7. constants       the preflight's CUDA estimates one GPU can show (colocate/preflight.py): a second process's
+7. constants       the preflight's CUDA estimates one GPU can show (colocate/job/preflight.py): a second process's
                    CUDA context with cuBLAS (CUDA_CONTEXT_BYTES) and its NCCL communicator, world size 1
                    (NCCL_COMMUNICATOR_BYTES; 8 ranks take more), each the driver's free memory before and after,
                    read from this process while the child holds it. Not measurable here (no vLLM on the lent
@@ -542,7 +542,7 @@ def _context_child(port: int, steps, results) -> None:
 def constants_section(device: torch.device) -> dict:
     if device.type != "cuda":
         return {"status": "skipped", "reason": "needs CUDA"}
-    from colocate import preflight
+    from colocate.job import preflight
 
     ctx = mp.get_context("spawn")
     steps, results = ctx.Queue(), ctx.Queue()

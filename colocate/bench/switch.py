@@ -25,10 +25,10 @@ import ray
 from colocate.bench.common import memcpy_floor_s, summary, write_result
 from colocate.bench.peaks import PhaseSampler, compare
 from colocate.config import JobConfig
-from colocate.controller import Controller
-from colocate.placement import sleep_backend
-from colocate.preflight import model_dims, predict_phases
-from colocate.runtime import Runtime
+from colocate.job.controller import Controller
+from colocate.job.placement import sleep_backend
+from colocate.job.preflight import model_dims, predict_phases
+from colocate.job.runtime import Runtime
 
 PROMPTS = [[5, 6, 7, 16], [8, 9, 16]]
 SAMPLING = {"n": 2, "temperature": 1.0, "top_p": 1.0, "max_tokens": 8, "seed": 7}

@@ -28,7 +28,7 @@ import ray
 
 from colocate.bench.common import memcpy_floor_s, summary, write_result
 from colocate.config import JobConfig
-from colocate.runtime import Runtime
+from colocate.job.runtime import Runtime
 from colocate.sync.weight_sync import WeightSync
 
 

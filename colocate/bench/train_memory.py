@@ -26,7 +26,7 @@ import time
 from colocate.bench.common import write_result
 from colocate.config import JobConfig
 from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
-from colocate.preflight import PROMPT_TOKENS  # the rows the preflight pictures: a 64-token prompt, then the answer
+from colocate.job.preflight import PROMPT_TOKENS  # the rows the preflight pictures: a 64-token prompt, then the answer
 
 TOLERANCE = 0.15
 DEFAULT_LENGTHS = (256, 512, 1024, 2048)
@@ -117,7 +117,7 @@ def _next_reading(queue, worker) -> dict | None:
 
 def run_train_memory_bench(cfg: JobConfig, *, lengths: list[int], out_dir: str, name: str) -> dict:
     from colocate.models.sources import ensure_model
-    from colocate.preflight import micro_batch_bytes, model_dims
+    from colocate.job.preflight import micro_batch_bytes, model_dims
 
     assert lengths == sorted(lengths) and lengths, "lengths ascending"
     model_path = ensure_model(cfg.model)

@@ -263,7 +263,7 @@ class EngineActor:
         return list(getattr(executor, "workers", None) or [])
 
     def worker_pids(self) -> list[tuple[int, int]]:
-        """(TP rank, pid) of each worker process, for the controller's watchdog (colocate.faults)."""
+        """(TP rank, pid) of each worker process, for the controller's watchdog (colocate.job.faults)."""
         return [(h.rank, h.proc.pid) for h in self._workers()]
 
     def worker_deaths(self) -> list[tuple[int, int, int | None]]:

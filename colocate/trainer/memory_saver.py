@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from colocate.faults import JobFault
+from colocate.job.faults import JobFault
 from colocate.trainer.offload import device_storages
 
 # A resume needs a little more than the paused bytes: the driver's own bookkeeping of new mappings, and the

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from colocate.controller import Controller
-from colocate.runtime import Runtime
+from colocate.job.controller import Controller
+from colocate.job.runtime import Runtime
 from tests.e2e.conftest import small_job
 
 pytestmark = pytest.mark.e2e

@@ -17,7 +17,7 @@ import time
 import pytest
 import ray
 
-from colocate.placement import (ENGINE_SHARE, TRAINER_SHARE, SlotPlan, actor_options, create_placement_group,
+from colocate.job.placement import (ENGINE_SHARE, TRAINER_SHARE, SlotPlan, actor_options, create_placement_group,
                                 engine_placement, pair_devices)
 
 pytestmark = pytest.mark.e2e

@@ -116,7 +116,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
 def test_the_ray_a_job_starts_listens_on_loopback_only(tmp_path):
     import ray
 
-    from colocate.runtime import Runtime
+    from colocate.job.runtime import Runtime
 
     if ray.is_initialized():
         pytest.skip("Ray is already initialized in this process")

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import ray
 
-from colocate.controller import Controller
+from colocate.job.controller import Controller
 from colocate.engine.requests import EngineRequest, segment_seed
-from colocate.runtime import Runtime
+from colocate.job.runtime import Runtime
 from tests.e2e.conftest import assert_nothing_left, colocate_processes, shm_segments, small_job
 
 pytestmark = pytest.mark.e2e

@@ -7,8 +7,8 @@ import pytest
 import ray
 import torch
 
-from colocate.controller import Controller
-from colocate.runtime import Runtime
+from colocate.job.controller import Controller
+from colocate.job.runtime import Runtime
 from colocate.sync.tp_layout import TPLayout, engine_tensor
 from tests.e2e.conftest import assert_nothing_left, colocate_processes, shm_segments, small_job
 

@@ -83,9 +83,9 @@ def test_bad_config_exits_2_naming_the_key(capsys, overrides, key):
 
 
 def test_launch_rejects_bad_config_before_starting_anything(capsys, monkeypatch):
-    import colocate.train
+    import colocate.job.run
 
-    monkeypatch.setattr(colocate.train, "run_job", lambda cfg: pytest.fail("a job started"))
+    monkeypatch.setattr(colocate.job.run, "run_job", lambda cfg: pytest.fail("a job started"))
     code, _, err = run_cli(capsys, "launch", DEFAULT, "engine.tp=3")
     assert code == 2 and "engine.tp" in err
 

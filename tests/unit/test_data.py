@@ -283,7 +283,7 @@ def test_math_demo_config_loads(tokenizer, monkeypatch):
 def test_controller_draws_from_the_files_and_scores_with_rollout_rewards(tmp_path, tokenizer):
     from types import SimpleNamespace
 
-    from colocate.controller import Controller
+    from colocate.job.controller import Controller
     from colocate.rl.rewards import CombinedReward
 
     path = write_jsonl(tmp_path / "train.jsonl", rows(8))
@@ -298,12 +298,12 @@ def test_controller_draws_from_the_files_and_scores_with_rollout_rewards(tmp_pat
 
 
 def test_run_job_refuses_bad_data_before_the_runtime_starts(tmp_path, monkeypatch, capsys):
-    import colocate.train
+    import colocate.job.run
 
-    monkeypatch.setattr(colocate.train, "Runtime", lambda cfg: pytest.fail("the runtime started"))
+    monkeypatch.setattr(colocate.job.run, "Runtime", lambda cfg: pytest.fail("the runtime started"))
     path = write_jsonl(tmp_path / "train.jsonl", [{"question": "1=", "answer": "1"}] * 4)
     cfg = config(f"data.train_files={path}", f"logging.output_dir={tmp_path / 'out'}",
                  f"model.cache_dir={tmp_path / 'models'}")
-    assert colocate.train.run_job(cfg) == 2
+    assert colocate.job.run.run_job(cfg) == 2
     ours = [line for line in capsys.readouterr().err.splitlines() if line.startswith("colocate:")]
     assert len(ours) == 1 and "data.prompt_key='prompt'" in ours[0] and "question, answer" in ours[0]

@@ -168,7 +168,7 @@ def test_every_range_checked_key_is_refused_naming_it(helper, key):
                  "use more device slots (placement.num_slots) or a smaller model", id="trainer_state"),
 ])
 def test_each_preflight_advice_names_the_key_to_change(phase, largest, overrides, plan, advice):
-    from colocate.preflight import GIB, Phase, SwitchPlan, check_fits
+    from colocate.job.preflight import GIB, Phase, SwitchPlan, check_fits
 
     cfg = load_config(None, overrides)
     parts = {largest: 10 * GIB, "cuda contexts (2 processes, est.)": GIB}

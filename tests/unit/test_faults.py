@@ -1,4 +1,4 @@
-"""The watchdog's reading of processes and exit codes (colocate/faults.py); the faults themselves, injected into
+"""The watchdog's reading of processes and exit codes (colocate/job/faults.py); the faults themselves, injected into
 real jobs, are tests/e2e/test_faults.py's."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from colocate.faults import Member, parse_injection, process_state, signal_name
+from colocate.job.faults import Member, parse_injection, process_state, signal_name
 
 
 def test_exit_codes_read_as_causes():
@@ -58,7 +58,7 @@ def test_injections_name_members_as_the_watchdog_does(spec, member):
 
 def test_a_checkpoint_save_has_its_own_bound_and_its_fault_names_it():
     from colocate.config import FaultConfig
-    from colocate.faults import Watchdog
+    from colocate.job.faults import Watchdog
 
     watchdog = Watchdog.__new__(Watchdog)  # the deadlines only: no Ray, no members
     watchdog.cfg, watchdog.members, watchdog.local_node = FaultConfig(checkpoint_timeout_s=3600), [], "node"

@@ -11,7 +11,7 @@ import contextlib
 import pytest
 import torch
 
-from colocate.faults import JobFault
+from colocate.job.faults import JobFault
 from colocate.trainer import memory_saver
 from colocate.trainer.memory_saver import RESUME_MARGIN_BYTES, DeviceMemoryShortfall, MemorySaverError, \
     MemorySaverOffload

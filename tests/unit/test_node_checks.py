@@ -7,7 +7,7 @@ import pytest
 
 from colocate.config import ConfigError, load_config
 from colocate.host.node_checks import GIB, check_node, host_needs, mps_pipe_directory, shm_free_bytes
-from colocate.preflight import model_dims
+from colocate.job.preflight import model_dims
 from tests.unit.test_preflight import QWEN_7B
 
 CFG = load_config(None, [f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from colocate.config import ConfigError, load_config
-from colocate.placement import (ENGINE_SHARE, TRAINER_SHARE, PlacementError, SlotPlan, engine_placement,
+from colocate.job.placement import (ENGINE_SHARE, TRAINER_SHARE, PlacementError, SlotPlan, engine_placement,
                                 pair_devices, plan_nodes, plan_slots, sync_transport)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from colocate.cli import main
 from colocate.config import ConfigError, load_config
-from colocate.preflight import (CUDA_GRAPH_POOL_BYTES, ENGINE_ASLEEP_BYTES, GIB, NCCL_COMMUNICATOR_BYTES, SwitchPlan,
+from colocate.job.preflight import (CUDA_GRAPH_POOL_BYTES, ENGINE_ASLEEP_BYTES, GIB, NCCL_COMMUNICATOR_BYTES, SwitchPlan,
                                 check_environment, check_fits, model_dims, plan_switch, predict_phases, preflight,
                                 switch_plan)
 

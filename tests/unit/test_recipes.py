@@ -13,7 +13,7 @@ import pytest
 
 from colocate.cli import main
 from colocate.config import load_config
-from colocate.preflight import ModelDims
+from colocate.job.preflight import ModelDims
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "configs" / "recipes"

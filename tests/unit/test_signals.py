@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from colocate.train import Terminated, _signal_in_chain, catch_sigterm
+from colocate.job.run import Terminated, _signal_in_chain, catch_sigterm
 
 
 def test_sigterm_raises_terminated_and_the_handler_is_restored():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate.preflight import ModelDims
+from colocate.job.preflight import ModelDims
 from colocate.trainer.step_memory import attention_mask_bytes, micro_batch_parts, rotary_bytes, saved_bytes_per_token
 
 CONFIGS = {

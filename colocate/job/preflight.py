@@ -23,7 +23,7 @@ from pathlib import Path
 
 from colocate.config import ConfigError, JobConfig
 from colocate.host.node_checks import host_needs
-from colocate.placement import sync_in_place, sync_transport
+from colocate.job.placement import sync_in_place, sync_transport
 from colocate.trainer.step_memory import micro_batch_parts, unsharded_group_bytes
 
 GIB = 1 << 30

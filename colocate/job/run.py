@@ -1,7 +1,7 @@
 """Run one RL job: build the runtime, run the controller's steps, always clean up.
 
     from colocate.config import load_config
-    from colocate.train import run_job
+    from colocate.job.run import run_job
     run_job(load_config("configs/default.yaml", ["algo.num_steps=5"]))    # returns the process exit code
 """
 
@@ -15,14 +15,14 @@ import threading
 from pathlib import Path
 
 from colocate.config import ConfigError, JobConfig, to_dict
-from colocate.controller import Controller
+from colocate.job.controller import Controller
 from colocate.checkpoint.layout import checkpoint_root, complete_checkpoints, resume_point
 from colocate.rl.data import load_val_samples, make_prompt_source
-from colocate.faults import JobFault
+from colocate.job.faults import JobFault
 from colocate.telemetry.metrics import MetricsWriter
 from colocate.models.sources import ensure_model, load_tokenizer
 from colocate.rl.evaluation import enabled as evaluation_enabled
-from colocate.runtime import Runtime
+from colocate.job.runtime import Runtime
 
 log = logging.getLogger("colocate")
 

@@ -39,7 +39,7 @@ import torch
 from colocate.checkpoint.checkpointer import Checkpointer
 from colocate.config import JobConfig
 from colocate.rl.data import PromptSource, make_prompt_source
-from colocate.faults import Watchdog
+from colocate.job.faults import Watchdog
 from colocate.telemetry.metrics import MetricsWriter
 from colocate.rl.corrections import mismatch_stats
 from colocate.rl.evaluation import make_evaluator, should_evaluate
@@ -47,7 +47,7 @@ from colocate.rl.rewards import make_reward
 from colocate.rl.rollout import Rollouts
 from colocate.rl.scoring import Rollout, Scored, score
 from colocate.rl.tasks import make_task
-from colocate.runtime import Runtime
+from colocate.job.runtime import Runtime
 
 HISTORY_KEPT = 1000
 
