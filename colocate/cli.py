@@ -21,6 +21,7 @@ import os
 import sys
 
 from colocate.config import ConfigError, JobConfig, config_docs_markdown, load_config, to_dict
+from colocate.host.signals import take_ctrl_c
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -388,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     # the command, as `python -m` would resolve them.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    take_ctrl_c()  # even when started from a script in the background (colocate/host/signals.py)
     try:
         return args.func(args)
     except ConfigError as e:

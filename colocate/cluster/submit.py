@@ -43,7 +43,7 @@ EXCLUDES = [".venv/", ".git/", "outputs/", ".cache/", "__pycache__/"]
 EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 143}
 EXIT_INTERRUPTED = 130
 ENTRYPOINT_WIDTH = 60
-STOP_WAIT_S = 60  # a stopped job's time to release its actors and segments (train.catch_sigterm)
+STOP_WAIT_S = 60  # a stopped job's time to release its actors and segments (host.signals.catch_stop_signals)
 
 
 class JobServerError(Exception):

@@ -39,12 +39,26 @@ import ray
 
 from colocate.host.procfs import process_state
 
+# The watchdog's interrupt: `_thread.interrupt_main(signum)` runs signum's Python handler in the main thread (the OS
+# never sends it). Not SIGINT: interrupt_main does nothing for a signal Python does not handle, and a job started
+# in the background by a non-interactive shell inherits SIGINT ignored, which Python keeps (seen: a stopped worker
+# found, never reported, the job hung).
+INTERRUPT_SIGNAL = signal.SIGUSR2
 PROBE_TIMEOUT_S = 5.0  # a member's pid() that does not return within this is silent: busy, or lost
 LOSS_WAIT_S = 60.0  # how long a silent member's fate is awaited (Ray's health check takes ~15-30 s by default)
 
 
 class JobFault(RuntimeError):
     """A member of the job died or stopped answering. One line: who, where, in which phase, why."""
+
+
+class WatchdogInterrupt(KeyboardInterrupt):
+    """The watchdog interrupting the main thread: a KeyboardInterrupt, the one exception Ray's blocking get lets
+    through its signal check; phase() replaces it with the stored JobFault."""
+
+
+def _raise_watchdog_interrupt(signum, frame):
+    raise WatchdogInterrupt()
 
 
 @dataclass(frozen=True)
@@ -146,10 +160,15 @@ class Watchdog:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the thread interrupts only while the main thread is inside a phase
         self._thread: threading.Thread | None = None
+        self._signum = signal.SIGINT  # __enter__ installs INTERRUPT_SIGNAL's handler when it can (main thread)
+        self._previous_handler = None
 
     # ------------------------------------------------------------------------------------------- life
 
     def __enter__(self) -> Watchdog:
+        if threading.current_thread() is threading.main_thread():  # signal.signal works there only
+            self._previous_handler = signal.signal(INTERRUPT_SIGNAL, _raise_watchdog_interrupt)
+            self._signum = INTERRUPT_SIGNAL
         self._thread = threading.Thread(target=self._watch, name="colocate-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -158,6 +177,9 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._signum == INTERRUPT_SIGNAL:
+            signal.signal(INTERRUPT_SIGNAL, self._previous_handler)
+            self._signum = signal.SIGINT
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int | None = None):
@@ -209,7 +231,7 @@ class Watchdog:
             with self._lock:
                 if finding is not None and self._phase is current:
                     self.fault = finding
-                    _thread.interrupt_main()  # Ray's get returns at its next signal check; phase() raises it
+                    _thread.interrupt_main(self._signum)  # Ray's get returns at its next signal check
 
     def _dead_member(self, phase: str, step: int | None) -> JobFault | None:
         for m in self.members:

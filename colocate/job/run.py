@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import signal
 import sys
-import threading
 from pathlib import Path
 
 from colocate.config import ConfigError, JobConfig, to_dict
@@ -23,6 +21,7 @@ from colocate.telemetry.metrics import MetricsWriter
 from colocate.models.sources import ensure_model, load_tokenizer
 from colocate.rl.evaluation import enabled as evaluation_enabled
 from colocate.job.runtime import Runtime
+from colocate.host.signals import Terminated, catch_stop_signals
 
 log = logging.getLogger("colocate")
 
@@ -37,7 +36,7 @@ def run_job(cfg: JobConfig) -> int:
     # before any actor: a sink's missing package (logging.wandb=true without wandb) is a ConfigError, exit 2
     metrics = MetricsWriter(cfg.logging, num_steps=cfg.algo.num_steps, run_config=to_dict(cfg))
     started: list[Controller] = []  # each start's controller; the last one's history is the finished steps
-    restore_sigterm = catch_sigterm()
+    restore_signals = catch_stop_signals()
     try:
         # Read and checked before any actor starts (a bad row, a checkpoint of another model: exit 2, one line).
         model_path = ensure_model(cfg.model)
@@ -80,7 +79,7 @@ def run_job(cfg: JobConfig) -> int:
         return 1
     finally:
         metrics.close()
-        restore_sigterm()
+        restore_signals()
 
 
 def _attempt(cfg: JobConfig, metrics: MetricsWriter, prompts, resume_from, started: list) -> list[dict]:
@@ -109,24 +108,6 @@ def _resume_hint(cfg: JobConfig) -> str:
     if not found:
         return "\ncolocate: no checkpoint was saved yet (checkpoint.every_steps=0 saves only at the end)"
     return f"\ncolocate: continue from its newest checkpoint ({found[-1][1]}) with resume=auto"
-
-
-class Terminated(BaseException):
-    """SIGTERM (`colocate stop`, `ray job stop`, a scheduler's preemption): unwinds like Ctrl-C, so the runtime
-    releases every actor and shared segment before the process exits."""
-
-
-def _raise_terminated(signum, frame):
-    raise Terminated()
-
-
-def catch_sigterm():
-    """Turn SIGTERM into `Terminated` in the main thread; returns the restore function. Python's default for
-    SIGTERM ends the process at once, leaving vLLM's segments in /dev/shm."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def _stopped(e: BaseException, num_steps: int, path: Path) -> int:

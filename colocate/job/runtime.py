@@ -279,7 +279,7 @@ class Runtime:
 @contextlib.contextmanager
 def _sigterm_handler_kept():
     """ray.init installs Ray's crash handler for SIGTERM in the driver, which logs and ends the process without
-    unwinding: the caller's handler (train.catch_sigterm, which releases actors and segments) is put back."""
+    unwinding: the caller's handler (host.signals.catch_stop_signals, which releases actors and segments) is put back."""
     main = threading.current_thread() is threading.main_thread()
     handler = signal.getsignal(signal.SIGTERM) if main else None
     yield

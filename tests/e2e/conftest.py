@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -60,9 +61,16 @@ def assert_nothing_left(before_procs: set, before_shm: set, timeout_s: float = 6
     assert not left, f"processes left behind: {left}"
 
 
+def sigint_ignored() -> None:
+    """preexec_fn for a command under test: SIGINT ignored, as anything started in the background by a
+    non-interactive shell inherits it (`make test &`, CI runners). colocate takes SIGINT back itself
+    (colocate/host/signals.py); starting every command this way keeps the tests from passing only in a terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def launch(tmp_path: Path, *overrides: str, timeout_s: float = 420) -> subprocess.CompletedProcess:
     """`colocate launch` as a user runs it, with the small job's overrides."""
     args = ["rollout.num_prompts=4", "rollout.num_samples=4", "rollout.max_tokens=4", "engine.kv_cache_gib=0.125",
             f"logging.output_dir={tmp_path / 'out'}", f"model.cache_dir={ROOT / '.cache' / 'models'}", *overrides]
     return subprocess.run([str(Path(os.sys.executable).parent / "colocate"), "launch", "configs/default.yaml", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, preexec_fn=sigint_ignored)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import ROOT, assert_nothing_left, colocate_processes, launch, shm_segments
+from tests.e2e.conftest import ROOT, assert_nothing_left, colocate_processes, launch, shm_segments, sigint_ignored
 
 pytestmark = pytest.mark.e2e
 
@@ -101,7 +101,8 @@ def test_ctrl_c_and_sigterm_stop_cleanly(tmp_path, baseline, signum, code, said)
         [os.path.join(os.path.dirname(os.sys.executable), "colocate"), "launch", "configs/default.yaml",
          "algo.num_steps=1000", "rollout.num_prompts=4", "rollout.num_samples=4", "engine.kv_cache_gib=0.125",
          f"logging.output_dir={tmp_path / 'out'}", f"model.cache_dir={ROOT / '.cache' / 'models'}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=sigint_ignored)
     try:
         deadline = time.time() + 300
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):

@@ -24,6 +24,7 @@ import pytest
 import requests
 
 from colocate.cluster.submit import follow_job
+from tests.e2e.conftest import sigint_ignored
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 BIN = Path(sys.executable).parent
@@ -226,7 +227,7 @@ def test_jobs_logs_follow_detach_and_stop(head):
 
     # Ctrl-C while following leaves the job running and says how to stop it.
     follower = subprocess.Popen([str(BIN / "colocate"), "logs", job, "--follow", *flags], env=_client_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=sigint_ignored)
     _read_until(follower, "hello")
     follower.send_signal(signal.SIGINT)
     _, err = follower.communicate(timeout=30)

@@ -9,12 +9,13 @@ import signal
 
 import pytest
 
-from colocate.job.run import Terminated, _signal_in_chain, catch_sigterm
+from colocate.host.signals import Terminated, catch_stop_signals
+from colocate.job.run import _signal_in_chain
 
 
 def test_sigterm_raises_terminated_and_the_handler_is_restored():
     before = signal.getsignal(signal.SIGTERM)
-    restore = catch_sigterm()
+    restore = catch_stop_signals()
     try:
         with pytest.raises(Terminated):
             os.kill(os.getpid(), signal.SIGTERM)
@@ -33,3 +34,21 @@ def test_a_signal_wrapped_by_c_code_is_found_in_the_chain(signal_exc):
     except SystemError as wrapped:
         assert _signal_in_chain(wrapped) is signal_exc
     assert _signal_in_chain(ValueError("a real error")) is None
+
+
+def test_sigint_raises_keyboard_interrupt_even_when_inherited_ignored_and_blocked():
+    # what a job started by `cmd &` from a script (SIG_IGN) or under a Ray daemon (blocked) inherits
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        restore = catch_stop_signals()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+        finally:
+            restore()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, before)

@@ -1,0 +1,52 @@
+"""What colocate's processes do with the signals that stop them: SIGINT is Ctrl-C (KeyboardInterrupt) and SIGTERM
+unwinds like it (`Terminated`), whatever disposition the process inherited, so that every actor and shared segment
+is released before it exits.
+
+    restore = catch_stop_signals()   # run_job: SIGTERM -> Terminated, SIGINT -> KeyboardInterrupt
+    take_ctrl_c()                    # the CLI's other commands (`colocate logs --follow`): SIGINT -> KeyboardInterrupt
+
+Hazard: a process started in the background by a non-interactive shell (`make test &`, many CI runners and
+wrappers) inherits SIGINT *ignored*, and one started under a Ray daemon inherits it *blocked*; Python keeps
+both, installs no KeyboardInterrupt handler, and `_thread.interrupt_main()` does nothing then. Seen: a job that
+ran all its steps through a Ctrl-C, and `colocate logs --follow` that never returned from one.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+
+def take_ctrl_c() -> set:
+    """SIGINT raises KeyboardInterrupt in the main thread from now on (ignored or blocked before); returns the
+    signal mask it had, for a restore."""
+    if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
+        return set()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    return signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+class Terminated(BaseException):
+    """SIGTERM (`colocate stop`, `ray job stop`, a scheduler's preemption): unwinds like Ctrl-C, so the runtime
+    releases every actor and shared segment before the process exits."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def catch_stop_signals():
+    """Turn SIGTERM into `Terminated` and SIGINT into KeyboardInterrupt in the main thread (elsewhere: nothing);
+    returns the restore function. Python's default for SIGTERM ends the process at once, leaving vLLM's segments
+    in /dev/shm."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = (signal.signal(signal.SIGTERM, _raise_terminated), signal.getsignal(signal.SIGINT))
+    mask = take_ctrl_c()
+
+    def restore():
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    return restore
