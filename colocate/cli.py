@@ -20,12 +20,10 @@ import argparse
 import os
 import sys
 
-from colocate.config import ConfigError, JobConfig, config_docs_markdown, load_config, to_dict
+from colocate.config import JobConfig, config_docs_markdown, load_config, to_dict
+from colocate.errors import EXIT_INTERRUPTED, ColocateError, ConfigError
 from colocate.host.signals import take_ctrl_c
 
-EXIT_USAGE = 2
-EXIT_FAILED = 1
-EXIT_INTERRUPTED = 130
 
 
 def _split(items: list[str]) -> tuple[str | None, list[str]]:
@@ -155,17 +153,12 @@ def cmd_stop(args) -> int:
 
 
 def _job_command(run) -> int:
-    """The job server's failures are one line and exit 1 (user mistakes are ConfigErrors, exit 2, in main);
-    Ctrl-C is exit 130 (while following a job, follow_or_detach says first that the job keeps running)."""
-    from colocate.cluster.submit import JobServerError
-
+    """Ctrl-C is exit 130 (while following a job, follow_or_detach says first that the job keeps running); the job
+    server's failures (JobServerError) and user mistakes are main's."""
     try:
         code = run()
         sys.stdout.flush()
         return code
-    except JobServerError as e:
-        print(f"colocate: error: {e}", file=sys.stderr)
-        return EXIT_FAILED
     except KeyboardInterrupt:
         print("\ncolocate: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -245,24 +238,15 @@ def cmd_plot(args) -> int:
 
 
 def cmd_clean(args) -> int:
-    from colocate.host.clean import CleanError, clean_runs
+    from colocate.host.clean import clean_runs
 
-    try:
-        return clean_runs(args.run_dirs, dry_run=args.dry_run)
-    except CleanError as e:
-        print(f"colocate: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    return clean_runs(args.run_dirs, dry_run=args.dry_run)
 
 
 def cmd_export(args) -> int:
-    from colocate.checkpoint.export import ExportError, export_hf, find_checkpoint
+    from colocate.checkpoint.export import export_hf, find_checkpoint
 
-    try:
-        checkpoint = find_checkpoint(args.checkpoint)
-        print(export_hf(checkpoint, args.out, dtype=args.dtype))
-    except ExportError as e:
-        print(f"colocate: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    print(export_hf(find_checkpoint(args.checkpoint), args.out, dtype=args.dtype))
     return 0
 
 
@@ -392,9 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     take_ctrl_c()  # even when started from a script in the background (colocate/host/signals.py)
     try:
         return args.func(args)
-    except ConfigError as e:
+    except ColocateError as e:  # one line, and the exit code its kind carries (colocate/errors.py)
         print(f"colocate: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return e.exit_code
 
 
 if __name__ == "__main__":

@@ -20,9 +20,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-class ConfigError(ValueError):
-    """A user mistake in the job configuration; the CLI prints it as one line and exits with code 2."""
+from colocate.errors import ConfigError
 
 
 def _bad(key: str, value, valid: str) -> ConfigError:

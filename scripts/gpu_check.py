@@ -580,8 +580,9 @@ def memory_saver_section(device: torch.device, tms: dict) -> dict:
         return {"status": "skipped", "reason": "needs CUDA"}
     if not tms["available"]:
         return {"status": "skipped", "reason": tms["reason"]}
+    from colocate.errors import DeviceMemoryShortfall, MemorySaverError
     from colocate.host.memory import process_rss_bytes
-    from colocate.trainer.memory_saver import DeviceMemoryShortfall, MemorySaverError, MemorySaverOffload
+    from colocate.trainer.memory_saver import MemorySaverOffload
 
     offloader = MemorySaverOffload(device, tag="gpu-check-guard", owner="gpu_check")
     with offloader.allocation_region():

@@ -24,9 +24,9 @@ import torch
 
 from colocate.bench.common import write_result
 from colocate.config import JobConfig
+from colocate.job.runtime import Runtime
 from colocate.rl.corrections import mismatch_stats
 from colocate.rl.tasks import PromptStream, make_task
-from colocate.job.runtime import Runtime
 
 ROWS = (("float32", 1.0, 1.0), ("bfloat16", 1.0, 1.0), ("bfloat16", 0.7, 0.9))
 BAND = 1.1

@@ -34,9 +34,9 @@ from pathlib import Path
 from colocate.bench.common import write_result
 from colocate.config import JobConfig
 from colocate.job.controller import Controller
+from colocate.job.runtime import Runtime
 from colocate.rl.rollout import Rollouts
 from colocate.rl.tasks import PromptStream, make_task
-from colocate.job.runtime import Runtime
 
 ROLLOUT_DEFAULTS = ["model.preset=tiny", "engine.max_model_len=512", "engine.kv_cache_gib=0.125",
                     "engine.max_num_seqs=64", "rollout.num_prompts=16", "rollout.num_samples=8",

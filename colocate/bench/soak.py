@@ -39,10 +39,10 @@ import ray
 
 from colocate.bench.common import write_result
 from colocate.config import JobConfig, to_dict
-from colocate.job.controller import Controller
 from colocate.host.procfs import process_tree
-from colocate.telemetry.metrics import MetricsWriter
+from colocate.job.controller import Controller
 from colocate.job.runtime import Runtime
+from colocate.telemetry.metrics import MetricsWriter
 
 # Prepended to the command line's overrides, with or without a CONFIG (the command line still wins). No
 # checkpoint at the end: a one-off save is not what a soak measures, and it would land in the job's output dir.

@@ -116,8 +116,8 @@ def _next_reading(queue, worker) -> dict | None:
 
 
 def run_train_memory_bench(cfg: JobConfig, *, lengths: list[int], out_dir: str, name: str) -> dict:
-    from colocate.models.sources import ensure_model
     from colocate.job.preflight import micro_batch_bytes, model_dims
+    from colocate.models.sources import ensure_model
 
     assert lengths == sorted(lengths) and lengths, "lengths ascending"
     model_path = ensure_model(cfg.model)

@@ -15,8 +15,14 @@ import time
 from pathlib import Path
 
 from colocate.checkpoint.export import export_hf
-from colocate.checkpoint.layout import (COMMIT_FILE, MODEL_FILES, checkpoint_root, complete_checkpoints, job_signature,
-                                       step_path)
+from colocate.checkpoint.layout import (
+    COMMIT_FILE,
+    MODEL_FILES,
+    checkpoint_root,
+    complete_checkpoints,
+    job_signature,
+    step_path,
+)
 from colocate.config import JobConfig, to_dict
 
 

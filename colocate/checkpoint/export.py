@@ -19,13 +19,10 @@ from pathlib import Path
 import torch
 
 from colocate.checkpoint.layout import COMMIT_FILE, MODEL_FILES, complete_checkpoints
+from colocate.errors import ExportError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _MODEL_PREFIX = "model."  # the trainer saves {"model": ..., "optimizer": ...}; DCP flattens keys with dots
-
-
-class ExportError(ValueError):
-    """A user mistake (not a checkpoint, a bad dtype); printed as one line."""
 
 
 def find_checkpoint(path: str | Path) -> Path:

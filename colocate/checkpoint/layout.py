@@ -28,7 +28,8 @@ import logging
 import re
 from pathlib import Path
 
-from colocate.config import ConfigError, JobConfig
+from colocate.config import JobConfig
+from colocate.errors import ConfigError
 
 log = logging.getLogger("colocate")
 

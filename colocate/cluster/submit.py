@@ -31,7 +31,8 @@ from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from colocate.config import ConfigError, JobConfig, to_dict
+from colocate.config import JobConfig, to_dict
+from colocate.errors import ConfigError, JobServerError
 
 DEFAULT_JOB_SERVER = "http://127.0.0.1:8265"
 PROBE_TIMEOUT_S = 3.0
@@ -44,10 +45,6 @@ EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 143}
 EXIT_INTERRUPTED = 130
 ENTRYPOINT_WIDTH = 60
 STOP_WAIT_S = 60  # a stopped job's time to release its actors and segments (host.signals.catch_stop_signals)
-
-
-class JobServerError(Exception):
-    """The job server failed while a command ran (not a user mistake): the CLI prints one line and exits 1."""
 
 
 # --- where the job server is, and the token ------------------------------------------------------------------

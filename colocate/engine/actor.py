@@ -16,12 +16,9 @@ import re
 import time
 
 from colocate.config import engine_extra_args
+from colocate.errors import EngineStartError, SyncVerificationError
 
 EXTENSION = "colocate.engine.extension.ColocateWorkerExtension"
-
-
-class EngineStartError(RuntimeError):
-    """The engine did not come up (bad model, too little memory for the KV cache, ...)."""
 
 
 def engine_env(cfg, device: str, placement_env: dict[str, str] | None = None) -> dict[str, str]:
@@ -299,10 +296,6 @@ def _exit_code(proc) -> int | None:
         return proc.exitcode
     except ValueError:  # vLLM's shutdown closed the process object: its status is gone with it
         return None
-
-
-class SyncVerificationError(RuntimeError):
-    """An engine worker found the synced weights not where, or not what, the trainers wrote."""
 
 
 def _raise_first_error(per_worker: list[tuple]) -> None:

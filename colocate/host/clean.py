@@ -34,15 +34,20 @@ import sys
 import time
 from pathlib import Path
 
-from colocate.host.procfs import (cmdline, process_entry, same_process, session_daemons, session_processes,
-                                   start_ticks, stop_processes, tcp_clients)
+from colocate.errors import CleanError
+from colocate.host.procfs import (
+    cmdline,
+    process_entry,
+    same_process,
+    session_daemons,
+    session_processes,
+    start_ticks,
+    stop_processes,
+    tcp_clients,
+)
 from colocate.sync.transport import SEGMENT_PREFIX, SHM_DIR, is_ours, job_segments, mapped_by, segment_pid
 
 RECORD = "job.json"
-
-
-class CleanError(Exception):
-    """A run `clean` must not or cannot touch; one line for the user (exit 2)."""
 
 
 # ---------------------------------------------------------------------------------------------------- record

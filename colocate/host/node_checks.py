@@ -22,7 +22,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from colocate.config import ConfigError, JobConfig
+from colocate.config import JobConfig
+from colocate.errors import ConfigError
 
 GIB = 1 << 30
 MIN_SHM_BYTES = 1 * GIB  # NCCL's shared-memory transport and vLLM's queues, with room

@@ -38,16 +38,16 @@ import torch
 
 from colocate.checkpoint.checkpointer import Checkpointer
 from colocate.config import JobConfig
-from colocate.rl.data import PromptSource, make_prompt_source
 from colocate.job.faults import Watchdog
-from colocate.telemetry.metrics import MetricsWriter
+from colocate.job.runtime import Runtime
 from colocate.rl.corrections import mismatch_stats
+from colocate.rl.data import PromptSource, make_prompt_source
 from colocate.rl.evaluation import make_evaluator, should_evaluate
 from colocate.rl.rewards import make_reward
 from colocate.rl.rollout import Rollouts
 from colocate.rl.scoring import Rollout, Scored, score
 from colocate.rl.tasks import make_task
-from colocate.job.runtime import Runtime
+from colocate.telemetry.metrics import MetricsWriter
 
 HISTORY_KEPT = 1000
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import ray
 
+from colocate.errors import JobFault
 from colocate.host.procfs import process_state
 
 # The watchdog's interrupt: `_thread.interrupt_main(signum)` runs signum's Python handler in the main thread (the OS
@@ -46,10 +47,6 @@ from colocate.host.procfs import process_state
 INTERRUPT_SIGNAL = signal.SIGUSR2
 PROBE_TIMEOUT_S = 5.0  # a member's pid() that does not return within this is silent: busy, or lost
 LOSS_WAIT_S = 60.0  # how long a silent member's fate is awaited (Ray's health check takes ~15-30 s by default)
-
-
-class JobFault(RuntimeError):
-    """A member of the job died or stopped answering. One line: who, where, in which phase, why."""
 
 
 class WatchdogInterrupt(KeyboardInterrupt):
@@ -109,7 +106,7 @@ _INJECT_FORMAT = "SIGNAL:MEMBER:PHASE:STEP, e.g. SIGKILL:engine0.worker1:rollout
 
 
 def parse_injection(spec: str) -> Injection:
-    from colocate.config import ConfigError
+    from colocate.errors import ConfigError
 
     def bad(why: str) -> ConfigError:
         return ConfigError(f"fault.inject={spec!r} is invalid: {why}; expected {_INJECT_FORMAT}")

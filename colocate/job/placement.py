@@ -32,16 +32,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from colocate.config import ConfigError, JobConfig
+from colocate.config import JobConfig
+from colocate.errors import ConfigError, PlacementError
 
 # Fractions of a slot's GPU (or CPU) asked for by each co-located actor; they must sum to <= 1.
 TRAINER_SHARE = 0.5
 ENGINE_SHARE = 0.5
-
-
-class PlacementError(RuntimeError):
-    """The actors did not land as the job needs (a trainer rank and the engine worker it feeds on different
-    devices); raised before the first sync, as one line."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from colocate.config import ConfigError, JobConfig
+from colocate.config import JobConfig
+from colocate.errors import ConfigError
 from colocate.host.node_checks import host_needs
 from colocate.job.placement import sync_in_place, sync_transport
 from colocate.trainer.step_memory import micro_batch_parts, unsharded_group_bytes

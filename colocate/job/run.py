@@ -12,16 +12,16 @@ import logging
 import sys
 from pathlib import Path
 
-from colocate.config import ConfigError, JobConfig, to_dict
-from colocate.job.controller import Controller
 from colocate.checkpoint.layout import checkpoint_root, complete_checkpoints, resume_point
-from colocate.rl.data import load_val_samples, make_prompt_source
-from colocate.job.faults import JobFault
-from colocate.telemetry.metrics import MetricsWriter
-from colocate.models.sources import ensure_model, load_tokenizer
-from colocate.rl.evaluation import enabled as evaluation_enabled
-from colocate.job.runtime import Runtime
+from colocate.config import JobConfig, to_dict
+from colocate.errors import EXIT_FAILED, JobFault, UserError
 from colocate.host.signals import Terminated, catch_stop_signals
+from colocate.job.controller import Controller
+from colocate.job.runtime import Runtime
+from colocate.models.sources import ensure_model, load_tokenizer
+from colocate.rl.data import load_val_samples, make_prompt_source
+from colocate.rl.evaluation import enabled as evaluation_enabled
+from colocate.telemetry.metrics import MetricsWriter
 
 log = logging.getLogger("colocate")
 
@@ -63,9 +63,9 @@ def run_job(cfg: JobConfig) -> int:
                     prompts = make_prompt_source(cfg, load_tokenizer(model_path))  # a fresh place: the load sets it
         _summary(started[-1] if started else None, metrics.path)
         return 0
-    except ConfigError as e:  # cluster-side resource checks raise before any actor starts
+    except UserError as e:  # a bad row, a checkpoint of another model, the cluster's resources: before any actor
         print(f"colocate: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except (KeyboardInterrupt, Terminated) as e:
         return _stopped(e, _num_steps(started[-1] if started else None), metrics.path)
     except Exception as e:
@@ -76,7 +76,7 @@ def run_job(cfg: JobConfig) -> int:
         print(f"colocate: error: {one_line(e)}\ncolocate: {num_done} finished step(s) kept in {metrics.path}"
               + (_resume_hint(cfg) if isinstance(e, JobFault) else ""), file=sys.stderr)
         log.debug("job failed", exc_info=True)
-        return 1
+        return EXIT_FAILED
     finally:
         metrics.close()
         restore_signals()

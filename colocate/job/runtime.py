@@ -27,17 +27,35 @@ import time
 
 import ray
 
-from colocate.host.clean import JobRecord
-from colocate.host.procfs import actor_processes, process_tree, stop_processes
 from colocate.config import JobConfig
 from colocate.engine.actor import EngineActor, engine_env
-from colocate.models.sources import ensure_model, load_tokenizer
-from colocate.job.placement import (ENGINE_SHARE, TRAINER_SHARE, actor_options, cluster_nodes, create_placement_group,
-                                engine_placement, local_device_count, pair_devices, plan_nodes, plan_slots,
-                                resolve_device, sleep_backend, sync_transport)
+from colocate.host.clean import JobRecord
+from colocate.host.procfs import actor_processes, process_tree, stop_processes
+from colocate.job.placement import (
+    ENGINE_SHARE,
+    TRAINER_SHARE,
+    actor_options,
+    cluster_nodes,
+    create_placement_group,
+    engine_placement,
+    local_device_count,
+    pair_devices,
+    plan_nodes,
+    plan_slots,
+    resolve_device,
+    sleep_backend,
+    sync_transport,
+)
 from colocate.job.preflight import switch_plan
-from colocate.sync.transport import (JOB_ENV, mapped_by, new_job_token, remove_orphaned_entries,
-                                     remove_stale_segments, shm_entries)
+from colocate.models.sources import ensure_model, load_tokenizer
+from colocate.sync.transport import (
+    JOB_ENV,
+    mapped_by,
+    new_job_token,
+    remove_orphaned_entries,
+    remove_stale_segments,
+    shm_entries,
+)
 from colocate.sync.weight_sync import WeightSync
 from colocate.trainer.actor import TrainerActor
 from colocate.trainer.loss import LossSettings

@@ -22,7 +22,8 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from colocate.config import ConfigError, ModelConfig
+from colocate.config import ModelConfig
+from colocate.errors import ConfigError
 
 # The character vocabulary of the toy tasks. Ids 0..3 are special; the rest are single characters.
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]

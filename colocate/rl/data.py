@@ -24,7 +24,8 @@ import random
 from pathlib import Path
 from typing import Protocol
 
-from colocate.config import ConfigError, DataConfig, JobConfig
+from colocate.config import DataConfig, JobConfig
+from colocate.errors import ConfigError
 from colocate.rl.tasks import PromptStream, Sample, Task, make_task
 
 log = logging.getLogger("colocate")

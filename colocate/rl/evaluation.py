@@ -27,7 +27,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from colocate.config import ConfigError, EvalConfig, JobConfig
+from colocate.config import EvalConfig, JobConfig
+from colocate.errors import ConfigError
 from colocate.rl.scoring import Reward, apply_reward
 from colocate.rl.tasks import PromptStream, Sample, Task
 

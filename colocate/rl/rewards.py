@@ -31,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 
-from colocate.config import ConfigError, JobConfig
+from colocate.config import JobConfig
+from colocate.errors import ConfigError
 from colocate.rl.scoring import Reward, RewardBreakdown, apply_reward
 from colocate.rl.tasks import Task, _import_object, char_match_reward, load_reward_fn
 

@@ -21,11 +21,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from colocate.errors import RewardError
 from colocate.rl.tasks import Sample
-
-
-class RewardError(RuntimeError):
-    """The reward function raised on a (prompt, response), or returned something that is not a finite number."""
 
 
 @dataclass

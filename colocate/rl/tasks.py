@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from colocate.config import ConfigError
+from colocate.errors import ConfigError
 
 DIGITS = "0123456789"
 

@@ -24,8 +24,16 @@ from dataclasses import dataclass
 
 import torch
 
-from colocate.sync.buckets import (Run, TensorSpec, group_by_layer, largest_group_bytes, largest_layer_bytes,
-                                   plan_buckets, plan_in_place_buckets, plan_sliced_buckets)
+from colocate.sync.buckets import (
+    Run,
+    TensorSpec,
+    group_by_layer,
+    largest_group_bytes,
+    largest_layer_bytes,
+    plan_buckets,
+    plan_in_place_buckets,
+    plan_sliced_buckets,
+)
 from colocate.sync.tp_layout import VOCAB_PADDING, TPLayout
 
 

@@ -44,8 +44,8 @@ import ray
 
 from colocate.config import SyncConfig
 from colocate.sync.buckets import TensorSpec, aligned
-from colocate.sync.tp_layout import TPLayout
 from colocate.sync.reshard import SyncPlan, build_sync_plan
+from colocate.sync.tp_layout import TPLayout
 
 MIB = 1 << 20
 log = logging.getLogger("colocate")

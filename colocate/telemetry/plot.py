@@ -17,7 +17,7 @@ import math
 import re
 from pathlib import Path
 
-from colocate.config import ConfigError
+from colocate.errors import ConfigError
 from colocate.telemetry.metrics import read_records
 
 PHASES = ("rollout", "score", "switch", "train", "sync")

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
 
-from colocate.config import ConfigError, LoggingConfig
+from colocate.config import LoggingConfig
+from colocate.errors import ConfigError
 
 log = logging.getLogger("colocate")
 

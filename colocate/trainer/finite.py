@@ -27,9 +27,7 @@ import math
 
 import torch
 
-
-class NonFiniteError(RuntimeError):
-    """A gradient or weight of the trainer holds NaN or Inf."""
+from colocate.errors import NonFiniteError
 
 
 def clip_checked(params: dict[str, torch.Tensor], max_norm: float, *, step: int, rank: int) -> float | None:

@@ -31,7 +31,6 @@ import torch
 
 from colocate.rl.corrections import importance_weights
 
-
 GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: below it a request is sampled greedily
 LOGPROB_FLOOR = -100.0  # a token outside the nucleus: probability e^-100, as good as impossible, and finite
 

@@ -40,20 +40,12 @@ from collections.abc import Callable
 
 import torch
 
-from colocate.job.faults import JobFault
+from colocate.errors import DeviceMemoryShortfall, MemorySaverError
 from colocate.trainer.offload import device_storages
 
 # A resume needs a little more than the paused bytes: the driver's own bookkeeping of new mappings, and the
 # kernels' workspace the first op after it allocates. 256 MiB, as a margin, not a measurement.
 RESUME_MARGIN_BYTES = 256 << 20
-
-
-class MemorySaverError(RuntimeError):
-    """A pause or resume torch_memory_saver would answer with `exit(1)`: refused with the owner and the tag."""
-
-
-class DeviceMemoryShortfall(JobFault):
-    """The device has too little free memory to map the paused state back (another process holds it)."""
 
 
 # torch_memory_saver is one process-wide singleton whose C++ state is per tag: so is ours.

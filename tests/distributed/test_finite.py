@@ -33,7 +33,7 @@ def _step(trainer, world_size: int, rank: int):
 
 def _bad_gradient(rank: int, world_size: int, port: int, model_path: str, grad_clip: float, value: float,
                   kind: str):
-    from colocate.trainer.finite import NonFiniteError
+    from colocate.errors import NonFiniteError
 
     trainer = _trainer(rank, world_size, port, model_path, grad_clip)
     if rank == 1:  # after FSDP's reduce-scatter: only rank 1's shard of one gradient goes bad
@@ -63,7 +63,7 @@ def test_a_non_finite_gradient_on_one_rank_stops_the_step_on_every_rank(tmp_path
 
 
 def _bad_update(rank: int, world_size: int, port: int, model_path: str):
-    from colocate.trainer.finite import NonFiniteError
+    from colocate.errors import NonFiniteError
 
     trainer = _trainer(rank, world_size, port, model_path, 1.0)
     stats = _step(trainer, world_size, rank)  # a good step: Adam's state exists now

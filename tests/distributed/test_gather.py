@@ -20,8 +20,8 @@ VOCAB = 49  # rows split 25/24 by FSDP2, padded to 64 for TP=2: TP rank 0's rows
 
 def _plan(full, tp: int, tied: bool, bucket_bytes: int, sliced: bool):
     from colocate.sync.buckets import TensorSpec
-    from colocate.sync.tp_layout import TPLayout
     from colocate.sync.reshard import build_sync_plan
+    from colocate.sync.tp_layout import TPLayout
 
     specs = [TensorSpec(n, tuple(t.shape), torch.bfloat16) for n, t in full.items()]
     layouts = [{"tp_rank": r, "tp_size": tp,
@@ -112,8 +112,8 @@ def test_gather_groups_read_the_embeddings_for_a_tied_lm_head():
     post group's buckets read a tensor of the pre group, so the post group gathers it too."""
     from colocate.sync.buckets import TensorSpec
     from colocate.sync.gather import plan_gather
-    from colocate.sync.tp_layout import TPLayout
     from colocate.sync.reshard import build_sync_plan
+    from colocate.sync.tp_layout import TPLayout
 
     full = hf_state(VOCAB, tied=True, num_layers=1)
     specs = [TensorSpec(n, tuple(t.shape), torch.bfloat16) for n, t in full.items()]

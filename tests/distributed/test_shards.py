@@ -84,9 +84,10 @@ def _sliced_write(rank: int, world_size: int, handle: ShmHandle, vocab: int, buc
     TP rank 0's rows span both FSDP shards); small slots split tensors by rows. After all ranks wrote a bucket,
     each worker's regions hold exactly its slice of the full tensors."""
     import torch.distributed as dist
-    from colocate.sync.tp_layout import TPLayout, engine_tensor
+
     from colocate.sync.reshard import build_sync_plan
     from colocate.sync.shards import local_shards, write_bucket
+    from colocate.sync.tp_layout import TPLayout, engine_tensor
     from tests.unit.test_reshard import HD, NKV, NQ, engine_shapes, hf_state
 
     full = hf_state(vocab, tied=False, num_layers=1)
@@ -133,9 +134,9 @@ def _in_place_write(rank: int, world_size: int, handles: list[ShmHandle], offset
                     vocab: int):
     """The in-place plan: the regions address each worker's parameters in its arena; the ranks write every
     bucket without waiting for anyone, and no copy follows."""
-    from colocate.sync.tp_layout import TPLayout
     from colocate.sync.reshard import build_sync_plan
     from colocate.sync.shards import local_shards, write_bucket
+    from colocate.sync.tp_layout import TPLayout
     from tests.unit.test_reshard import HD, NKV, NQ, hf_state
 
     full = hf_state(vocab, tied=False, num_layers=2)

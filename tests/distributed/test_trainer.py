@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from colocate.config import ModelConfig, TrainerConfig
-from colocate.trainer.loss import LossSettings
 from colocate.models.sources import ensure_model
+from colocate.trainer.loss import LossSettings
 from tests.distributed.conftest import run_distributed
 
 SEQS = [

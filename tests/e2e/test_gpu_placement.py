@@ -17,8 +17,15 @@ import time
 import pytest
 import ray
 
-from colocate.job.placement import (ENGINE_SHARE, TRAINER_SHARE, SlotPlan, actor_options, create_placement_group,
-                                engine_placement, pair_devices)
+from colocate.job.placement import (
+    ENGINE_SHARE,
+    TRAINER_SHARE,
+    SlotPlan,
+    actor_options,
+    create_placement_group,
+    engine_placement,
+    pair_devices,
+)
 
 pytestmark = pytest.mark.e2e
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import ray
 
-from colocate.job.controller import Controller
 from colocate.engine.requests import EngineRequest, segment_seed
+from colocate.job.controller import Controller
 from colocate.job.runtime import Runtime
 from tests.e2e.conftest import assert_nothing_left, colocate_processes, shm_segments, small_job
 

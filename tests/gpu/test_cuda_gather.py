@@ -18,9 +18,9 @@ def _gather_on_gpu(rank: int, world_size: int, port: int) -> None:
 
     from colocate.sync.gather import GatherWriter, plan_gather
     from colocate.sync.load import load_regions
-    from colocate.sync.tp_layout import TPLayout, engine_tensor
     from colocate.sync.reshard import build_sync_plan
     from colocate.sync.shards import local_shards
+    from colocate.sync.tp_layout import TPLayout, engine_tensor
     from colocate.sync.transport import CudaIpcBuffer
 
     device = torch.device("cuda", 0)

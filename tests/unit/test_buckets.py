@@ -6,8 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate.sync.buckets import (ALIGN, Run, TensorSpec, group_by_layer, largest_group_bytes, largest_layer_bytes,
-                                   plan_buckets, plan_sliced_buckets)
+from colocate.sync.buckets import (
+    ALIGN,
+    Run,
+    TensorSpec,
+    group_by_layer,
+    largest_group_bytes,
+    largest_layer_bytes,
+    plan_buckets,
+    plan_sliced_buckets,
+)
 
 
 def spec(name: str, *shape: int, dtype=torch.bfloat16) -> TensorSpec:

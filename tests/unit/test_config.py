@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from colocate.cli import main
-from colocate.config import ConfigError, config_docs_markdown, load_config
+from colocate.config import config_docs_markdown, load_config
+from colocate.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = str(ROOT / "configs" / "default.yaml")

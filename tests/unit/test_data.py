@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from colocate.config import ConfigError, load_config
-from colocate.rl.data import DatasetPrompts, load_val_samples, make_prompt_source, render_prompt
+from colocate.config import load_config
+from colocate.errors import ConfigError
 from colocate.models.sources import CHARACTERS, build_tokenizer
+from colocate.rl.data import DatasetPrompts, load_val_samples, make_prompt_source, render_prompt
 from colocate.rl.tasks import PromptStream, Sample
 
 ROOT = Path(__file__).resolve().parents[2]

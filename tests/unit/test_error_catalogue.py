@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from colocate.cli import main
-from colocate.config import ConfigError, JobConfig, load_config
+from colocate.config import JobConfig, load_config
+from colocate.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 CATALOGUE = ROOT / "docs" / "errors.md"
@@ -305,8 +306,8 @@ def test_evaluation_without_prompts_or_with_a_prompt_that_fills_the_context():
 def test_a_bad_row_names_its_key_file_and_row(row, needle, tmp_path, monkeypatch):
     import datasets
 
-    from colocate.rl.data import make_prompt_source
     from colocate.models.sources import build_tokenizer
+    from colocate.rl.data import make_prompt_source
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
     path = tmp_path / "train.jsonl"

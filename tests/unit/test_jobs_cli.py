@@ -17,7 +17,7 @@ import pytest
 
 import colocate.cluster.submit as jobs
 from colocate.cli import build_parser, main
-from colocate.config import ConfigError
+from colocate.errors import ConfigError
 
 BIN = Path(sys.executable).parent
 

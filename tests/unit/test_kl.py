@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from colocate.config import ConfigError, JobConfig
+from colocate.config import JobConfig
+from colocate.errors import ConfigError
 from colocate.trainer.loss import KL_CLAMP, LossSettings, Sequence, collate, kl_estimator, policy_loss
 
 CPU = torch.device("cpu")

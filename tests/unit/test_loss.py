@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from colocate.rl.scoring import RewardError, Rollout, group_advantages, score
+from colocate.errors import RewardError
+from colocate.rl.scoring import Rollout, group_advantages, score
 from colocate.rl.tasks import Sample
 from colocate.trainer.loss import LossSettings, Sequence, collate, policy_loss, token_logprobs
 

@@ -11,10 +11,9 @@ import contextlib
 import pytest
 import torch
 
-from colocate.job.faults import JobFault
+from colocate.errors import DeviceMemoryShortfall, JobFault, MemorySaverError
 from colocate.trainer import memory_saver
-from colocate.trainer.memory_saver import RESUME_MARGIN_BYTES, DeviceMemoryShortfall, MemorySaverError, \
-    MemorySaverOffload
+from colocate.trainer.memory_saver import RESUME_MARGIN_BYTES, MemorySaverOffload
 
 GIB = 1 << 30
 

@@ -40,7 +40,8 @@ def test_bench_preset_is_big_enough_for_benchmarks():
 
 
 def test_a_hub_id_that_cannot_be_fetched_is_one_line_naming_model_path(monkeypatch, tmp_path):
-    from colocate.config import ConfigError, ModelConfig
+    from colocate.config import ModelConfig
+    from colocate.errors import ConfigError
     from colocate.models.sources import ensure_model
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here: the hub answers at once that it cannot

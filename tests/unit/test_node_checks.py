@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from colocate.config import ConfigError, load_config
+from colocate.config import load_config
+from colocate.errors import ConfigError
 from colocate.host.node_checks import GIB, check_node, host_needs, mps_pipe_directory, shm_free_bytes
 from colocate.job.preflight import model_dims
 from tests.unit.test_preflight import QWEN_7B

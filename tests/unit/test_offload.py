@@ -8,8 +8,15 @@ import importlib.util
 import pytest
 import torch
 
-from colocate.trainer.offload import (HOST_ALIGN, FileOffload, device_storages, host_layout, make_offloader,
-                                      memory_saver_problem, select_backend)
+from colocate.trainer.offload import (
+    HOST_ALIGN,
+    FileOffload,
+    device_storages,
+    host_layout,
+    make_offloader,
+    memory_saver_problem,
+    select_backend,
+)
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda", 0)  # a device object only: nothing is allocated on it

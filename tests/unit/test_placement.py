@@ -5,9 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from colocate.config import ConfigError, load_config
-from colocate.job.placement import (ENGINE_SHARE, TRAINER_SHARE, PlacementError, SlotPlan, engine_placement,
-                                pair_devices, plan_nodes, plan_slots, sync_transport)
+from colocate.config import load_config
+from colocate.errors import ConfigError, PlacementError
+from colocate.job.placement import (
+    ENGINE_SHARE,
+    TRAINER_SHARE,
+    SlotPlan,
+    engine_placement,
+    pair_devices,
+    plan_nodes,
+    plan_slots,
+    sync_transport,
+)
 
 
 @pytest.mark.parametrize("device, tp, engine, bundle, driver_share, bundles", [

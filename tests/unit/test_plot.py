@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from colocate.config import ConfigError
+from colocate.errors import ConfigError
 from colocate.telemetry.plot import read_steps
 
 

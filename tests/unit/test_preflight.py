@@ -8,10 +8,22 @@ from pathlib import Path
 import pytest
 
 from colocate.cli import main
-from colocate.config import ConfigError, load_config
-from colocate.job.preflight import (CUDA_GRAPH_POOL_BYTES, ENGINE_ASLEEP_BYTES, GIB, NCCL_COMMUNICATOR_BYTES, SwitchPlan,
-                                check_environment, check_fits, model_dims, plan_switch, predict_phases, preflight,
-                                switch_plan)
+from colocate.config import load_config
+from colocate.errors import ConfigError
+from colocate.job.preflight import (
+    CUDA_GRAPH_POOL_BYTES,
+    ENGINE_ASLEEP_BYTES,
+    GIB,
+    NCCL_COMMUNICATOR_BYTES,
+    SwitchPlan,
+    check_environment,
+    check_fits,
+    model_dims,
+    plan_switch,
+    predict_phases,
+    preflight,
+    switch_plan,
+)
 
 QWEN_7B = str(Path(__file__).resolve().parents[2] / "configs" / "models" / "Qwen2.5-7B")
 H100, H200 = int(79.6 * GIB), int(139.7 * GIB)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from colocate.sync.buckets import TensorSpec
-from colocate.sync.tp_layout import VOCAB_PADDING, TPLayout, engine_tensor
 from colocate.sync.reshard import as_2d, build_sync_plan, plan_pieces, runs_for_worker
+from colocate.sync.tp_layout import VOCAB_PADDING, TPLayout, engine_tensor
 
 H, NQ, NKV, HD, INTER = 64, 4, 2, 16, 96
 

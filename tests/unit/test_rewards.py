@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from colocate.config import ConfigError, load_config
+from colocate.config import load_config
+from colocate.errors import ConfigError, RewardError
 from colocate.rl import rewards
 from colocate.rl.rewards import (
     CombinedReward,
@@ -17,7 +18,7 @@ from colocate.rl.rewards import (
     math_reward,
     parse_rewards,
 )
-from colocate.rl.scoring import RewardBreakdown, RewardError, Rollout, apply_reward, score
+from colocate.rl.scoring import RewardBreakdown, Rollout, apply_reward, score
 from colocate.rl.tasks import Sample, make_task
 
 HAS_MATH_VERIFY = rewards._math_verify() is not None

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from colocate.sync.buckets import ALIGN, TensorSpec, layer_group
-from colocate.sync.tp_layout import VOCAB_PADDING, TPLayout
 from colocate.sync.reshard import build_sync_plan
+from colocate.sync.tp_layout import VOCAB_PADDING, TPLayout
 from tests.unit.test_reshard import HD, INTER, NKV, NQ, H, engine_shapes, hf_state
 
 MIB = 1 << 20

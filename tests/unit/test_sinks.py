@@ -11,9 +11,10 @@ import sys
 
 import pytest
 
-from colocate.config import ConfigError, LoggingConfig, load_config
-from colocate.telemetry.sinks import check_sinks, scalar_tags
+from colocate.config import LoggingConfig, load_config
+from colocate.errors import ConfigError
 from colocate.telemetry.metrics import MetricsWriter, Progress, format_duration
+from colocate.telemetry.sinks import check_sinks, scalar_tags
 
 
 def step_record(step: int, reward: float = 0.5, **extra) -> dict:

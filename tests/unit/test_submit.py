@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import shlex
 
-from colocate.config import load_config
 from colocate.cluster.submit import entrypoint
+from colocate.config import load_config
 
 
 def test_entrypoint_round_trips_the_resolved_config():

@@ -9,9 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from colocate.job import faults
 from colocate.config import FaultConfig
-from colocate.job.faults import JobFault, Member, Watchdog
+from colocate.errors import JobFault
+from colocate.job import faults
+from colocate.job.faults import Member, Watchdog
 
 
 def _blocking_get(limit_s: float = 15.0) -> None:
