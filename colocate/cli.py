@@ -25,7 +25,6 @@ from colocate.errors import EXIT_INTERRUPTED, ColocateError, ConfigError
 from colocate.host.signals import take_ctrl_c
 
 
-
 def _split(items: list[str]) -> tuple[str | None, list[str]]:
     """`[CONFIG] [key=value ...]`: the config file is the one argument without '='."""
     paths = [i for i in items if "=" not in i]
@@ -34,40 +33,13 @@ def _split(items: list[str]) -> tuple[str | None, list[str]]:
     return (paths[0] if paths else None), [i for i in items if "=" in i]
 
 
-def resolve(args) -> JobConfig:
+def job_config(args) -> JobConfig:
     path, overrides = _split(args.items)
     if getattr(args, "address", None):
         overrides.append(f"placement.ray_address={args.address}")
     elif os.environ.get("RAY_ADDRESS") and not any(o.startswith("placement.ray_address=") for o in overrides):
         overrides.append(f"placement.ray_address={os.environ['RAY_ADDRESS']}")
     return load_config(path, overrides)
-
-
-def local_preflight(cfg: JobConfig, *, num_gpus: int | None = None, gpu_memory_gib: float | None = None):
-    """Device checks that need no Ray: the slots must fit this machine, or, with `num_gpus` and
-    `gpu_memory_gib`, a GPU node described by the caller (nothing of this machine's devices is read).
-    Returns (slot plan, preflight prediction), or (None, None) when the job's devices are a Ray cluster's."""
-    from colocate.job.placement import local_device_count, plan_slots, resolve_device
-    from colocate.job.preflight import GIB, preflight
-
-    if num_gpus is not None:
-        if cfg.placement.device == "cpu":
-            raise ConfigError("placement.device='cpu' is invalid with --gpus: --gpus describes a CUDA node; "
-                              "valid: auto, cuda")
-        plan = plan_slots(cfg, device="cuda", num_devices=num_gpus, where=f"the node of --gpus {num_gpus}")
-        return plan, preflight(cfg, device="cuda", available_bytes=int(gpu_memory_gib * GIB))
-    device = resolve_device(cfg.placement.device)
-    if cfg.placement.ray_address:
-        return None, None  # the cluster's devices are checked once connected, before any actor starts
-    plan = plan_slots(cfg, device=device, num_devices=local_device_count(device))
-    prediction = preflight(cfg, device=device)
-    if prediction.host_needs:  # a CUDA job, and this machine is its node: what the node must provide
-        from colocate.host.node_checks import check_node, compute_modes, mps_pipe_directory, shm_free_bytes
-        from colocate.job.preflight import host_available_bytes
-
-        check_node(cfg, prediction.host_needs, available_host_bytes=host_available_bytes(),
-                   shm_bytes=shm_free_bytes(), modes=compute_modes(), mps=mps_pipe_directory())
-    return plan, prediction
 
 
 def cmd_validate(args) -> int:
@@ -81,8 +53,12 @@ def cmd_validate(args) -> int:
     if args.gpus is not None and (args.gpus < 1 or args.gpu_memory_gib <= 0):
         raise ConfigError(f"--gpus {args.gpus} --gpu-memory-gib {args.gpu_memory_gib} is invalid: expected at "
                           "least one GPU and a positive size")
-    cfg = resolve(args)
-    plan, prediction = local_preflight(cfg, num_gpus=args.gpus, gpu_memory_gib=args.gpu_memory_gib)
+    from colocate.job.checks import GpuNode, check_job
+
+    cfg = job_config(args)
+    node = None if args.gpus is None else GpuNode(args.gpus, args.gpu_memory_gib)
+    checked = check_job(cfg, node=node)  # what launch checks, in the same functions
+    plan, prediction = checked.slots, checked.prediction
     print(OmegaConf.to_yaml(to_dict(cfg)).rstrip())
     print("# placement")
     if plan is None:
@@ -112,20 +88,24 @@ def cmd_validate(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    cfg = resolve(args)
-    local_preflight(cfg)
+    from colocate.job.checks import check_job
+
+    cfg = job_config(args)
+    checked = check_job(cfg)  # before anything is written or started; the same as validate's
     from colocate.job.run import run_job
 
-    return run_job(cfg)
+    return run_job(cfg, checked)
 
 
 def cmd_submit(args) -> int:
     from colocate.cluster.submit import submit_job
+    from colocate.job.checks import check_sources
 
     # Not resolve(): the job joins the cluster from inside it (`--address auto`), so neither the job server's URL
     # nor this shell's RAY_ADDRESS belongs in its config.
     path, overrides = _split(args.items)
     cfg = load_config(path, overrides)
+    check_sources(cfg)  # its devices are the cluster's: checked when the job connects, before any actor
     return _job_command(lambda: submit_job(cfg, args.items, address=args.job_server, token_file=args.token_file,
                                            wait=not args.no_wait))
 
@@ -182,18 +162,19 @@ def _job_server_args(parser: argparse.ArgumentParser, *aliases: str) -> None:
 def cmd_bench(args) -> int:
     from colocate.bench.common import BENCH_DEFAULTS
     from colocate.bench.rollout import ROLLOUT_DEFAULTS
+    from colocate.job.checks import check_job
 
     path, overrides = _split(args.items)
     if args.which == "soak":  # the default job (or CONFIG) with the full switch forced, with or without CONFIG
         from colocate.bench.soak import SOAK_DEFAULTS, run_soak_bench
 
         cfg = load_config(path, SOAK_DEFAULTS + overrides)
-        local_preflight(cfg)
+        check_job(cfg)
         run_soak_bench(cfg, out_dir=args.out, name=args.name or "soak")
         return 0
     defaults = ROLLOUT_DEFAULTS if args.which == "rollout" else BENCH_DEFAULTS
     cfg = load_config(path, (defaults if path is None else []) + overrides)
-    local_preflight(cfg)
+    check_job(cfg)
     if args.which == "sync":
         from colocate.bench.sync import run_sync_bench
 

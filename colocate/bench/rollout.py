@@ -64,7 +64,7 @@ def run_rollout_bench(cfg: JobConfig, *, num_steps: int, out_dir: str, name: str
     with Runtime(cfg) as rt:
         for mode, settings in MODES.items():
             job = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **settings))
-            job.validate()
+            job.check()
             task = make_task(job.rollout.task, length=job.rollout.task_length)
             rollouts = Rollouts(job, rt.engines, rt.tokenizer, PromptStream(task, seed=job.rollout.seed),
                                 budgets=lognormal_budgets(job.rollout.max_tokens, seed=job.rollout.seed),

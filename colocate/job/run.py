@@ -16,19 +16,23 @@ from colocate.checkpoint.layout import checkpoint_root, complete_checkpoints, re
 from colocate.config import JobConfig, to_dict
 from colocate.errors import EXIT_FAILED, JobFault, UserError
 from colocate.host.signals import Terminated, catch_stop_signals
+from colocate.job.checks import CheckedJob, check_job, read_inputs
 from colocate.job.controller import Controller
 from colocate.job.runtime import Runtime
-from colocate.models.sources import ensure_model, load_tokenizer
-from colocate.rl.data import load_val_samples, make_prompt_source
-from colocate.rl.evaluation import enabled as evaluation_enabled
+from colocate.models.sources import load_tokenizer
+from colocate.rl.data import make_prompt_source
 from colocate.telemetry.metrics import MetricsWriter
 
 log = logging.getLogger("colocate")
 
 
-def run_job(cfg: JobConfig) -> int:
+def run_job(cfg: JobConfig, checked: CheckedJob | None = None) -> int:
+    """Run the job to its end; returns the process exit code. `checked`: check_job's result when the caller
+    already ran it (`colocate launch`); else it runs here, raising ConfigError before anything is written."""
     from omegaconf import OmegaConf
 
+    if checked is None:
+        checked = check_job(cfg)
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     out = Path(cfg.logging.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -38,12 +42,8 @@ def run_job(cfg: JobConfig) -> int:
     started: list[Controller] = []  # each start's controller; the last one's history is the finished steps
     restore_signals = catch_stop_signals()
     try:
-        # Read and checked before any actor starts (a bad row, a checkpoint of another model: exit 2, one line).
-        model_path = ensure_model(cfg.model)
-        prompts = make_prompt_source(cfg, load_tokenizer(model_path)) if cfg.data.train_files else None
-        if cfg.data.val_files and evaluation_enabled(cfg.eval):
-            load_val_samples(cfg, load_tokenizer(model_path))
-        resume_from = resume_point(cfg, model_path)
+        inputs = read_inputs(cfg)  # a bad row, a checkpoint of another model: exit 2, one line, no actor started
+        model_path, prompts, resume_from = inputs.model_path, inputs.prompts, inputs.resume_from
         attempt_cfg = cfg
         for restart in range(cfg.fault.max_restarts + 1):
             try:

@@ -181,7 +181,7 @@ def eval_samples(cfg: JobConfig, tokenizer, task: Task | None) -> list[Sample]:
         from colocate.rl.data import load_val_samples
 
         return load_val_samples(cfg, tokenizer)
-    # JobConfig.validate refuses evaluation of a run on data.train_files without val files
+    # JobConfig.check refuses evaluation of a run on data.train_files without val files
     assert not cfg.data.train_files, "evaluation of data.train_files needs data.val_files"
     assert task is not None, "toy-task evaluation needs the task"
     return PromptStream(task, seed=cfg.eval.seed).next_batch(cfg.eval.max_prompts or TOY_PROMPTS)

@@ -14,7 +14,7 @@ newer policy, its next segment seeded from its seed and its length (engine.reque
 keeps the behaviour logprob of the policy that sampled it, so the loss's ratio (and TIS/MIS) corrects the stale
 ones; an answer whose oldest token is more than `max_lag` policy versions old, finished or not, is restarted
 from its prompt instead (so `max_tokens` must fit in (max_lag + 1) passes, or a long answer could never
-finish: config.py checks it).
+finish: RolloutConfig.check refuses it).
 Over-sampling: `oversample` x the groups a step trains are in flight; the pass stops once enough are complete.
 Context guard: an answer's budget is fixed when it is created, from the model's length, and every segment is
 cut to what is left of it: a continued answer never gets a fresh budget.

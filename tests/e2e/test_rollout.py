@@ -86,7 +86,7 @@ def steps(controller: Controller, num_steps: int):
 def job(runtime, **rollout) -> Controller:
     cfg = runtime.cfg
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **rollout))
-    cfg.validate()
+    cfg.check()
     return Controller(cfg, runtime)
 
 

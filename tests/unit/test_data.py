@@ -12,6 +12,7 @@ import pytest
 
 from colocate.config import load_config
 from colocate.errors import ConfigError
+from colocate.job.checks import check_sources
 from colocate.models.sources import CHARACTERS, build_tokenizer
 from colocate.rl.data import DatasetPrompts, load_val_samples, make_prompt_source, render_prompt
 from colocate.rl.tasks import PromptStream, Sample
@@ -189,8 +190,8 @@ def test_too_long_error_names_the_row(tmp_path, tokenizer):
     pytest.param(["data.max_prompt_tokens=-1"], ["data.max_prompt_tokens", ">= 0"], id="negative_limit"),
     pytest.param(["data.train_files=[1, 2]"], ["data.train_files", "file paths"], id="list_of_numbers"),
 ])
-def test_static_checks_in_validate(overrides, needles):
-    one_line_error(lambda: load_config(None, overrides), *needles)
+def test_checks_before_any_actor(overrides, needles):
+    one_line_error(lambda: check_sources(load_config(None, overrides)), *needles)
 
 
 def test_bad_data_exits_2_from_the_cli(capsys):

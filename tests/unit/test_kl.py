@@ -104,10 +104,10 @@ def test_loss_settings_from_job_and_validation():
     cfg.algo.kl_coef, cfg.algo.kl_estimator = 0.01, "k2"
     settings = LossSettings.from_job(cfg)
     assert (settings.kl_coef, settings.kl_estimator) == (0.01, "k2")
-    cfg.validate()
+    cfg.check()
     cfg.algo.kl_estimator = "k4"
     with pytest.raises(ConfigError, match=r"algo.kl_estimator='k4' is invalid: valid: k1, k2, k3"):
-        cfg.validate()
+        cfg.check()
     cfg.algo.kl_estimator, cfg.algo.kl_coef = "k3", -0.1
     with pytest.raises(ConfigError, match=r"algo.kl_coef=-0.1 is invalid: must be >= 0"):
-        cfg.validate()
+        cfg.check()

@@ -8,6 +8,7 @@ import pytest
 
 from colocate.config import load_config
 from colocate.errors import ConfigError, RewardError
+from colocate.job.checks import check_sources
 from colocate.rl import rewards
 from colocate.rl.rewards import (
     CombinedReward,
@@ -128,7 +129,7 @@ def test_bad_specs_are_one_line(spec, needle):
 def test_config_validates_rewards():
     assert load_config(None, ["rollout.rewards=math:1.0,format:0.1"]).rollout.rewards == "math:1.0,format:0.1"
     with pytest.raises(ConfigError, match="rollout.rewards.*unknown reward"):
-        load_config(None, ["rollout.rewards=bogus"])
+        check_sources(load_config(None, ["rollout.rewards=bogus"]))
     with pytest.raises(ConfigError, match="rollout.reward_fn is set too"):
         load_config(None, ["rollout.rewards=math", "rollout.reward_fn=tests.unit.test_rewards:length_reward"])
 

@@ -1,0 +1,453 @@
+"""The job's configuration as typed dataclasses, one per section, each with the checks of its own fields.
+
+Every field carries a one-line docstring (the string literal under it), which `colocate config-docs` turns into
+the table in docs/config.md (config/docs.py). YAML and `key=value` overrides become a JobConfig once, at the
+edge (config/loading.py); library code only ever sees JobConfig.
+
+    cfg.check()   # each section's check(), then those across sections; ConfigError naming the first bad key
+
+Checked here: what needs no machine, no file and no user code. What needs them (the task's module, data files,
+the model, the devices, the paths the job writes) is checked in one place, colocate/job/checks.py, which
+`colocate validate` and `colocate launch` both call. Errors are ConfigError: `key=value is invalid: <valid>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from colocate.errors import ConfigError
+
+
+def _bad(key: str, value, valid: str) -> ConfigError:
+    return ConfigError(f"{key}={value!r} is invalid: {valid}")
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Hugging Face model directory or hub id; empty builds the embedded `preset` into `cache_dir`."""
+    preset: str = "tiny"
+    """Embedded model preset when `path` is empty: tiny (tests, default job), tiny-tied, bench (>= 0.4 GB bf16)."""
+    cache_dir: str = "~/.cache/colocate/models"
+    """Where embedded presets are built once and reused."""
+    seed: int = 0
+    """Seed of the embedded model's random initialisation."""
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient norm clip; 0 disables clipping."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward pass on each rank; gradients accumulate over micro-batches."""
+    mixed_precision: bool = False
+    """FSDP2 mixed precision (bf16 compute, fp32 reduce); CUDA only."""
+    offload: str = "auto"
+    """Move parameters and optimizer state out while the engine runs: true, false, or auto (only when the memory preflight finds the rollout would not fit beside them)."""
+    offload_backend: str = "auto"
+    """CUDA: torch_memory_saver (state allocated in its region, paused with a host backup), pinned (exact-size page-locked host buffers), or auto (torch_memory_saver when installed, else pinned). The CPU always uses a file-backed tier."""
+    offload_dir: str = ""
+    """CPU: directory of the offload file (on disk, not tmpfs); empty: the system's temporary directory."""
+    num_threads: int = 1
+    """Torch intra-op threads per trainer rank (CPU)."""
+
+    def check(self) -> None:
+        _positive(self, "trainer", "lr", "micro_batch_size", "num_threads")
+        _non_negative(self, "trainer", "weight_decay", "grad_clip")
+        _one_of(self, "trainer", "offload", ["auto", "true", "false"])
+        _one_of(self, "trainer", "offload_backend", ["auto", "pinned", "torch_memory_saver"])
+
+
+@dataclass
+class EngineConfig:
+    tp: int = 2
+    """Tensor-parallel size of each vLLM engine; must divide placement.num_slots."""
+    dtype: str = "bfloat16"
+    """Engine weight dtype: bfloat16, float16 or float32."""
+    max_model_len: int = 128
+    """Longest prompt + response the engine accepts."""
+    kv_cache_gib: float = 0.125
+    """CPU: KV cache size per engine worker in GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = 0.5
+    """CUDA: fraction of GPU memory vLLM may use for weights + KV cache."""
+    enforce_eager: str = "auto"
+    """Skip graph capture / compilation: true (fast start), false (CUDA graphs, compiled), auto (true on the CPU, false on CUDA)."""
+    max_num_seqs: int = 0
+    """Most sequences the engine decodes at once; 0 keeps vLLM's default."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of a shared prefix: the samples of one prompt share its prefill."""
+    extra_args: str = ""
+    """Other vLLM engine arguments as a JSON object, e.g. {"block_size": 32}; names are checked against vLLM's EngineArgs before anything starts."""
+    sleep_level: str = "auto"
+    """Engine sleep while training: 0 stays awake, 1 keeps a host copy of the weights, 2 discards them (the sync restores them), auto the least that lets the training phase fit (memory preflight)."""
+    sleep_backend: str = "auto"
+    """auto (vllm on CUDA, portable on CPU), vllm (vLLM sleep mode, CUDA only), portable (release storages)."""
+    seed: int = 0
+    """Engine sampling seed."""
+
+    def check(self) -> None:
+        _positive(self, "engine", "tp", "max_model_len")
+        _non_negative(self, "engine", "max_num_seqs")
+        _one_of(self, "engine", "dtype", ["bfloat16", "float16", "float32"])
+        _one_of(self, "engine", "sleep_level", ["auto", "0", "1", "2"])
+        _one_of(self, "engine", "sleep_backend", ["auto", "vllm", "portable"])
+        _one_of(self, "engine", "enforce_eager", ["auto", "true", "false"])
+        engine_extra_args(self)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise _bad("engine.gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+        if self.kv_cache_gib <= 0:
+            raise _bad("engine.kv_cache_gib", self.kv_cache_gib, "must be > 0")
+
+
+@dataclass
+class SyncConfig:
+    bucket_mb: float = 0.0
+    """Size of one bucket slot in MiB; 0 sizes it to the largest layer."""
+    num_bucket_slots: int = 2
+    """Bucket slots in the ring: >= 2 lets the next layer be packed while the engine loads the previous."""
+    verify: str = "checksum"
+    """After each sync: checksum (ring: every written range, checked before its bucket loads; in place: every engine parameter still where the trainers write), full (compare every engine tensor), or none (docs/integrity.md)."""
+    transport: str = "auto"
+    """gather: each layer is all-gathered over the trainers' process group and every rank hands the TP slice of the engine worker on its own device to that worker's ring (the CUDA protocol; runs on the CPU with gloo and shared memory); in_place (CPU): trainers write into the engine's parameters, kept in shared memory; ring (CPU): every rank writes its rows into every worker's ring; auto: in_place on CPU, gather on CUDA."""
+
+    def check(self) -> None:
+        _positive(self, "sync", "num_bucket_slots")
+        _non_negative(self, "sync", "bucket_mb")
+        _one_of(self, "sync", "verify", ["checksum", "full", "none"])
+        _one_of(self, "sync", "transport", ["auto", "gather", "in_place", "ring"])
+        if self.num_bucket_slots < 2:
+            raise _bad("sync.num_bucket_slots", self.num_bucket_slots,
+                       "must be >= 2 (one slot is packed while the engine loads the other)")
+
+
+@dataclass
+class RolloutConfig:
+    task: str = "copy"
+    """Built-in toy task (copy, reverse, add) or a dotted path `module:function` returning a Task."""
+    reward_fn: str = ""
+    """Dotted path `module:function(prompt, response, answer) -> float`; empty uses the task's reward."""
+    rewards: str = ""
+    """Weighted sum of rewards, e.g. math:1.0,format:0.1: built-ins math, exact, format, char, or module:function (weight 1 when omitted); each one's mean is logged as reward_<name>_mean. Empty: rollout.reward_fn or the task's reward."""
+    num_prompts: int = 16
+    """Prompts per RL step."""
+    num_samples: int = 8
+    """Responses sampled per prompt (the GRPO group size)."""
+    max_tokens: int = 3
+    """Longest response in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling probability mass."""
+    task_length: int = 3
+    """Operand length (characters) of the toy tasks."""
+    seed: int = 0
+    """Seed of the prompt stream."""
+    oversample: float = 1.0
+    """Over-sampling: groups in flight per step, as a multiple of num_prompts; the rollout stops once num_prompts groups are complete (exactly that many are trained) and the rest are carried or dropped (rollout.leftover)."""
+    leftover: str = "carry"
+    """Groups a step does not train (unfinished, or complete beyond num_prompts): carry (they keep their tokens and go on next step) or drop."""
+    partial_tokens: int = 0
+    """Partial rollout: the most new tokens an answer gets in one pass (a step makes another pass only while none of its groups is complete); an answer still unfinished keeps its tokens and continues next step under the newer policy. 0: answers run to their end within the step."""
+    max_lag: int = 1
+    """An answer (finished or not) whose oldest token was sampled more than this many policy versions ago is restarted from its prompt; tokens within the lag are trained, corrected by the loss's ratio to their behaviour logprobs."""
+
+    def check(self) -> None:
+        _positive(self, "rollout", "num_prompts", "num_samples", "max_tokens", "task_length", "top_p")
+        _non_negative(self, "rollout", "temperature", "partial_tokens", "max_lag")
+        if self.top_p > 1:
+            raise _bad("rollout.top_p", self.top_p, "must be in (0, 1]")
+        if self.oversample < 1:
+            raise _bad("rollout.oversample", self.oversample,
+                       "must be >= 1 (a multiple of rollout.num_prompts groups in flight)")
+        _one_of(self, "rollout", "leftover", ["carry", "drop"])
+        if self.partial_tokens and self.leftover == "drop":
+            raise _bad("rollout.leftover", "drop", "partial rollout (rollout.partial_tokens > 0) carries unfinished "
+                       "answers over; valid with it: carry")
+        partial, lag = self.partial_tokens, self.max_lag
+        if partial and self.max_tokens > (lag + 1) * partial:
+            raise _bad("rollout.partial_tokens", partial,
+                       f"an answer of rollout.max_tokens={self.max_tokens} needs more than rollout.max_lag + 1 = "
+                       f"{lag + 1} passes and would be restarted forever; valid: partial_tokens >= "
+                       f"{-(-self.max_tokens // (lag + 1))}, or a larger rollout.max_lag")
+        if self.rewards and self.reward_fn:
+            raise _bad("rollout.rewards", self.rewards, "rollout.reward_fn is set too; give one of them "
+                       "(a module:function can be a component of rollout.rewards)")
+
+
+@dataclass
+class DataConfig:
+    train_files: str = ""
+    """Training prompts: comma-separated .jsonl or .parquet files (a YAML list works too; globs allowed); empty: the toy task rollout.task makes the prompts."""
+    val_files: str = ""
+    """Validation prompts, same format as data.train_files (read and checked; not yet evaluated during a run)."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: plain text, or a list of chat messages {role, content} (rendered with the tokenizer's chat template when it has one, else their contents joined by newlines)."""
+    answer_key: str = "answer"
+    """Column holding the reference answer given to the reward; empty: no answers (the reward gets "")."""
+    max_prompt_tokens: int = 0
+    """Longest prompt in tokens; 0: whatever leaves room for one response token within engine.max_model_len."""
+    too_long: str = "filter"
+    """A prompt longer than the limit: filter (dropped, the count logged once) or error (the job stops naming its row)."""
+    shuffle: bool = True
+    """Shuffle the rows, again every epoch (with data.seed + epoch)."""
+    seed: int = 0
+    """Seed of the data order."""
+
+    def check(self) -> None:
+        _one_of(self, "data", "too_long", ["filter", "error"])
+        _non_negative(self, "data", "max_prompt_tokens")
+        if (self.train_files or self.val_files) and not self.prompt_key:
+            raise _bad("data.prompt_key", "", "name the column holding the prompts, e.g. prompt")
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0
+    """Evaluate after every this many steps (pass@k on data.val_files, or with no data files on a fixed set of toy-task prompts); 0: never during the run."""
+    at_start: bool = False
+    """Also evaluate before the first step (the starting model's score)."""
+    at_end: bool = False
+    """Also evaluate after the last step."""
+    num_samples: int = 1
+    """Samples per validation prompt, the k of pass@k (with 1: pass@1 only)."""
+    temperature: float = 0.0
+    """Sampling temperature of the evaluation; 0 is greedy (one sample per prompt)."""
+    max_tokens: int = 0
+    """Longest evaluation response in tokens; 0: rollout.max_tokens."""
+    max_prompts: int = 0
+    """Evaluate the first this many validation prompts (the same ones every time); 0: all of them (toy tasks: 64)."""
+    seed: int = 1234
+    """Sampling seed of the evaluation (the same every time, so evaluations differ only by the policy); toy tasks also draw their prompts with it."""
+
+    def check(self) -> None:
+        _non_negative(self, "eval", "every_steps", "temperature", "max_tokens", "max_prompts")
+        _positive(self, "eval", "num_samples")
+        if self.temperature == 0 and self.num_samples > 1:
+            raise _bad("eval.num_samples", self.num_samples, "greedy decoding (eval.temperature=0) gives one "
+                       "answer per prompt; valid: 1, or set eval.temperature > 0 for pass@k")
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save a checkpoint after every this many steps (FSDP2 shards through torch.distributed.checkpoint, the optimizer, every rank's RNG, the data position and unfinished answers); 0: only at the end (checkpoint.at_end)."""
+    at_end: bool = True
+    """Also save after the last step."""
+    dir: str = ""
+    """Where checkpoints go (one step_<N> folder each); empty: <logging.output_dir>/checkpoints. Several nodes: a directory every node sees."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are deleted once a newer one is complete. 0 keeps all."""
+    resume: str = ""
+    """auto: continue from the newest complete checkpoint in checkpoint.dir (start afresh when there is none); a step_<N> path: continue from it; empty: start afresh. Also given as resume=... on the command line."""
+    export_hf: bool = False
+    """Also write a Hugging Face model (safetensors, config, tokenizer) into each checkpoint's hf/ folder."""
+
+    def check(self) -> None:
+        _non_negative(self, "checkpoint", "every_steps", "keep_last")
+
+
+@dataclass
+class FaultConfig:
+    heartbeat_s: float = 1.0
+    """How often the controller checks that every process of the job on its node is alive and running (a dead, zombie or stopped one ends the job at once, named)."""
+    sync_timeout_s: float = 600.0
+    """A weight sync or a sleep/wake switch that has not finished after this many seconds is a hang: the job stops naming its members. 0: no limit."""
+    checkpoint_timeout_s: float = 1800.0
+    """The same bound for a checkpoint save (and its HF export). A save writes about 12 bytes per parameter (fp32 weights and AdamW's two moments: 91 GB for a 7B model): size it as 2 x those bytes / the storage's slowest write rate (docs/checkpoints.md). 0: no limit."""
+    rollout_timeout_s: float = 0.0
+    """The same bound for a rollout phase; 0: no limit (a rollout's length is the model's to decide)."""
+    train_timeout_s: float = 0.0
+    """The same bound for a training phase; 0: no limit."""
+    inject: str = ""
+    """Chaos testing: SIGNAL:MEMBER:PHASE:STEP sends a signal to one process of the job as that phase of that step begins, e.g. SIGKILL:engine0.worker1:rollout:2, SIGKILL:trainer1:train:1, SIGSTOP:engine0.worker0:sync:1 (members: trainerR, engineE, engineE.workerK); empty: none."""
+    max_restarts: int = 0
+    """After a fault (a member died or hung), start the job again from its newest checkpoint (resume=auto) up to this many times; 0: stop with the fault."""
+
+    def check(self) -> None:
+        _positive(self, "fault", "heartbeat_s")
+        _non_negative(self, "fault", "sync_timeout_s", "checkpoint_timeout_s", "rollout_timeout_s", "train_timeout_s",
+                      "max_restarts")
+
+
+@dataclass
+class AlgoConfig:
+    num_steps: int = 150
+    """RL steps to run."""
+    clip_eps: float = 0.2
+    """PPO/GRPO ratio clip."""
+    normalize_advantages: bool = True
+    """Divide group-relative advantages by the group's standard deviation."""
+    correction: str = "none"
+    """Training/inference mismatch correction: none (PPO ratio against the engine's logprobs), tis (truncated importance weights), mis (masked importance weights)."""
+    correction_level: str = "token"
+    """Importance weight per token, or per sequence (the product over its tokens)."""
+    tis_cap: float = 2.0
+    """TIS: importance weights are truncated at this value."""
+    mis_low: float = 0.5
+    """MIS: weights below this are masked (the token or sequence is dropped)."""
+    mis_high: float = 2.0
+    """MIS: weights above this are masked."""
+    mismatch_band: float = 1.1
+    """Monitor: report the fraction of tokens and sequences whose ratio p_trainer / p_engine lies outside [1/band, band]."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the frozen reference policy (the initial weights); 0: no reference, no KL."""
+    kl_estimator: str = "k3"
+    """KL estimator per token, log r = logp_ref - logp: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r."""
+
+    def check(self) -> None:
+        _positive(self, "algo", "num_steps")
+        _non_negative(self, "algo", "clip_eps", "kl_coef")
+        _one_of(self, "algo", "correction", ["none", "tis", "mis"])
+        _one_of(self, "algo", "correction_level", ["token", "sequence"])
+        _one_of(self, "algo", "kl_estimator", ["k1", "k2", "k3"])
+        if self.tis_cap < 1:
+            raise _bad("algo.tis_cap", self.tis_cap, "must be >= 1 (weights are truncated at it)")
+        if not 0 <= self.mis_low <= 1 <= self.mis_high:
+            raise _bad("algo.mis_low", f"{self.mis_low}..{self.mis_high}",
+                       "need 0 <= algo.mis_low <= 1 <= algo.mis_high (the band must hold the ratio 1)")
+        if self.mismatch_band <= 1:
+            raise _bad("algo.mismatch_band", self.mismatch_band, "must be > 1 (the band is [1/band, band])")
+
+
+@dataclass
+class PlacementConfig:
+    device: str = "auto"
+    """auto, cpu or cuda."""
+    num_slots: int = 2
+    """Device slots (GPUs, or logical CPU slots); each holds one trainer rank and one engine worker."""
+    ray_address: str = ""
+    """Existing Ray cluster to join ('auto', or host:port); empty starts a local Ray."""
+
+    def check(self) -> None:
+        _positive(self, "placement", "num_slots")
+        _one_of(self, "placement", "device", ["auto", "cpu", "cuda"])
+
+
+@dataclass
+class LoggingConfig:
+    output_dir: str = "outputs/default"
+    """Directory for metrics.jsonl and the resolved config."""
+    progress: bool = True
+    """Progress on stderr: a bar with ETA on a terminal, else one plain line per step; false: nothing per step."""
+    level: str = "WARNING"
+    """Log level of colocate and its actors: DEBUG, INFO, WARNING, ERROR."""
+    tensorboard: bool = True
+    """Also write each step's scalars as TensorBoard event files, in tensorboard/ under logging.output_dir."""
+    wandb: bool = False
+    """Also log each step's scalars to Weights & Biases (needs the wandb package: pip install 'colocate[wandb]')."""
+    wandb_project: str = "colocate"
+    """Weights & Biases project of the run."""
+    wandb_mode: str = "offline"
+    """offline (no network: kept in wandb/ under logging.output_dir for `wandb sync`), online (needs WANDB_API_KEY)."""
+    wandb_run_name: str = ""
+    """Weights & Biases run name; empty: the name of logging.output_dir."""
+
+    def check(self) -> None:
+        _one_of(self, "logging", "level", ["DEBUG", "INFO", "WARNING", "ERROR"])
+        _one_of(self, "logging", "wandb_mode", ["offline", "online"])
+        if self.wandb and not self.wandb_project:
+            raise _bad("logging.wandb_project", "", "must name a project when logging.wandb=true")
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def num_engines(self) -> int:
+        return self.placement.num_slots // self.engine.tp
+
+    def check(self) -> None:
+        """The checks that need no machine, no file and no user code: each section's own, then those across
+        sections. Raises ConfigError naming the first bad key. (What needs files, user code, the model or the
+        devices is `colocate.job.checks`'.)"""
+        for section in dataclasses.fields(self):
+            if hasattr(getattr(self, section.name), "check"):
+                getattr(self, section.name).check()
+        if self.placement.num_slots % self.engine.tp:
+            raise _bad("engine.tp", self.engine.tp, f"must divide placement.num_slots={self.placement.num_slots}")
+        for key, value in (("rollout.max_tokens", self.rollout.max_tokens),
+                           ("data.max_prompt_tokens", self.data.max_prompt_tokens),
+                           ("eval.max_tokens", self.eval.max_tokens)):
+            if value >= self.engine.max_model_len:
+                room = " (room to answer)" if key == "data.max_prompt_tokens" else ""
+                raise _bad(key, value, f"must be smaller than engine.max_model_len={self.engine.max_model_len}{room}")
+        if (self.eval.every_steps or self.eval.at_start or self.eval.at_end) and self.data.train_files \
+                and not self.data.val_files:
+            raise _bad("data.val_files", "", "evaluation (eval.every_steps, eval.at_start, eval.at_end) of a run on "
+                       "data.train_files needs validation prompts; give data.val_files or turn evaluation off")
+
+
+# vLLM engine arguments colocate sets itself (from the key named), so a pass-through must not
+_ENGINE_ARGS_OF_OURS = {
+    "model": "model.path", "tensor_parallel_size": "engine.tp", "dtype": "engine.dtype",
+    "max_model_len": "engine.max_model_len", "enforce_eager": "engine.enforce_eager", "seed": "engine.seed",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization", "enable_sleep_mode": "engine.sleep_backend",
+    "max_num_seqs": "engine.max_num_seqs", "enable_prefix_caching": "engine.enable_prefix_caching",
+    "kv_cache_memory_bytes": "engine.kv_cache_gib", "worker_extension_cls": None, "skip_tokenizer_init": None,
+    "distributed_executor_backend": None, "logprobs_mode": None}
+
+
+def engine_extra_args(engine: EngineConfig) -> dict:
+    """`engine.extra_args` as keyword arguments for vLLM, checked against vLLM's own EngineArgs fields (vLLM is
+    imported only when there are any)."""
+    if not engine.extra_args.strip():
+        return {}
+    import json
+
+    try:
+        extra = json.loads(engine.extra_args)
+    except json.JSONDecodeError as e:
+        raise _bad("engine.extra_args", engine.extra_args, f"not a JSON object ({e.msg}); e.g. "
+                   '{"block_size": 32}') from None
+    if not isinstance(extra, dict):
+        raise _bad("engine.extra_args", engine.extra_args, 'expected a JSON object, e.g. {"block_size": 32}')
+    for name in extra:
+        if name in _ENGINE_ARGS_OF_OURS:
+            ours = _ENGINE_ARGS_OF_OURS[name]
+            raise _bad("engine.extra_args", name, f"colocate sets {name} itself" +
+                       (f": use {ours}" if ours else " (the runtime depends on it)"))
+    import difflib
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = [f.name for f in dataclasses.fields(EngineArgs)]
+    for name in extra:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3)
+            raise _bad("engine.extra_args", name, "not an argument of vLLM's engine" +
+                       (f"; did you mean {', '.join(close)}?" if close else ""))
+    return extra
+
+
+def _positive(section, prefix: str, *names: str) -> None:
+    for name in names:
+        if not getattr(section, name) > 0:
+            raise _bad(f"{prefix}.{name}", getattr(section, name), "must be > 0")
+
+
+def _non_negative(section, prefix: str, *names: str) -> None:
+    for name in names:
+        if getattr(section, name) < 0:
+            raise _bad(f"{prefix}.{name}", getattr(section, name), "must be >= 0")
+
+
+def _one_of(section, prefix: str, name: str, valid: list) -> None:
+    if getattr(section, name) not in valid:
+        raise _bad(f"{prefix}.{name}", getattr(section, name), "valid: " + ", ".join(map(str, valid)))

@@ -1,0 +1,197 @@
+"""Every check a job needs before any actor starts, beyond its config's own fields (JobConfig.check): the user's
+code, the files it reads, the paths it writes, the model, the devices and the node. `colocate validate`,
+`colocate launch` and `run_job` call these same functions, so what validate accepts, launch accepts.
+
+    checked = check_job(cfg)        # validate's and launch's checks, before anything is written or started:
+      check_sources(cfg)            #   user code, data and model files, paths written, metric sinks; no device
+      check_devices(cfg, node=...)  #   the slots and each phase's memory on this machine (or on a described node)
+    inputs = read_inputs(cfg)       # the model fetched, the data's rows and the resume point read
+
+Each raises ConfigError (exit 2) naming the key, the bad value and what would be valid. `colocate submit` runs
+check_sources only: a cluster's devices are checked when the job connects to it (Runtime.start), still before
+any actor starts.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from colocate.checkpoint.layout import checkpoint_root, resume_point
+from colocate.config import JobConfig
+from colocate.config.schema import _bad
+from colocate.errors import ConfigError
+from colocate.job.faults import parse_injection
+from colocate.job.placement import SlotPlan, local_device_count, plan_slots, resolve_device
+from colocate.job.preflight import GIB, Prediction, host_available_bytes, preflight
+from colocate.models import sources as models
+from colocate.rl.data import data_files, load_val_samples, make_prompt_source
+from colocate.rl.evaluation import enabled as evaluation_enabled
+from colocate.rl.rewards import parse_rewards
+from colocate.rl.tasks import load_reward_fn, make_task
+from colocate.telemetry.sinks import check_sinks
+
+
+@dataclass(frozen=True)
+class GpuNode:
+    """A GPU node described by the user (`colocate validate --gpus N --gpu-memory-gib G`), not this machine."""
+    num_gpus: int
+    gpu_memory_gib: float
+
+
+def check_sources(cfg: JobConfig) -> None:
+    """What needs this machine's files and the user's code, but no device."""
+    if not cfg.model.path and cfg.model.preset not in models.PRESETS:
+        raise _bad("model.preset", cfg.model.preset, "valid: " + ", ".join(sorted(models.PRESETS)))
+    _check_model_path(cfg.model.path)
+    make_task(cfg.rollout.task, length=cfg.rollout.task_length)
+    if cfg.rollout.reward_fn:
+        load_reward_fn(cfg.rollout.reward_fn)
+    if cfg.rollout.rewards:
+        parse_rewards(cfg.rollout.rewards)
+    data_files(cfg.data.train_files, "data.train_files")
+    data_files(cfg.data.val_files, "data.val_files")
+    if cfg.fault.inject:
+        parse_injection(cfg.fault.inject)
+    _check_bucket_size(cfg)
+    check_sinks(cfg.logging)
+    for key, path in written_paths(cfg).items():
+        check_writable(key, path)
+
+
+@dataclass(frozen=True)
+class CheckedJob:
+    """What the checks found: where the slots go and each phase's predicted memory (None, None: a Ray cluster's
+    devices, checked once the job connects)."""
+    slots: SlotPlan | None
+    prediction: Prediction | None
+
+
+def check_job(cfg: JobConfig, *, node: GpuNode | None = None) -> CheckedJob:
+    """Every check before anything is written or started: validate's and launch's."""
+    check_sources(cfg)
+    return CheckedJob(*check_devices(cfg, node=node))
+
+
+def check_devices(cfg: JobConfig, *, node: GpuNode | None = None) -> tuple[SlotPlan | None, Prediction | None]:
+    """The slots must fit this machine (or `node`), and every phase's memory the device. Returns (slot plan,
+    preflight prediction), or (None, None) when the job's devices are a Ray cluster's (checked once connected)."""
+    from colocate.host.node_checks import check_node, compute_modes, mps_pipe_directory, shm_free_bytes
+
+    if node is not None:
+        if cfg.placement.device == "cpu":
+            raise ConfigError("placement.device='cpu' is invalid with --gpus: --gpus describes a CUDA node; "
+                              "valid: auto, cuda")
+        plan = plan_slots(cfg, device="cuda", num_devices=node.num_gpus, where=f"the node of --gpus {node.num_gpus}")
+        return plan, preflight(cfg, device="cuda", available_bytes=int(node.gpu_memory_gib * GIB))
+    device = resolve_device(cfg.placement.device)
+    if cfg.placement.ray_address:
+        return None, None
+    plan = plan_slots(cfg, device=device, num_devices=local_device_count(device))
+    prediction = preflight(cfg, device=device)
+    if prediction.host_needs:  # a CUDA job, and this machine is its node: what the node must provide
+        check_node(cfg, prediction.host_needs, available_host_bytes=host_available_bytes(),
+                   shm_bytes=shm_free_bytes(), modes=compute_modes(), mps=mps_pipe_directory())
+    return plan, prediction
+
+
+@dataclass
+class JobInputs:
+    """What the job reads before any actor starts: a bad row or a checkpoint of another model is a ConfigError
+    here, not an error after minutes of model loading."""
+    model_path: str
+    prompts: object | None  # a DatasetPrompts when data.train_files is set; None: the task's own stream
+    resume_from: Path | None
+
+
+def read_inputs(cfg: JobConfig) -> JobInputs:
+    model_path = models.ensure_model(cfg.model)
+    prompts = make_prompt_source(cfg, models.load_tokenizer(model_path)) if cfg.data.train_files else None
+    if cfg.data.val_files and evaluation_enabled(cfg.eval):
+        load_val_samples(cfg, models.load_tokenizer(model_path))
+    return JobInputs(model_path, prompts, resume_point(cfg, model_path))
+
+
+# ------------------------------------------------------------------------------------------------ paths
+
+def written_paths(cfg: JobConfig) -> dict[str, Path]:
+    """Every directory the job writes, by the key that names it."""
+    paths = {"logging.output_dir": Path(cfg.logging.output_dir).expanduser()}
+    if cfg.checkpoint.dir and (cfg.checkpoint.every_steps or cfg.checkpoint.at_end):  # else under output_dir
+        paths["checkpoint.dir"] = checkpoint_root(cfg)
+    if cfg.trainer.offload_dir:
+        paths["trainer.offload_dir"] = Path(cfg.trainer.offload_dir).expanduser()
+    if not cfg.model.path:  # the embedded preset is built there once
+        paths["model.cache_dir"] = Path(cfg.model.cache_dir).expanduser()
+    return paths
+
+
+def check_writable(key: str, path: Path) -> None:
+    """`path` can be created (if missing) and written by this user: tried, then undone (a probe file, and the
+    folders the try created). access() would not do: it answers yes to root for /proc, where mkdir fails."""
+    missing = []
+    probe = path
+    while not probe.exists():
+        missing.append(probe)
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    try:
+        if probe.exists() and not probe.is_dir():
+            raise NotADirectoryError(f"{probe} is not a directory")
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".colocate-write-check-"):
+            pass
+    except OSError as e:
+        raise _bad(key, str(path), f"cannot write there ({e.strerror or e}); valid: a directory this user can "
+                   "create and write") from None
+    finally:
+        for folder in missing:  # deepest first
+            try:
+                os.rmdir(folder)
+            except OSError:
+                pass
+
+
+# ------------------------------------------------------------------------------------------------ model
+
+def _check_model_path(path: str) -> None:
+    if not path:
+        return
+    local = Path(path).expanduser()
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise _bad("model.path", path, "the directory has no config.json (not a Hugging Face model directory)")
+    if "/" in path and not local.exists() and (path.startswith((".", "/", "~")) or path.count("/") != 1):
+        # "org/name" may be a hub id; anything path-like must exist.
+        raise _bad("model.path", path, "no such directory (give a Hugging Face model directory or hub id, or "
+                   "leave empty for the embedded preset)")
+
+
+def _check_bucket_size(cfg: JobConfig) -> None:
+    if cfg.sync.bucket_mb > 0:
+        largest = largest_tensor_bytes(cfg)
+        if largest is not None and cfg.sync.bucket_mb * (1 << 20) < largest:
+            raise _bad("sync.bucket_mb", cfg.sync.bucket_mb,
+                       f"must hold the largest tensor ({largest / (1 << 20):.2f} MiB in {cfg.engine.dtype}), "
+                       "or 0 to size it automatically")
+
+
+def largest_tensor_bytes(cfg: JobConfig) -> int | None:
+    """Bytes of the model's largest weight in the engine dtype, from the preset or the model's config.json
+    (None when the model is a hub id not on this machine)."""
+    import json
+
+    if not cfg.model.path:
+        p = models.PRESETS[cfg.model.preset]
+        dims = dict(vocab_size=p.vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size)
+    else:
+        config_file = Path(cfg.model.path).expanduser() / "config.json"
+        if not config_file.is_file():
+            return None
+        dims = json.loads(config_file.read_text())
+        dims = dims.get("text_config", dims)
+    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[cfg.engine.dtype]
+    hidden = dims["hidden_size"]
+    return max(dims["vocab_size"], dims.get("intermediate_size", hidden), hidden) * hidden * itemsize
