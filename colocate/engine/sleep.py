@@ -37,20 +37,10 @@ from __future__ import annotations
 import torch
 
 from colocate.host.memory import advise_huge_pages, return_free_memory_to_os
+from colocate.host.storages import unique_storages
 
 WEIGHTS = "weights"
 KV_CACHE = "kv_cache"
-
-
-def _unique_storages(tensors) -> list[torch.UntypedStorage]:
-    seen, storages = set(), []
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key and key not in seen:  # data_ptr 0: an already empty storage (size 0)
-            seen.add(key)
-            storages.append(storage)
-    return storages
 
 
 class PortableSleep:
@@ -76,8 +66,8 @@ class PortableSleep:
         else:
             if level == 1:
                 self._host_copies = [(p, _huge_copy(p.detach())) for p in self._model.parameters()]
-            self._released[WEIGHTS] = self._release(_unique_storages(self._model.parameters()))
-        self._released[KV_CACHE] = self._release(_unique_storages(self._kv_caches))
+            self._released[WEIGHTS] = self._release(unique_storages(self._model.parameters()))
+        self._released[KV_CACHE] = self._release(unique_storages(self._kv_caches))
         return_free_memory_to_os()
         return sum(n for group in self._released.values() for _, n in group)
 

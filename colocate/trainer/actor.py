@@ -24,6 +24,7 @@ from colocate.sync.buckets import TensorSpec
 from colocate.sync.reshard import SyncPlan
 from colocate.sync.shards import bucket_copies, local_shards, run_copies
 from colocate.trainer.finite import check_weights, clip_checked
+from colocate.trainer.fsdp import shard_by_layer
 from colocate.trainer.loss import LossSettings, Sequence, collate, policy_loss, token_logprobs
 from colocate.trainer.offload import make_offloader
 
@@ -88,7 +89,7 @@ class TrainerActor:
     def setup(self, master_addr: str, master_port: int) -> dict:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy
         from transformers import AutoModelForCausalLM
 
         if self.device.type == "cpu":
@@ -100,19 +101,13 @@ class TrainerActor:
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timedelta(minutes=10))
         mesh = init_device_mesh(self.device.type, (self.world_size,))
 
-        # The checkpoint loads on the CPU and goes to the device one block at a time, each sharded before the next
-        # moves: the GPU never holds the whole fp32 model. Each block moves *outside* the offloader's region and
-        # is sharded inside it: only the shards are the region's (torch_memory_saver pauses what is allocated in
-        # it, and its pool's freed blocks stay reserved, so the full block must not come from it).
+        # loaded on the CPU, sharded onto the device a layer at a time (trainer/fsdp.py): never whole on the GPU
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if self.cfg.mixed_precision else MixedPrecisionPolicy()
         self._offloader = make_offloader(self.device, backend=self.cfg.offload_backend,
                                          directory=self.cfg.offload_dir or None, owner=f"trainer rank {self.rank}")
-        for block in [*decoder_layers(model), model]:
-            _move_unsharded(block, self.device)  # the root: what no layer holds (embeddings, norm, lm_head)
-            with self._offloader.allocation_region():
-                fully_shard(block, mesh=mesh, mp_policy=mp_policy)
+        shard_by_layer(model, mesh=mesh, device=self.device, offloader=self._offloader, mp_policy=mp_policy)
         self.model = model
         if self.loss.kl_coef > 0:
             from colocate.trainer.reference import ReferencePolicy
@@ -414,30 +409,6 @@ class TrainerActor:
 
     def memory(self) -> dict[str, int]:
         return {"rss_bytes": self.rss_bytes(), **device_memory(self.device)}
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks to shard one by one: the classes the model declares unsplittable (`_no_split_modules`, what
-    Hugging Face's own FSDP wrapping uses), e.g. Qwen2DecoderLayer, LlamaDecoderLayer, GPT2Block."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    assert layers, f"{type(model).__name__} declares no decoder layer class (_no_split_modules)"
-    return layers
-
-
-def _move_unsharded(module: torch.nn.Module, device: torch.device) -> None:
-    """Move the parameters and buffers of `module` that FSDP2 has not sharded yet to `device`, in place
-    (`.data`: the same Parameter objects, so tied weights stay tied), as fully_shard's own move does."""
-    from torch.distributed.tensor import DTensor
-
-    with torch.no_grad():
-        for param in module.parameters():
-            if not isinstance(param, DTensor) and param.device != device:
-                param.data = param.data.to(device)
-        for sub in module.modules():
-            for name, buffer in sub._buffers.items():
-                if buffer is not None and buffer.device != device:
-                    sub._buffers[name] = buffer.to(device)
 
 
 def _dummy_sequence(pad_id: int) -> Sequence:

@@ -41,7 +41,7 @@ from collections.abc import Callable
 import torch
 
 from colocate.errors import DeviceMemoryShortfall, MemorySaverError
-from colocate.trainer.offload import device_storages
+from colocate.host.storages import device_storages
 
 # A resume needs a little more than the paused bytes: the driver's own bookkeeping of new mappings, and the
 # kernels' workspace the first op after it allocates. 256 MiB, as a margin, not a measurement.

@@ -43,6 +43,7 @@ from typing import Protocol
 import torch
 
 from colocate.host.memory import advise_huge_pages, return_free_memory_to_os
+from colocate.host.storages import device_storages, unique_storages
 
 RETURN_EVERY_BYTES = 256 << 20  # trim the heap this often while offloading: bounds the transient double copy
 HOST_ALIGN = 64  # byte alignment of each storage's slice of the pinned host buffer
@@ -108,22 +109,6 @@ def memory_saver_problem() -> str | None:
     if importlib.util.find_spec("torch_memory_saver") is None:
         return "the torch-memory-saver package is not installed"
     return None
-
-
-def unique_storages(tensors) -> list[torch.UntypedStorage]:
-    seen, out = set(), []
-    for t in tensors:
-        storage = t.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            out.append(storage)
-    return out
-
-
-def device_storages(tensors, device: torch.device) -> list[torch.UntypedStorage]:
-    """The unique non-empty storages of `tensors` that live on `device` (in first-seen order). On CUDA the
-    optimizer's CPU tensors (AdamW's `step` scalars, unless fused or capturable) are not ours to move."""
-    return [s for s in unique_storages(tensors) if s.device == device]
 
 
 @dataclass(frozen=True)

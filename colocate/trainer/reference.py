@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from colocate.trainer.actor import _move_unsharded, decoder_layers
+from colocate.trainer.fsdp import shard_by_layer
 from colocate.trainer.loss import MicroBatch, token_logprobs
 from colocate.trainer.offload import make_offloader
 
@@ -32,7 +32,7 @@ class ReferencePolicy:
     def __init__(self, model_path: str, *, mesh, device: torch.device, cfg):
         """`cfg`: the TrainerConfig (mixed_precision, offload_backend, offload_dir). A collective (sharding):
         every rank builds it. Returns offloaded."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -52,10 +52,8 @@ class ReferencePolicy:
         # (embeddings, lm_head: the largest) after the forward for the backward to use, and this model has no
         # backward: they would stay resident, full size, beside the policy (and offload() would find plain,
         # unsharded parameters where it expects DTensors).
-        for block in [*decoder_layers(model), model]:
-            _move_unsharded(block, device)
-            with self._offloader.allocation_region():
-                fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True)
+        shard_by_layer(model, mesh=mesh, device=device, offloader=self._offloader, mp_policy=mp_policy,
+                       reshard_after_forward=True)
         self.model = model
         self.local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
         self._offloaded = False

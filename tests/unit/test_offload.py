@@ -8,10 +8,10 @@ import importlib.util
 import pytest
 import torch
 
+from colocate.host.storages import device_storages
 from colocate.trainer.offload import (
     HOST_ALIGN,
     FileOffload,
-    device_storages,
     host_layout,
     make_offloader,
     memory_saver_problem,

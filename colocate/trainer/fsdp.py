@@ -1,0 +1,48 @@
+"""FSDP2 sharding of a Hugging Face model, one decoder layer at a time, without the device ever holding it whole.
+
+    shard_by_layer(model, mesh=mesh, device=device, offloader=offloader, mp_policy=policy)
+
+The checkpoint loads on the CPU and goes to the device one block at a time, each sharded before the next moves.
+Hazard (torch_memory_saver): each block moves *outside* the offloader's region and is sharded inside it, so only
+the shards are the region's: the package pauses what is allocated in the region, and its pool's freed blocks stay
+reserved, so the full block must not come from it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks to shard one by one: the classes the model declares unsplittable (`_no_split_modules`, what
+    Hugging Face's own FSDP wrapping uses), e.g. Qwen2DecoderLayer, LlamaDecoderLayer, GPT2Block."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    assert layers, f"{type(model).__name__} declares no decoder layer class (_no_split_modules)"
+    return layers
+
+
+def shard_by_layer(model: torch.nn.Module, *, mesh, device: torch.device, offloader, mp_policy,
+                   **fully_shard_kwargs) -> None:
+    """fully_shard every decoder layer, then the root (what no layer holds: embeddings, norm, lm_head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in [*decoder_layers(model), model]:
+        move_unsharded(block, device)
+        with offloader.allocation_region():
+            fully_shard(block, mesh=mesh, mp_policy=mp_policy, **fully_shard_kwargs)
+
+
+def move_unsharded(module: torch.nn.Module, device: torch.device) -> None:
+    """Move the parameters and buffers of `module` that FSDP2 has not sharded yet to `device`, in place
+    (`.data`: the same Parameter objects, so tied weights stay tied), as fully_shard's own move does."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for param in module.parameters():
+            if not isinstance(param, DTensor) and param.device != device:
+                param.data = param.data.to(device)
+        for sub in module.modules():
+            for name, buffer in sub._buffers.items():
+                if buffer is not None and buffer.device != device:
+                    sub._buffers[name] = buffer.to(device)
