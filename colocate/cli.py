@@ -54,6 +54,7 @@ def cmd_validate(args) -> int:
         raise ConfigError(f"--gpus {args.gpus} --gpu-memory-gib {args.gpu_memory_gib} is invalid: expected at "
                           "least one GPU and a positive size")
     from colocate.job.checks import GpuNode, check_job
+    from colocate.job.resolve import resolve_job
 
     cfg = job_config(args)
     node = None if args.gpus is None else GpuNode(args.gpus, args.gpu_memory_gib)
@@ -63,10 +64,15 @@ def cmd_validate(args) -> int:
     print("# placement")
     if plan is None:
         print(f"# {cfg.placement.num_slots} slot(s) on the Ray cluster at {cfg.placement.ray_address}, "
-              f"{cfg.num_engines} engine(s) x TP={cfg.engine.tp} (devices are checked when the job connects)")
+              f"{cfg.num_engines} engine(s) x TP={cfg.engine.tp} (devices are checked, and every auto decided, "
+              "when the job connects)")
         return 0
     for line in plan.describe():
         print(f"# {line}")
+    resolved = resolve_job(cfg, switch=prediction.plan, device="cuda" if node else None)  # what launch decides
+    print("# decided (every auto of the config, as the job runs it)")
+    for line in resolved.describe() or ["nothing: no key is auto"]:
+        print(f"#   {line}")
     switch = prediction.plan
     print(f"# switch plan: engine sleep level {switch.engine_sleep_level}, trainer offload "
           f"{str(switch.trainer_offload).lower()}")

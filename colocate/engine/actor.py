@@ -63,14 +63,14 @@ class EngineActor:
 
             stop_busy_polling()
 
+        assert self.cfg.enforce_eager in ("true", "false"), "decided in the driver (job/resolve.py)"
         kwargs = dict(
             model=self.model_path,
             tensor_parallel_size=self.cfg.tp,
             dtype=self.cfg.dtype,
             max_model_len=self.cfg.max_model_len,
             # CUDA graphs on GPU by default; on the CPU eager mode starts in seconds instead of minutes
-            enforce_eager=self.cfg.enforce_eager == "true" or (self.cfg.enforce_eager == "auto"
-                                                               and self.device == "cpu"),
+            enforce_eager=self.cfg.enforce_eager == "true",
             enable_prefix_caching=self.cfg.enable_prefix_caching,
             seed=self.cfg.seed,
             skip_tokenizer_init=True,

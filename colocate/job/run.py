@@ -18,6 +18,8 @@ from colocate.errors import EXIT_FAILED, JobFault, UserError
 from colocate.host.signals import Terminated, catch_stop_signals
 from colocate.job.checks import CheckedJob, check_job, read_inputs
 from colocate.job.controller import Controller
+from colocate.job.preflight import SwitchPlan
+from colocate.job.resolve import resolve_job
 from colocate.job.runtime import Runtime
 from colocate.models.sources import load_tokenizer
 from colocate.rl.data import make_prompt_source
@@ -33,6 +35,7 @@ def run_job(cfg: JobConfig, checked: CheckedJob | None = None) -> int:
 
     if checked is None:
         checked = check_job(cfg)
+    switch = checked.prediction.plan if checked.prediction else None  # the preflight's: decided once
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     out = Path(cfg.logging.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -47,7 +50,7 @@ def run_job(cfg: JobConfig, checked: CheckedJob | None = None) -> int:
         attempt_cfg = cfg
         for restart in range(cfg.fault.max_restarts + 1):
             try:
-                _attempt(attempt_cfg, metrics, prompts, resume_from, started)
+                _attempt(attempt_cfg, metrics, prompts, resume_from, started, switch)
                 break
             except JobFault as fault:
                 if restart == cfg.fault.max_restarts:
@@ -82,9 +85,10 @@ def run_job(cfg: JobConfig, checked: CheckedJob | None = None) -> int:
         restore_signals()
 
 
-def _attempt(cfg: JobConfig, metrics: MetricsWriter, prompts, resume_from, started: list) -> list[dict]:
+def _attempt(cfg: JobConfig, metrics: MetricsWriter, prompts, resume_from, started: list,
+             switch: SwitchPlan | None) -> list[dict]:
     """One start of the job: the runtime up, the controller's steps, the runtime down (whatever happens)."""
-    with Runtime(cfg) as runtime:
+    with Runtime(cfg, resolve_job(cfg, switch=switch) if switch is not None else None) as runtime:
         metrics.write({"event": "startup", "trainers": runtime.trainer_info, "engines": runtime.engine_info,
                        "sync_mode": runtime.sync.plan.mode, "sync_transport": runtime.sync.transport,
                        "sync_bytes": runtime.sync.plan.num_bytes, "placement": runtime.placement_report,

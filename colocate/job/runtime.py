@@ -43,10 +43,8 @@ from colocate.job.placement import (
     plan_nodes,
     plan_slots,
     resolve_device,
-    sleep_backend,
-    sync_transport,
 )
-from colocate.job.preflight import switch_plan
+from colocate.job.resolve import ResolvedJob, resolve_job
 from colocate.models.sources import ensure_model, load_tokenizer
 from colocate.sync.transport import (
     JOB_ENV,
@@ -69,8 +67,11 @@ ONE_NODE_TRAINER_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True", "GLOO_SOCKET_IFN
 
 
 class Runtime:
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, resolved: ResolvedJob | None = None):
+        """`resolved`: the job's decisions when the driver already made them (run_job); else made at start. On a
+        Ray cluster the sync transport is decided again once the nodes are known."""
         self.cfg = cfg
+        self.resolved = resolved
         self.trainers: list = []
         self.engines: list = []
         self.group = None
@@ -102,23 +103,26 @@ class Runtime:
         remove_stale_segments()
         self.record.update()  # before anything that could leave something behind
         self._recorded = True
-        self.device = resolve_device(cfg.placement.device)
         self.model_path = ensure_model(cfg.model)
         try:
             self.tokenizer = load_tokenizer(self.model_path)
         except Exception as e:  # transformers raises many types for a broken or partial model directory
             raise RuntimeError(f"cannot load the tokenizer of model.path={self.model_path!r}: {e}") from None
-        self.switch = switch_plan(cfg, device=self.device)  # what must leave the device between phases
+        device = resolve_device(cfg.placement.device)
+        if not cfg.placement.ray_address:  # decided before Ray takes its share of the memory the plan measures
+            self._resolve(self.resolved or resolve_job(cfg))
         self._init_ray()
         self.record.update(ray=self._ray_record())
         if cfg.placement.ray_address:
-            nodes = cluster_nodes(self.device)
-            self.plan = plan_slots(cfg, device=self.device, num_devices=sum(nodes.values()), where="the Ray cluster")
+            nodes = cluster_nodes(device)
+            self.plan = plan_slots(cfg, device=device, num_devices=sum(nodes.values()), where="the Ray cluster")
             self.slot_nodes = plan_nodes(self.plan, nodes)
+            # across nodes only the gather protocol works: every handover stays on the rank's own node
+            self._resolve(resolve_job(cfg, switch=self.resolved.switch if self.resolved else None,
+                                      multi_node=len(set(self.slot_nodes)) > 1))
         else:
-            self.plan = plan_slots(cfg, device=self.device, num_devices=local_device_count(self.device))
-        # across nodes only the gather protocol works: every handover stays on the rank's own node
-        self.transport = sync_transport(cfg, self.device, multi_node=len(set(self.slot_nodes or ())) > 1)
+            self.plan = plan_slots(cfg, device=device, num_devices=local_device_count(device))
+        cfg = self.cfg
         self.group = create_placement_group(self.plan, slot_nodes=self.slot_nodes)
         self._start_trainers()
         self._start_engines()
@@ -130,6 +134,11 @@ class Runtime:
                                transport=self.transport, pairs=self.pairs)
         self.sync.open()
         self._record_job()
+
+    def _resolve(self, resolved: ResolvedJob) -> None:
+        """From here on the runtime, and every actor it starts, sees the decided config: no "auto" left."""
+        self.resolved, self.cfg = resolved, resolved.config
+        self.device, self.switch, self.transport = resolved.device, resolved.switch, resolved.transport
 
     def _init_ray(self) -> None:
         if ray.is_initialized():
@@ -220,7 +229,6 @@ class Runtime:
 
     def _start_engines(self) -> None:
         cfg = self.cfg
-        backend = sleep_backend(cfg, self.device)
         actor = ray.remote(EngineActor)
         self.engines = []
         self._engine_generation += 1
@@ -230,7 +238,7 @@ class Runtime:
             options = actor_options(self.group, where.bundle, cpu_share=ENGINE_SHARE, env=env,
                                     gpu_share=where.driver_share if self.device == "cuda" else 0.0)
             self.engines.append(actor.options(name=self._engine_name(e), **options).remote(
-                cfg.engine, self.model_path, device=self.device, sleep_backend=backend,
+                cfg.engine, self.model_path, device=self.device, sleep_backend=self.resolved.sleep_backend,
                 eos_token_id=self.tokenizer.eos_token_id, placement_env=where.env))
         self.engine_info = ray.get([e.start.remote() for e in self.engines])
         self.pairs = self._pair_trainers_with_workers()

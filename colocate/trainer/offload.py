@@ -42,6 +42,7 @@ from typing import Protocol
 
 import torch
 
+from colocate.errors import ConfigError
 from colocate.host.memory import advise_huge_pages, return_free_memory_to_os
 from colocate.host.storages import device_storages, unique_storages
 
@@ -88,14 +89,14 @@ def make_offloader(device: torch.device, *, backend: str = "auto", directory: st
 def select_backend(device: torch.device, *, backend: str = "auto", memory_saver_problem: str | None) -> str:
     """The backend `device` gets for the configured `backend`: "file", "pinned" or "torch_memory_saver". Pure:
     `memory_saver_problem` is why torch_memory_saver cannot run here (`memory_saver_problem()`), or None. Raises
-    ValueError for an unknown backend, or torch_memory_saver asked for where it cannot run."""
+    ConfigError for an unknown backend, or torch_memory_saver asked for where it cannot run."""
     if backend not in BACKENDS:
-        raise ValueError(f"trainer.offload_backend={backend!r} is invalid; valid: {', '.join(BACKENDS)}")
+        raise ConfigError(f"trainer.offload_backend={backend!r} is invalid; valid: {', '.join(BACKENDS)}")
     if device.type != "cuda":
         return "file"
     problem = memory_saver_problem
     if backend == "torch_memory_saver" and problem:
-        raise ValueError(f"trainer.offload_backend='torch_memory_saver' is invalid: {problem}; valid: auto, pinned")
+        raise ConfigError(f"trainer.offload_backend='torch_memory_saver' is invalid: {problem}; valid: auto, pinned")
     if backend == "auto":
         return "pinned" if problem else "torch_memory_saver"
     return backend

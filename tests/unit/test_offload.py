@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 import torch
 
+from colocate.errors import ConfigError
 from colocate.host.storages import device_storages
 from colocate.trainer.offload import (
     HOST_ALIGN,
@@ -102,7 +103,7 @@ def test_the_cpu_always_gets_the_file_tier(backend):
 
 @pytest.mark.parametrize("device", [pytest.param(CPU, id="cpu"), pytest.param(CUDA, id="cuda")])
 def test_an_unknown_backend_is_refused(device):
-    with pytest.raises(ValueError, match="trainer.offload_backend='cuda_ipc'") as info:
+    with pytest.raises(ConfigError, match="trainer.offload_backend='cuda_ipc'") as info:
         select_backend(device, backend="cuda_ipc", memory_saver_problem=None)
     assert "\n" not in str(info.value)
 
@@ -119,7 +120,7 @@ def test_cuda_backend_choice(problem, backend, expected):
 
 
 def test_torch_memory_saver_asked_for_where_it_cannot_run_is_refused():
-    with pytest.raises(ValueError, match="trainer.offload_backend='torch_memory_saver'.*not installed") as info:
+    with pytest.raises(ConfigError, match="trainer.offload_backend='torch_memory_saver'.*not installed") as info:
         select_backend(CUDA, backend="torch_memory_saver", memory_saver_problem=MISSING)
     assert "\n" not in str(info.value)
 

@@ -1,0 +1,101 @@
+"""Every "auto" of a job decided once, in the driver, into a ResolvedJob: what the runtime builds and what every
+actor receives. No actor decides a setting; `colocate validate` prints these same decisions.
+
+    resolved = resolve_job(cfg, switch=prediction.plan)   # the preflight's plan (job/checks.py check_devices)
+    resolved = resolve_job(cfg, multi_node=True)          # a Ray cluster's nodes, once connected
+    resolved.config.engine.sleep_level                    # "0", "1" or "2", never "auto"
+    resolved.describe()                                   # what validate prints: each decision and why
+
+Each key's rule lives beside what it concerns (placement: the device, the transport, the sleep backend;
+preflight: the switch plan; offload: the trainer's backend); this module calls each once and records why.
+The checkpoint to resume from (`checkpoint.resume=auto`) is decided with the job's inputs (job/checks.py
+`read_inputs`): it needs the model's signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from colocate.config import JobConfig
+from colocate.job.placement import resolve_device, sleep_backend, sync_transport
+from colocate.job.preflight import SwitchPlan, switch_plan
+
+
+@dataclass(frozen=True)
+class Decision:
+    key: str
+    value: str
+    why: str
+
+
+@dataclass(frozen=True)
+class ResolvedJob:
+    """The job as it runs: `config` is the user's with every "auto" replaced by its decision."""
+    config: JobConfig
+    device: str  # "cpu" or "cuda"
+    switch: SwitchPlan  # what leaves the device between phases (engine sleep level, trainer offload)
+    decisions: tuple[Decision, ...]  # one per key that was "auto", in the order decided
+
+    def describe(self) -> list[str]:
+        return [f"{d.key}: {d.value} ({d.why})" for d in self.decisions]
+
+    @property
+    def transport(self) -> str:
+        return self.config.sync.transport
+
+    @property
+    def sleep_backend(self) -> str:
+        return self.config.engine.sleep_backend
+
+
+def resolve_job(cfg: JobConfig, *, switch: SwitchPlan | None = None, device: str | None = None,
+                multi_node: bool = False) -> ResolvedJob:
+    """Decide every "auto" of `cfg`. `switch`: the plan the preflight already made (check_devices), else made
+    here for this machine. `device`: the job's device when it is not this machine's (`validate --gpus`).
+    `multi_node`: the job's slots span several nodes (known once connected to a cluster)."""
+    decisions: list[Decision] = []
+
+    def decide(key: str, value: str, why: str) -> str:
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) == "auto":
+            decisions.append(Decision(key, value, why))
+        return value
+
+    device = decide("placement.device", device or resolve_device(cfg.placement.device),
+                    "CUDA is available" if (device or resolve_device("auto")) == "cuda" else "no CUDA device")
+    switch = switch or switch_plan(cfg, device=device)
+    engine_why, _, trainer_why = switch.reason.partition("; ")  # plan_switch's two notes, when it made them
+    level = decide("engine.sleep_level", str(switch.engine_sleep_level), engine_why)
+    offload = decide("trainer.offload", str(switch.trainer_offload).lower(), trainer_why or engine_why)
+    backend = decide("engine.sleep_backend", sleep_backend(cfg, device),
+                     "vLLM's sleep mode on CUDA" if device == "cuda" else "the portable backend on the CPU")
+    eager = decide("engine.enforce_eager", "true" if cfg.engine.enforce_eager == "true" or
+                   (cfg.engine.enforce_eager == "auto" and device == "cpu") else "false",
+                   "CUDA graphs on a GPU" if device == "cuda" else "eager on the CPU: starts in seconds, not minutes")
+    transport = decide("sync.transport", sync_transport(cfg, device, multi_node=multi_node),
+                       "the gather protocol: every handover stays on its rank's node" if multi_node else
+                       ("in place: every rank writes into the engine's shared memory" if device == "cpu" else
+                        "all-gathered, each rank feeding the engine worker on its GPU"))
+    offload_backend = cfg.trainer.offload_backend  # the CPU has one tier, a file: the key does not apply there
+    if device == "cuda":
+        offload_backend = decide("trainer.offload_backend", _cuda_offload_backend(cfg),
+                                 "torch_memory_saver when it is installed and usable here, else pinned host buffers")
+    config = dataclasses.replace(
+        cfg,
+        placement=dataclasses.replace(cfg.placement, device=device),
+        engine=dataclasses.replace(cfg.engine, sleep_level=level, sleep_backend=backend, enforce_eager=eager),
+        trainer=dataclasses.replace(cfg.trainer, offload=offload, offload_backend=offload_backend),
+        sync=dataclasses.replace(cfg.sync, transport=transport))
+    return ResolvedJob(config, device, switch, tuple(decisions))
+
+
+def _cuda_offload_backend(cfg: JobConfig) -> str:
+    """The backend select_backend picks in this process, whose environment the actors inherit
+    (PYTORCH_CUDA_ALLOC_CONF, the installed packages)."""
+    import torch
+
+    from colocate.trainer.offload import memory_saver_problem, select_backend
+
+    return select_backend(torch.device("cuda"), backend=cfg.trainer.offload_backend,
+                          memory_saver_problem=memory_saver_problem())
