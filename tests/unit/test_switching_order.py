@@ -1,0 +1,215 @@
+"""The controller's switching order, for every switch plan: engine sleep level 0/1/2 x trainer offload on/off x
+checkpoint and evaluation due or not. Fakes stand at the actor boundary (ray.get, the actors' methods, the rollout
+pool, the evaluator); the controller, the checkpointer and the scoring are the real ones. Each fake actor keeps
+the residency its calls imply, so the test checks what the order is for, not only the order: the engine's KV
+cache never beside the trainer's gradients and optimizer state, the engine's weights back only for the sync.
+The real-stack check of the same order is tests/e2e/test_runtime.py."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import ray
+
+import colocate.job.controller as controller_module
+from colocate.config import load_config
+from colocate.job.controller import Controller
+from colocate.job.preflight import SwitchPlan
+from colocate.rl.scoring import Rollout
+from colocate.rl.tasks import Sample
+
+NUM_TRAINERS, NUM_STEPS = 2, 2
+
+
+class Ref:
+    """What a fake actor method's .remote() returns; the patched ray.get unwraps it."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class Method:
+    def __init__(self, actor, name):
+        self.actor, self.name = actor, name
+
+    def remote(self, *args, **kwargs):
+        return Ref(getattr(self.actor, "do_" + self.name)(*args, **kwargs))
+
+
+class FakeActor:
+    def __init__(self, name: str, log: list, state: dict):
+        self.name, self.log, self.state = name, log, state
+
+    def __getattr__(self, method):
+        if method.startswith("do_"):
+            raise AttributeError(method)
+        return Method(self, method)
+
+    def record(self, *entry):
+        self.log.append((self.name, *entry))
+
+
+def trainers_are(state: dict, where: str) -> bool:
+    return set(state["trainers"].values()) == {where}
+
+
+def any_grads(state: dict) -> bool:
+    return any(state["grads"].values())
+
+
+class FakeTrainer(FakeActor):
+    def do_offload(self):
+        assert self.state["trainers"][self.name] == "resident" and not self.state["grads"][self.name]
+        self.state["trainers"][self.name] = "offloaded"
+        self.record("offload")
+
+    def do_onload(self):
+        assert self.state["trainers"][self.name] == "offloaded"
+        self.state["trainers"][self.name] = "resident"
+        self.record("onload")
+
+    def do_train_step(self, seqs, *, num_tokens_all_ranks, num_micro_batches):
+        plan = self.state["plan"]
+        assert self.state["trainers"][self.name] == "resident"
+        if plan.engine_sleep_level:  # the engine's weights and KV cache are off the device while the trainer works
+            assert self.state["engine"] == {"weights": False, "kv_cache": False}
+        self.state["grads"][self.name] = True
+        self.record("train_step")
+        num = sum(len(s["response_ids"]) for s in seqs)
+        return {"tokens": num, "loss_sum": 0.0, "mismatch_abs_sum": 0.0, "kl_sum": 0.0, "corrected_sum": 0.0,
+                "weight_sum": float(num), "clipped_sum": 0.0, "token_log_w": np.zeros(num),
+                "seq_log_w": np.zeros(len(seqs))}
+
+    def do_release_grads(self):
+        self.state["grads"][self.name] = False
+        self.record("release_grads")
+        return 0
+
+    def do_save_checkpoint(self, directory):
+        assert self.state["trainers"][self.name] == "resident"  # a save reads the state where it lives
+        self.record("save_checkpoint")
+
+    def do_memory(self):
+        return {"rss_bytes": 0}
+
+
+class FakeEngine(FakeActor):
+    def do_sleep(self, level):
+        assert not any_grads(self.state) and all(self.state["engine"].values())
+        self.state["engine"] = {"weights": False, "kv_cache": False}
+        self.record("sleep", level)
+
+    def do_wake(self, tags):
+        for tag in tags:
+            assert not self.state["engine"][tag]
+            if tag == "kv_cache":  # never beside the trainer's gradients, nor its state when it offloads
+                assert not any_grads(self.state)
+                assert trainers_are(self.state, "offloaded") or not self.state["plan"].trainer_offload
+            self.state["engine"][tag] = True
+        self.record("wake", *tags)
+
+    def do_memory(self):
+        return [{"rss_bytes": 0}]
+
+
+class FakeRollouts:
+    """The rollout pool at its engine boundary: the engine must be awake and the trainer out of its way."""
+
+    def __init__(self, log, state):
+        self.log, self.residency = log, state
+
+    def collect(self, version):
+        assert all(self.residency["engine"].values()) and not any_grads(self.residency)
+        if self.residency["plan"].trainer_offload:
+            assert trainers_are(self.residency, "offloaded")
+        self.log.append(("engines", "rollout"))
+        sample = Sample("1+1=", "2")
+        completions = [{"token_ids": [5, 6], "logprobs": [-0.1, -0.2], "finish_reason": "stop"} for _ in range(2)]
+        return [Rollout(sample, [1, 2], completions), Rollout(sample, [1, 2], completions)], {}
+
+    def state(self):  # what a checkpoint keeps of the pool
+        return {}
+
+
+class FakeSync:
+    def __init__(self, log, state):
+        self.log, self.state = log, state
+
+    def run(self):
+        assert self.state["engine"]["weights"] and not self.state["engine"]["kv_cache"] or \
+            not self.state["plan"].engine_sleep_level
+        assert not any_grads(self.state) and trainers_are(self.state, "resident")
+        self.log.append(("trainers", "sync"))
+        return {"sync_s": 0.0}
+
+
+class FakeEvaluator:
+    last_answers: list = []
+
+    def __init__(self, log, state):
+        self.log, self.state = log, state
+
+    def run(self):
+        assert all(self.state["engine"].values())
+        self.log.append(("engines", "eval"))
+        return {"pass@1": 0.0}
+
+
+def expected_order(plan: SwitchPlan, *, checkpoint: bool, evaluate: bool) -> list[tuple]:
+    """The order docs/rollout.md and the controller's docstring give, written out from the plan."""
+    trainers = [f"trainer {r}" for r in range(NUM_TRAINERS)]
+
+    def each(*call):
+        return [(t, *call) for t in trainers]
+
+    order = each("offload") if plan.trainer_offload else []
+    for _ in range(NUM_STEPS):
+        order += [("engines", "rollout")]
+        order += [("engine 0", "sleep", plan.engine_sleep_level)] if plan.engine_sleep_level else []
+        order += each("onload") if plan.trainer_offload else []
+        order += each("train_step") + each("release_grads")
+        order += [("engine 0", "wake", "weights")] if plan.engine_sleep_level else []
+        order += [("trainers", "sync")]
+        order += each("save_checkpoint") if checkpoint else []
+        order += each("offload") if plan.trainer_offload else []
+        order += [("engine 0", "wake", "kv_cache")] if plan.engine_sleep_level else []
+        order += [("engines", "eval")] if evaluate else []
+    return order
+
+
+PLANS = [pytest.param(level, offload, checkpoint, evaluate,
+                      id=f"sleep{level}-{'offload' if offload else 'resident'}"
+                         f"{'-checkpoint' if checkpoint else ''}{'-eval' if evaluate else ''}")
+         for level, offload, checkpoint, evaluate in itertools.product((0, 1, 2), (False, True), (False, True),
+                                                                       (False, True))]
+
+
+@pytest.mark.parametrize("level, offload, checkpoint, evaluate", PLANS)
+def test_the_switching_order(level, offload, checkpoint, evaluate, monkeypatch, tmp_path):
+    plan = SwitchPlan(level, offload, "test")
+    log: list[tuple] = []
+    model = tmp_path / "model"  # what a checkpoint records of the model: its config.json
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 8}')
+    # after start-up: the trainer resident (offloaded before the first rollout when the plan says so), engines awake
+    names = [f"trainer {r}" for r in range(NUM_TRAINERS)]
+    state = {"plan": plan, "trainers": dict.fromkeys(names, "resident"), "grads": dict.fromkeys(names, False),
+             "engine": {"weights": True, "kv_cache": True}}
+    monkeypatch.setattr(ray, "get", lambda refs: [r.value for r in refs] if isinstance(refs, list) else refs.value)
+    monkeypatch.setattr(controller_module, "make_evaluator", lambda *a, **k: FakeEvaluator(log, state))
+    cfg = load_config(None, [f"logging.output_dir={tmp_path}", f"algo.num_steps={NUM_STEPS}",
+                             f"checkpoint.every_steps={1 if checkpoint else 0}", "checkpoint.at_end=false",
+                             f"eval.every_steps={1 if evaluate else 0}"])
+    runtime = SimpleNamespace(
+        switch=plan, trainers=[FakeTrainer(name, log, state) for name in names],
+        engines=[FakeEngine("engine 0", log, state)], sync=FakeSync(log, state), model_path=str(model),
+        tokenizer=SimpleNamespace(decode=lambda ids: "2", eos_token_id=None))
+    controller = Controller(cfg, runtime, rollouts=FakeRollouts(log, state))
+    controller.run_steps(NUM_STEPS)
+    assert log == expected_order(plan, checkpoint=checkpoint, evaluate=evaluate)
+    assert len(controller.history) == NUM_STEPS
+    if checkpoint:
+        assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000000", "step_00000001"]
