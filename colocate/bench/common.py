@@ -8,10 +8,11 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+from colocate.host.devices import copy_seconds
 
 # The bench preset on the CPU: 24 layers, >= 0.4 GB of bf16 weights, engine TP=2 (see colocate.models.sources). The
 # switch is what the switch benchmark measures: both sides move, whatever the preflight would choose.
@@ -23,21 +24,6 @@ def memcpy_floor_s(num_bytes: int, *, device: str = "cpu", repeats: int = 5) -> 
     """Median time of one single-process copy of `num_bytes` (the physical floor of moving those bytes once)."""
     src = torch.ones(num_bytes, dtype=torch.uint8, device=device)
     return copy_seconds(torch.empty_like(src), src, repeats=repeats)
-
-
-def copy_seconds(destination: torch.Tensor, source: torch.Tensor, *, repeats: int = 5) -> float:
-    """Median seconds of `destination.copy_(source)` (a cast when the dtypes differ), device work included."""
-    destination.copy_(source)  # fault the pages in: the floor is the copy, not the first touch
-    times = []
-    for _ in range(repeats):
-        if destination.is_cuda:
-            torch.cuda.synchronize(destination.device)
-        started = time.perf_counter()
-        destination.copy_(source)
-        if destination.is_cuda:
-            torch.cuda.synchronize(destination.device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def summary(times: list[float]) -> dict:

@@ -1,4 +1,4 @@
-"""Which device a process computes on, how it names it to others, and how full it is.
+"""Which device a process computes on, how it names it to others, how full it is, and how fast it copies.
 
 Device *indices* mean nothing across processes: Ray gives each trainer actor `CUDA_VISIBLE_DEVICES=<its GPU>`
 (index 0 in that process), while vLLM's Ray workers see every GPU and pick one by index. Processes therefore
@@ -8,11 +8,14 @@ comparing those names (placement.pair_devices). On the CPU a device is a logical
     device = local_cuda_device()                  # trainer actor: the GPU Ray assigned to it
     name = device_name(device, slot=3)            # "GPU-6f0c..." on CUDA, "cpu-slot3" on the CPU
     device_memory(device)                         # {"device_allocated_bytes": ..., "device_free_bytes": ...}
+    copy_seconds(destination, source)             # median time of one copy: the floor benchmarks divide by
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+import time
 
 import torch
 
@@ -61,3 +64,18 @@ def device_memory(device: torch.device) -> dict[str, int]:
     return {"device_allocated_bytes": torch.cuda.memory_allocated(device),
             "device_reserved_bytes": torch.cuda.memory_reserved(device),
             "device_free_bytes": free, "device_total_bytes": total}
+
+
+def copy_seconds(destination: torch.Tensor, source: torch.Tensor, *, repeats: int = 5) -> float:
+    """Median seconds of `destination.copy_(source)` (a cast when the dtypes differ), device work included."""
+    destination.copy_(source)  # fault the pages in: the floor is the copy, not the first touch
+    times = []
+    for _ in range(repeats):
+        if destination.is_cuda:
+            torch.cuda.synchronize(destination.device)
+        started = time.perf_counter()
+        destination.copy_(source)
+        if destination.is_cuda:
+            torch.cuda.synchronize(destination.device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)

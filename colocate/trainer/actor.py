@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch
 
-from colocate.host.devices import device_memory, device_name, local_cuda_device
+from colocate.host.devices import copy_seconds, device_memory, device_name, local_cuda_device
 from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.sync.buckets import TensorSpec
 from colocate.sync.reshard import SyncPlan
@@ -306,8 +306,6 @@ class TrainerActor:
     def cast_floor_s(self, num_bytes: int, dtype: str, *, repeats: int = 5) -> float:
         """Benchmark floor: median seconds for this process to cast fp32 values into `num_bytes` of `dtype` on its
         device, the least any sync from fp32 shards to a bf16 engine costs it (it reads 2 bytes per byte)."""
-        from colocate.bench.common import copy_seconds
-
         target = DTYPES[dtype]
         source = torch.ones(num_bytes // target.itemsize, dtype=torch.float32, device=self.device)
         return copy_seconds(torch.empty(source.shape, dtype=target, device=self.device), source, repeats=repeats)
