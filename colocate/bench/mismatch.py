@@ -26,6 +26,7 @@ from colocate.bench.common import write_result
 from colocate.config import JobConfig
 from colocate.job.runtime import Runtime
 from colocate.rl.corrections import mismatch_stats
+from colocate.rl.samples import Sequence
 from colocate.rl.tasks import PromptStream, make_task
 
 ROWS = (("float32", 1.0, 1.0), ("bfloat16", 1.0, 1.0), ("bfloat16", 0.7, 0.9))
@@ -68,8 +69,7 @@ def _measure(rt: Runtime, prompts: list[list[int]], num_samples: int, max_tokens
     seqs = []
     for i, groups in enumerate(outputs):
         for prompt, group in zip(prompts[i::num_engines], groups):
-            seqs += [{"prompt_ids": prompt, "response_ids": c["token_ids"], "logprobs": c["logprobs"],
-                      "advantage": 0.0} for c in group if c["token_ids"]]
+            seqs += [Sequence(prompt, c["token_ids"], c["logprobs"], 0.0) for c in group if c["token_ids"]]
     world = len(rt.trainers)
     num_micro_batches = -(-(-(-len(seqs) // world)) // rt.cfg.trainer.micro_batch_size)
     scored = ray.get([t.score.remote(seqs[rank::world], num_micro_batches=num_micro_batches,

@@ -32,7 +32,6 @@ import time
 from collections import deque
 from pathlib import Path
 
-import numpy as np
 import ray
 import torch
 
@@ -48,6 +47,7 @@ from colocate.rl.rollout import Rollouts
 from colocate.rl.scoring import Rollout, Scored, score
 from colocate.rl.tasks import make_task
 from colocate.telemetry.metrics import MetricsWriter
+from colocate.trainer.stats import TrainStats
 
 HISTORY_KEPT = 1000
 
@@ -168,26 +168,25 @@ class Controller:
     def train(self, scored: Scored) -> dict:
         world = len(self.rt.trainers)
         seqs = scored.sequences
-        num_tokens = sum(len(s["response_ids"]) for s in seqs)
+        num_tokens = sum(len(s.response_ids) for s in seqs)
         most_per_rank = -(-len(seqs) // world)
         num_micro_batches = -(-most_per_rank // self.cfg.trainer.micro_batch_size)
         results = ray.get([t.train_step.remote(seqs[rank::world], num_tokens_all_ranks=num_tokens,
                                                num_micro_batches=num_micro_batches)
                            for rank, t in enumerate(self.rt.trainers)])
         self.events.append("train")
-        tokens = sum(r["tokens"] for r in results) or 1.0
-        monitor = mismatch_stats(torch.from_numpy(np.concatenate([r["token_log_w"] for r in results])),
-                                 torch.from_numpy(np.concatenate([r["seq_log_w"] for r in results])),
+        total = sum(results, TrainStats())
+        monitor = mismatch_stats(torch.from_numpy(total.token_log_w), torch.from_numpy(total.seq_log_w),
                                  band=self.cfg.algo.mismatch_band)
-        return {"loss": sum(r["loss_sum"] for r in results) / tokens,
-                "mismatch": sum(r["mismatch_abs_sum"] for r in results) / tokens,
-                "kl": sum(r["kl_sum"] for r in results) / tokens,  # per token; 0.0 with algo.kl_coef = 0
+        return {"loss": total.per_token("loss_sum"),
+                "mismatch": total.per_token("mismatch_abs_sum"),
+                "kl": total.per_token("kl_sum"),  # 0.0 with algo.kl_coef = 0
                 "mismatch_monitor": monitor,
                 "correction": {"mode": self.cfg.algo.correction, "level": self.cfg.algo.correction_level,
-                               "fraction_affected": sum(r["corrected_sum"] for r in results) / tokens,
-                               "weight_mean": sum(r["weight_sum"] for r in results) / tokens},
-                "clip_fraction": sum(r["clipped_sum"] for r in results) / tokens,
-                "grad_norm": results[0].get("grad_norm", 0.0)}
+                               "fraction_affected": total.per_token("corrected_sum"),
+                               "weight_mean": total.per_token("weight_sum")},
+                "clip_fraction": total.per_token("clipped_sum"),
+                "grad_norm": total.grad_norm or 0.0}
 
     def switch_to_sync(self) -> None:
         self._call(self.rt.trainers, "release_grads")

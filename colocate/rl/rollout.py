@@ -21,7 +21,7 @@ import ray
 
 from colocate.config import JobConfig
 from colocate.rl.rollout_pool import Group, PoolSettings, RolloutPool
-from colocate.rl.scoring import Rollout
+from colocate.rl.samples import Rollout
 from colocate.rl.tasks import PromptStream, Sample
 
 BudgetFn = Callable[[Sample, int], list[int]]
@@ -105,7 +105,4 @@ class Rollouts:
 
 
 def _as_rollout(group: Group) -> Rollout:
-    return Rollout(group.sample, group.prompt_ids, [
-        {"token_ids": a.token_ids, "logprobs": a.logprobs, "finish_reason": a.finish_reason, "versions": a.versions,
-         "seed": a.seed, "max_tokens": a.max_tokens}
-        for a in group.answers])
+    return Rollout(group.sample, group.prompt_ids, list(group.answers))

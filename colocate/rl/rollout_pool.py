@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from colocate.engine.requests import EngineRequest, RequestResult, segment_seed
+from colocate.rl.samples import Answer
 from colocate.rl.tasks import Sample
 
 
@@ -48,28 +49,6 @@ class PoolSettings:
     @property
     def num_in_flight(self) -> int:
         return math.ceil(self.num_groups * self.oversample)
-
-
-@dataclass
-class Answer:
-    seed: int
-    max_tokens: int
-    """The whole answer's budget, fixed at creation (never renewed by a continuation)."""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    """Policy version that sampled each token."""
-    finish_reason: str | None = None
-    num_prefill_computed: int = 0
-    num_prefill_cached: int = 0
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    def restart(self) -> None:
-        self.token_ids, self.logprobs, self.versions = [], [], []
-        self.finish_reason = None
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Score rollouts and turn rewards into group-relative (GRPO) advantages.
 
-    groups = [Rollout(sample, prompt_ids, completions), ...]      # completions from EngineActor.generate
+    groups = [Rollout(sample, prompt_ids, answers), ...]          # rl/samples.py, from the rollout pool
     scored = score(groups, reward_fn=task.reward, decode=tokenizer.decode, eos_id=2, normalize=True)
-    scored.sequences   # dicts for trainer.grpo.Sequence: prompt_ids, response_ids, logprobs, advantage
+    scored.sequences   # rl.samples.Sequence: prompt_ids, response_ids, logprobs, advantage
 
 A reward function is user code: when it raises, or returns something that is not a finite number, `RewardError`
 names the prompt and response that broke it, so the controller can report the step and stop cleanly instead of
@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from colocate.errors import RewardError
-from colocate.rl.tasks import Sample
+from colocate.rl.samples import Rollout
+from colocate.rl.samples import Sequence as TrainSequence
 
 
 @dataclass
@@ -37,21 +38,14 @@ Reward = Callable  # per-sample (prompt, response, answer) -> float, or batched 
 
 
 @dataclass
-class Rollout:
-    sample: Sample
-    prompt_ids: list[int]
-    completions: list[dict]  # token_ids, logprobs, finish_reason
-
-
-@dataclass
 class Scored:
-    sequences: list[dict]
+    sequences: list[TrainSequence]
     rewards: list[float]
     responses: list[str] = field(default_factory=list)
     components: dict[str, list[float]] = field(default_factory=dict)  # per named reward, when it has parts
 
     def stats(self) -> dict:
-        num_tokens = [len(s["response_ids"]) for s in self.sequences]
+        num_tokens = [len(s.response_ids) for s in self.sequences]
         return {
             "reward_mean": statistics.fmean(self.rewards),
             "reward_std": statistics.pstdev(self.rewards),
@@ -128,7 +122,7 @@ def score(groups: list[Rollout], *, reward_fn: Reward, decode, eos_id: int | Non
     responses, prompts, answers = [], [], []
     for group in groups:
         for completion in group.completions:
-            tokens = completion["token_ids"]
+            tokens = completion.token_ids
             # The EOS token stays in the trained sequence (the model must learn to stop) but not in the text.
             text_tokens = tokens[:tokens.index(eos_id)] if eos_id is not None and eos_id in tokens else tokens
             responses.append(decode(text_tokens))
@@ -141,10 +135,5 @@ def score(groups: list[Rollout], *, reward_fn: Reward, decode, eos_id: int | Non
         group_rewards = rewards[start:start + len(group.completions)]
         start += len(group.completions)
         for completion, advantage in zip(group.completions, group_advantages(group_rewards, normalize=normalize)):
-            sequences.append({
-                "prompt_ids": group.prompt_ids,
-                "response_ids": completion["token_ids"],
-                "logprobs": completion["logprobs"],
-                "advantage": advantage,
-            })
+            sequences.append(TrainSequence(group.prompt_ids, completion.token_ids, completion.logprobs, advantage))
     return Scored(sequences, rewards, responses, components)

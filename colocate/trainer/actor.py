@@ -27,6 +27,7 @@ from colocate.trainer.finite import check_weights, clip_checked
 from colocate.trainer.fsdp import shard_by_layer
 from colocate.trainer.loss import LossSettings, Sequence, collate, policy_loss, token_logprobs
 from colocate.trainer.offload import make_offloader
+from colocate.trainer.stats import TrainStats
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -140,7 +141,7 @@ class TrainerActor:
 
     # ------------------------------------------------------------------------------------------- training
 
-    def train_step(self, seqs: list[dict], *, num_tokens_all_ranks: int, num_micro_batches: int) -> dict:
+    def train_step(self, seqs: list[Sequence], *, num_tokens_all_ranks: int, num_micro_batches: int) -> TrainStats:
         """One optimizer step over this rank's sequences, micro-batched; the loss is the mean over all ranks'
         response tokens (FSDP averages gradients over ranks, hence the world-size factor).
 
@@ -150,11 +151,9 @@ class TrainerActor:
         first, in one onload/offload, never resident beside the policy's activations or gradients."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sequences = [Sequence(**s) for s in seqs]
+        sequences = list(seqs)
         scale = self.world_size / max(num_tokens_all_ranks, 1)
-        totals = {"loss_sum": 0.0, "tokens": 0.0, "mismatch_abs_sum": 0.0, "clipped_sum": 0.0, "corrected_sum": 0.0,
-                  "weight_sum": 0.0, "kl_sum": 0.0}
-        token_log_w, seq_log_w = [], []
+        totals = TrainStats()
         size = self.cfg.micro_batch_size
         assert num_micro_batches * size >= len(sequences)
         chunks = [sequences[i * size:(i + 1) * size] for i in range(num_micro_batches)]
@@ -169,22 +168,12 @@ class TrainerActor:
                                       top_p=self.loss.top_p)
             loss, stats = policy_loss(logprobs, batch, settings=self.loss, ref_logprobs=ref)
             (loss * (0.0 if empty else scale)).backward()
-            loss = loss.detach()
             if not empty:
-                totals["loss_sum"] += loss.item()
-                for key in ("tokens", "mismatch_abs_sum", "clipped_sum", "corrected_sum", "weight_sum", "kl_sum"):
-                    totals[key] += stats[key]
-                token_log_w.append(stats["token_log_w"])
-                seq_log_w.append(stats["seq_log_w"])
-        # every token's and sequence's log(p_trainer / p_engine), for the controller's mismatch monitor
-        totals["token_log_w"] = torch.cat(token_log_w).numpy() if token_log_w else torch.zeros(0).numpy()
-        totals["seq_log_w"] = torch.cat(seq_log_w).numpy() if seq_log_w else torch.zeros(0).numpy()
+                totals += stats
         # NaN/Inf guards (trainer/finite.py): every rank raises together, naming the parameter, before a bad
         # gradient is stepped or a bad weight is synced; the controller then never reaches the sync.
         step = self._num_optimizer_steps()
-        grad_norm = clip_checked(self.params, self.cfg.grad_clip, step=step, rank=self.rank)
-        if grad_norm is not None:
-            totals["grad_norm"] = grad_norm
+        totals.grad_norm = clip_checked(self.params, self.cfg.grad_clip, step=step, rank=self.rank)
         if not self.optimizer.state:
             self._create_optimizer_state()
         self.optimizer.step()
@@ -211,11 +200,11 @@ class TrainerActor:
                         exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
 
     @torch.no_grad()
-    def score(self, seqs: list[dict], *, num_micro_batches: int, temperature: float,
+    def score(self, seqs: list[Sequence], *, num_micro_batches: int, temperature: float,
               top_p: float) -> list[list[float]]:
         """The trainer's logprob of every response token of `seqs` under the sampling they came from (as the
         loss sees them), without training. A collective, like train_step: every rank runs `num_micro_batches`."""
-        sequences = [Sequence(**s) for s in seqs]
+        sequences = list(seqs)
         size, out = self.cfg.micro_batch_size, []
         for i in range(num_micro_batches):
             chunk = sequences[i * size:(i + 1) * size]

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from colocate.rl.corrections import importance_weights
+from colocate.rl.samples import Sequence
+from colocate.trainer.stats import TrainStats
 
 GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: below it a request is sampled greedily
 LOGPROB_FLOOR = -100.0  # a token outside the nucleus: probability e^-100, as good as impossible, and finite
@@ -55,14 +57,6 @@ class LossSettings:
         a, r = cfg.algo, cfg.rollout
         return cls(a.clip_eps, r.temperature, r.top_p, a.correction, a.correction_level, a.tis_cap, a.mis_low,
                    a.mis_high, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
-
-
-@dataclass
-class Sequence:
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]  # the engine's logprob of each response token when it was sampled
-    advantage: float
 
 
 @dataclass
@@ -170,14 +164,9 @@ def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, settings: LossSett
         kl_sum = kl.detach().sum()
     with torch.no_grad():
         on = mask.bool()
-        stats = {
-            "tokens": float(mask.sum()),
-            "mismatch_abs_sum": float(log_w.abs().sum()),  # |logp_trainer - logp_engine|
-            "clipped_sum": float(((unclipped != clipped).float() * mask).sum()),
-            "corrected_sum": float(affected.sum()),
-            "weight_sum": float(weights.sum()),
-            "kl_sum": float(kl_sum),  # the estimator's value summed over response tokens (0 without a reference)
-            "token_log_w": log_w[on].cpu(),
-            "seq_log_w": log_w.sum(dim=1)[mask.sum(dim=1) > 0].cpu(),
-        }
+        stats = TrainStats(
+            tokens=float(mask.sum()), loss_sum=float(loss.detach()),
+            mismatch_abs_sum=float(log_w.abs().sum()), clipped_sum=float(((unclipped != clipped).float() * mask).sum()),
+            corrected_sum=float(affected.sum()), weight_sum=float(weights.sum()), kl_sum=float(kl_sum),
+            token_log_w=log_w[on].cpu().numpy(), seq_log_w=log_w.sum(dim=1)[mask.sum(dim=1) > 0].cpu().numpy())
     return loss, stats

@@ -27,7 +27,7 @@ def _trainer(rank: int, world_size: int, port: int, model_path: str, grad_clip: 
 
 
 def _step(trainer, world_size: int, rank: int):
-    num_tokens = sum(len(s["response_ids"]) for s in SEQS)
+    num_tokens = sum(len(s.response_ids) for s in SEQS)
     return trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens, num_micro_batches=2)
 
 
@@ -67,7 +67,7 @@ def _bad_update(rank: int, world_size: int, port: int, model_path: str):
 
     trainer = _trainer(rank, world_size, port, model_path, 1.0)
     stats = _step(trainer, world_size, rank)  # a good step: Adam's state exists now
-    assert math.isfinite(stats["grad_norm"])
+    assert math.isfinite(stats.grad_norm)
     if rank == 1:  # a negative second moment: sqrt gives NaN, the update of this parameter only
         param = trainer.params[TARGET]
         trainer.optimizer.state[param]["exp_avg_sq"].to_local()[0, 0] = -1e30

@@ -21,7 +21,7 @@ def _all_ranks_kl(stats: dict) -> float:
     """The controller's "kl": the ranks' kl_sum over their tokens."""
     import torch.distributed as dist
 
-    sums = torch.tensor([stats["kl_sum"], stats["tokens"]], dtype=torch.float64)
+    sums = torch.tensor([stats.kl_sum, stats.tokens], dtype=torch.float64)
     dist.all_reduce(sums)
     return (sums[0] / sums[1]).item()
 
@@ -45,11 +45,11 @@ def _kl_steps(rank: int, world_size: int, port: int, model_path: str):
     assert reference.offloaded and _storages_freed(reference)  # the verification put it back out
     assert ref_before.keys() == initial.keys() and all(torch.equal(ref_before[k], initial[k]) for k in initial)
 
-    num_tokens = sum(len(s["response_ids"]) for s in SEQS)
+    num_tokens = sum(len(s.response_ids) for s in SEQS)
     # rank 0 has 3 sequences, rank 1 has 2: rank 1 runs a dummy micro-batch, reference forward included
     step = dict(num_tokens_all_ranks=num_tokens, num_micro_batches=2)
     first = trainer.train_step(SEQS[rank::world_size], **step)
-    assert first["kl_sum"] == 0.0 and _all_ranks_kl(first) == 0.0  # the policy is still the reference
+    assert first.kl_sum == 0.0 and _all_ranks_kl(first) == 0.0  # the policy is still the reference
     trainer.release_grads()
 
     # between steps: offloaded, every local storage empty, and no gathered (unsharded) parameter kept either
@@ -60,7 +60,7 @@ def _kl_steps(rank: int, world_size: int, port: int, model_path: str):
     assert reference.offload() == moved and _storages_freed(reference)
 
     second = trainer.train_step(SEQS[rank::world_size], **step)
-    assert second["kl_sum"] > 0 and _all_ranks_kl(second) > 1e-6, second["kl_sum"]
+    assert second.kl_sum > 0 and _all_ranks_kl(second) > 1e-6, second.kl_sum
     assert reference.offloaded and _storages_freed(reference)
 
     ref_after = reference.full_state_dict()

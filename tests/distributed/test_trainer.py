@@ -8,15 +8,16 @@ import torch
 
 from colocate.config import ModelConfig, TrainerConfig
 from colocate.models.sources import ensure_model
+from colocate.rl.samples import Sequence
 from colocate.trainer.loss import LossSettings
 from tests.distributed.conftest import run_distributed
 
 SEQS = [
-    {"prompt_ids": [5, 6, 16], "response_ids": [5, 6, 2], "logprobs": [-3.0, -3.5, -4.0], "advantage": 1.0},
-    {"prompt_ids": [7, 8, 16], "response_ids": [9], "logprobs": [-3.2], "advantage": -1.0},
-    {"prompt_ids": [5, 16], "response_ids": [5, 2], "logprobs": [-3.9, -3.1], "advantage": 0.7},
-    {"prompt_ids": [9, 9, 9, 16], "response_ids": [9, 9, 9, 2], "logprobs": [-3.0] * 4, "advantage": -0.7},
-    {"prompt_ids": [6, 16], "response_ids": [6, 6], "logprobs": [-3.3, -3.3], "advantage": 0.2},
+    Sequence([5, 6, 16], [5, 6, 2], [-3.0, -3.5, -4.0], 1.0),
+    Sequence([7, 8, 16], [9], [-3.2], -1.0),
+    Sequence([5, 16], [5, 2], [-3.9, -3.1], 0.7),
+    Sequence([9, 9, 9, 16], [9, 9, 9, 2], [-3.0] * 4, -0.7),
+    Sequence([6, 16], [6, 6], [-3.3, -3.3], 0.2),
 ]
 
 
@@ -27,11 +28,11 @@ def _train(rank: int, world_size: int, port: int, model_path: str, out_path: str
     trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0, loss=loss)
     trainer.setup("127.0.0.1", port)
     assert (trainer.reference is not None) == (loss.kl_coef > 0)  # no reference policy unless the KL is on
-    num_tokens = sum(len(s["response_ids"]) for s in SEQS)
+    num_tokens = sum(len(s.response_ids) for s in SEQS)
     stats = trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens,
                                num_micro_batches=-(-len(SEQS[0::world_size]) // cfg.micro_batch_size))
-    assert stats["tokens"] == sum(len(s["response_ids"]) for s in SEQS[rank::world_size])
-    assert len(stats["token_log_w"]) == stats["tokens"] and len(stats["seq_log_w"]) == len(SEQS[rank::world_size])
+    assert stats.tokens == sum(len(s.response_ids) for s in SEQS[rank::world_size])
+    assert len(stats.token_log_w) == stats.tokens and len(stats.seq_log_w) == len(SEQS[rank::world_size])
     grads = {n: p.grad.full_tensor() for n, p in trainer.model.named_parameters()}
     state = trainer.full_state_dict("float32")
     if rank == 0:
@@ -72,7 +73,7 @@ def _offload_round_trip(rank: int, world_size: int, port: int, model_path: str):
     cfg = TrainerConfig(lr=1e-3, micro_batch_size=2, offload="true")
     trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0)
     trainer.setup("127.0.0.1", port)
-    num_tokens = sum(len(s["response_ids"]) for s in SEQS)
+    num_tokens = sum(len(s.response_ids) for s in SEQS)
     trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens, num_micro_batches=2)
     trainer.release_grads()
     before = {k: v.clone() for k, v in trainer.full_state_dict("float32").items()}

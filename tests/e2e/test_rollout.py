@@ -97,7 +97,7 @@ def test_over_sampling_trains_exactly_the_groups_asked_for(runtime):
     aborted = 0
     for step, groups, stats in steps(controller, 3):
         assert len(groups) == 3 == stats["num_groups"]
-        assert all(c["finish_reason"] in ("stop", "length") for g in groups for c in g.completions)
+        assert all(c.finish_reason in ("stop", "length") for g in groups for c in g.completions)
         aborted += stats["num_aborted"]
     assert aborted > 0  # the passes stopped before every group in flight was complete
 
@@ -112,10 +112,10 @@ def test_partial_rollout_carries_answers_over_steps_within_the_context(runtime):
         assert 1 <= len(groups) <= 6
         for group in groups:
             for completion in group.completions:
-                total = len(group.prompt_ids) + len(completion["token_ids"])
+                total = len(group.prompt_ids) + len(completion.token_ids)
                 assert total <= MAX_MODEL_LEN
                 longest = max(longest, total)
-                versions = completion["versions"]
+                versions = completion.versions
                 assert step - versions[0] <= 3
                 mixed_versions += versions[0] != versions[-1]
     assert mixed_versions > 0, "no trained answer was continued across a weight sync"
@@ -137,8 +137,8 @@ def test_answers_continued_across_steps_are_reproducible_when_weights_do_not_cha
             controller.switch_to_rollout()
             for group in groups:
                 for c in group.completions:
-                    answers.append((step, group.prompt_ids, c["seed"], c["token_ids"], c["versions"]))
-                    continued += len(set(c["versions"])) > 1
+                    answers.append((step, group.prompt_ids, c.seed, c.token_ids, c.versions))
+                    continued += len(set(c.versions)) > 1
         return answers, continued
 
     first, continued = answers_of_a_run()

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from colocate.config import ModelConfig, TrainerConfig
+from colocate.rl.samples import Sequence
 from colocate.trainer.loss import LossSettings
 from tests.distributed.conftest import run_distributed
 
 pytest.importorskip("transformers")
 
-SEQS = [{"prompt_ids": [5, 6, 16], "response_ids": [5, 6, 2], "logprobs": [-3.0, -3.5, -4.0], "advantage": 1.0},
-        {"prompt_ids": [7, 8, 16], "response_ids": [9], "logprobs": [-3.2], "advantage": -1.0}]
+SEQS = [Sequence([5, 6, 16], [5, 6, 2], [-3.0, -3.5, -4.0], 1.0),
+        Sequence([7, 8, 16], [9], [-3.2], -1.0)]
 
 
 def _kl_on_gpu(rank: int, world_size: int, port: int, model_path: str, backend: str):
@@ -35,7 +36,7 @@ def _kl_on_gpu(rank: int, world_size: int, port: int, model_path: str, backend: 
     step = dict(num_tokens_all_ranks=4, num_micro_batches=1)
     first = trainer.train_step(SEQS, **step)  # the reference scored, offloaded, then the policy ran beside it
     # the same bf16 weights and kernels; a tolerance only in case a kernel differs with autograd on
-    assert abs(first["kl_sum"]) <= 1e-5 * first["tokens"], first["kl_sum"]
+    assert abs(first.kl_sum) <= 1e-5 * first.tokens, first.kl_sum
     trainer.release_grads()
 
     if backend == "pinned":  # torch_memory_saver unmaps under torch's counters: its own test checks the driver
@@ -48,7 +49,7 @@ def _kl_on_gpu(rank: int, world_size: int, port: int, model_path: str, backend: 
     policy = trainer.full_state_dict("float32")  # readable: the reference's offload left the policy alone
 
     second = trainer.train_step(SEQS, **step)
-    assert second["kl_sum"] > 0 and reference.offloaded
+    assert second.kl_sum > 0 and reference.offloaded
     ref_after, trained = reference.full_state_dict(), trainer.full_state_dict("float32")
     assert all(torch.equal(ref_after[k], ref_before[k]) for k in ref_before)
     assert any(not torch.equal(trained[k], policy[k]) for k in policy)

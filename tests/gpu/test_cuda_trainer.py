@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from colocate.config import ModelConfig, TrainerConfig
+from colocate.rl.samples import Sequence
 from tests.distributed.conftest import run_distributed
 
 pytest.importorskip("transformers")
 
-SEQS = [{"prompt_ids": [5, 6, 16], "response_ids": [5, 6, 2], "logprobs": [-3.0, -3.5, -4.0], "advantage": 1.0},
-        {"prompt_ids": [7, 8, 16], "response_ids": [9], "logprobs": [-3.2], "advantage": -1.0}]
+SEQS = [Sequence([5, 6, 16], [5, 6, 2], [-3.0, -3.5, -4.0], 1.0),
+        Sequence([7, 8, 16], [9], [-3.2], -1.0)]
 
 
 def _train_on_gpu(rank: int, world_size: int, port: int, model_path: str):
@@ -26,7 +27,7 @@ def _train_on_gpu(rank: int, world_size: int, port: int, model_path: str):
                            device="cuda", pad_id=0)
     trainer.setup("127.0.0.1", port)  # NCCL
     stats = trainer.train_step(SEQS, num_tokens_all_ranks=4, num_micro_batches=1)
-    assert stats["tokens"] == 4 and torch.isfinite(torch.tensor(stats["loss_sum"]))
+    assert stats.tokens == 4 and torch.isfinite(torch.tensor(stats.loss_sum))
     trainer.release_grads()
     before = trainer.full_state_dict("bfloat16")
     allocated = torch.cuda.memory_allocated()

@@ -64,15 +64,15 @@ def test_tis_weights_the_on_policy_gradient_by_the_truncated_ratio():
     weights = [2.0, math.exp(-0.5)]
     assert loss == pytest.approx(-sum(weights))  # ratio 1 in value, advantage 1
     assert grad == pytest.approx([-w for w in weights])  # d(-w * exp(l - sg(l)))/dl = -w
-    assert stats["corrected_sum"] == 1.0 and stats["weight_sum"] == pytest.approx(sum(weights))
-    assert stats["token_log_w"].tolist() == pytest.approx([2.0, -0.5])
+    assert stats.corrected_sum == 1.0 and stats.weight_sum == pytest.approx(sum(weights))
+    assert stats.token_log_w.tolist() == pytest.approx([2.0, -0.5])
 
 
 def test_mis_drops_tokens_outside_the_band():
     loss, grad, stats = _loss_and_grad(LossSettings(correction="mis", mis_low=0.5, mis_high=2.0), [-3.0, -1.0],
                                        [-1.0, -1.5])
     assert grad == pytest.approx([0.0, -math.exp(-0.5)])  # e^2 lies outside [0.5, 2]: no gradient
-    assert stats["corrected_sum"] == 1.0
+    assert stats.corrected_sum == 1.0
 
 
 def test_no_correction_keeps_the_ratio_against_the_engine():

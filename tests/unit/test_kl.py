@@ -65,11 +65,11 @@ def test_policy_loss_adds_kl_coef_times_the_masked_estimator(estimator):
                               ref_logprobs=ref)
     kl = kl_estimator(logprobs, ref, estimator)
     expected = (kl * mask).sum()
-    assert stats["kl_sum"] == pytest.approx(expected.item())
-    assert base_stats["kl_sum"] == 0.0
+    assert stats.kl_sum == pytest.approx(expected.item())
+    assert base_stats.kl_sum == 0.0
     # the loss is a sum over tokens (the trainer divides by the token count): kl_coef * per-token mean * tokens
     assert loss.item() == pytest.approx(base.item() + 0.05 * expected.item(), rel=1e-6)
-    assert stats["kl_sum"] / stats["tokens"] == pytest.approx((kl[mask.bool()]).mean().item())
+    assert stats.kl_sum / stats.tokens == pytest.approx((kl[mask.bool()]).mean().item())
 
 
 def test_policy_loss_without_kl_coef_ignores_the_reference_and_with_it_requires_one():
@@ -77,7 +77,7 @@ def test_policy_loss_without_kl_coef_ignores_the_reference_and_with_it_requires_
     plain, _ = policy_loss(batch.old_logprobs, batch, settings=LossSettings())
     given, stats = policy_loss(batch.old_logprobs, batch, settings=LossSettings(),
                                ref_logprobs=batch.old_logprobs - 1.0)
-    assert given.item() == plain.item() and stats["kl_sum"] == 0.0
+    assert given.item() == plain.item() and stats.kl_sum == 0.0
     with pytest.raises(AssertionError, match="ref_logprobs"):
         policy_loss(batch.old_logprobs, batch, settings=LossSettings(kl_coef=0.1))
 

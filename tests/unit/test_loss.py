@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from colocate.errors import RewardError
-from colocate.rl.scoring import Rollout, group_advantages, score
+from colocate.rl.samples import Answer, Rollout
+from colocate.rl.scoring import group_advantages, score
 from colocate.rl.tasks import Sample
 from colocate.trainer.loss import LossSettings, Sequence, collate, policy_loss, token_logprobs
 
@@ -35,7 +36,7 @@ def test_on_policy_loss_is_minus_advantage_per_token():
     logprobs = batch.old_logprobs.clone().requires_grad_()
     loss, stats = policy_loss(logprobs, batch, settings=LossSettings(clip_eps=0.2))
     assert loss.item() == pytest.approx(-4.0)  # two tokens, ratio 1, advantage 2
-    assert stats["tokens"] == 2 and stats["mismatch_abs_sum"] == 0 and stats["clipped_sum"] == 0
+    assert stats.tokens == 2 and stats.mismatch_abs_sum == 0 and stats.clipped_sum == 0
 
 
 def test_ratio_is_clipped_for_positive_advantage():
@@ -44,8 +45,8 @@ def test_ratio_is_clipped_for_positive_advantage():
     new = torch.tensor([[math.log(0.9)]])  # ratio 1.8 > 1.2
     loss, stats = policy_loss(new, batch, settings=LossSettings(clip_eps=0.2))
     assert loss.item() == pytest.approx(-1.2)
-    assert stats["clipped_sum"] == 1
-    assert stats["mismatch_abs_sum"] == pytest.approx(math.log(1.8))
+    assert stats.clipped_sum == 1
+    assert stats.mismatch_abs_sum == pytest.approx(math.log(1.8))
 
 
 def test_group_advantages():
@@ -56,7 +57,8 @@ def test_group_advantages():
 
 
 def _rollout(tokens_list):
-    completions = [{"token_ids": t, "logprobs": [-1.0] * len(t), "finish_reason": "stop"} for t in tokens_list]
+    completions = [Answer(seed=0, max_tokens=8, token_ids=t, logprobs=[-1.0] * len(t), finish_reason="stop")
+                   for t in tokens_list]
     return Rollout(Sample("12=", "12"), [1, 2, 3], completions)
 
 
@@ -66,8 +68,8 @@ def test_score_strips_eos_from_text_but_trains_on_it():
                    eos_id=99, normalize=False)
     assert scored.responses == ["12", "1"]
     assert scored.rewards == [1.0, 0.0]
-    assert scored.sequences[0]["response_ids"] == [1, 2, 99]
-    assert scored.sequences[0]["advantage"] == 0.5
+    assert scored.sequences[0].response_ids == [1, 2, 99]
+    assert scored.sequences[0].advantage == 0.5
 
 
 def test_reward_error_names_prompt_and_response():

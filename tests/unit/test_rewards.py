@@ -19,7 +19,8 @@ from colocate.rl.rewards import (
     math_reward,
     parse_rewards,
 )
-from colocate.rl.scoring import RewardBreakdown, Rollout, apply_reward, score
+from colocate.rl.samples import Answer, Rollout
+from colocate.rl.scoring import RewardBreakdown, apply_reward, score
 from colocate.rl.tasks import Sample, make_task
 
 HAS_MATH_VERIFY = rewards._math_verify() is not None
@@ -148,7 +149,8 @@ def test_make_reward_keeps_the_old_choices():
 def _groups(responses_per_group: list[list[str]], answer: str = "4") -> list[Rollout]:
     groups = []
     for responses in responses_per_group:
-        completions = [{"token_ids": [ord(c) for c in r], "logprobs": [0.0] * len(r)} for r in responses]
+        completions = [Answer(seed=0, max_tokens=8, token_ids=[ord(c) for c in r], logprobs=[0.0] * len(r))
+                       for r in responses]
         groups.append(Rollout(Sample("2+2=", answer), [1, 2], completions))
     return groups
 
@@ -165,7 +167,7 @@ def test_weighted_combination_and_per_reward_means():
     stats = scored.stats()
     assert stats["reward_mean"] == 0.75
     assert stats["reward_math_mean"] == 0.5 and stats["reward_format_mean"] == 0.5
-    assert [s["advantage"] for s in scored.sequences] == [0.75, 0.25, -0.25, -0.75]
+    assert [s.advantage for s in scored.sequences] == [0.75, 0.25, -0.25, -0.75]
 
 
 def test_plain_reward_fn_stats_are_unchanged():
@@ -185,7 +187,7 @@ def test_batched_reward_sees_the_whole_step_once():
     scored = score(_groups([["a", "bb"], ["ccc", ""]]), reward_fn=counting, decode=_decode, eos_id=None,
                    normalize=False)
     assert calls == [4] and scored.rewards == [1.0, 2.0, 3.0, 0.0]
-    assert [s["advantage"] for s in scored.sequences] == [-0.5, 0.5, 1.5, -1.5]  # per group, not per step
+    assert [s.advantage for s in scored.sequences] == [-0.5, 0.5, 1.5, -1.5]  # per group, not per step
 
 
 def test_batched_component_in_a_combination():

@@ -18,8 +18,9 @@ import colocate.job.controller as controller_module
 from colocate.config import load_config
 from colocate.job.controller import Controller
 from colocate.job.preflight import SwitchPlan
-from colocate.rl.scoring import Rollout
+from colocate.rl.samples import Answer, Rollout
 from colocate.rl.tasks import Sample
+from colocate.trainer.stats import TrainStats
 
 NUM_TRAINERS, NUM_STEPS = 2, 2
 
@@ -78,10 +79,9 @@ class FakeTrainer(FakeActor):
             assert self.state["engine"] == {"weights": False, "kv_cache": False}
         self.state["grads"][self.name] = True
         self.record("train_step")
-        num = sum(len(s["response_ids"]) for s in seqs)
-        return {"tokens": num, "loss_sum": 0.0, "mismatch_abs_sum": 0.0, "kl_sum": 0.0, "corrected_sum": 0.0,
-                "weight_sum": float(num), "clipped_sum": 0.0, "token_log_w": np.zeros(num),
-                "seq_log_w": np.zeros(len(seqs))}
+        num = sum(len(s.response_ids) for s in seqs)
+        return TrainStats(tokens=num, weight_sum=float(num), token_log_w=np.zeros(num, np.float32),
+                          seq_log_w=np.zeros(len(seqs), np.float32))
 
     def do_release_grads(self):
         self.state["grads"][self.name] = False
@@ -127,7 +127,8 @@ class FakeRollouts:
             assert trainers_are(self.residency, "offloaded")
         self.log.append(("engines", "rollout"))
         sample = Sample("1+1=", "2")
-        completions = [{"token_ids": [5, 6], "logprobs": [-0.1, -0.2], "finish_reason": "stop"} for _ in range(2)]
+        completions = [Answer(seed=0, max_tokens=4, token_ids=[5, 6], logprobs=[-0.1, -0.2], versions=[version] * 2,
+                              finish_reason="stop") for _ in range(2)]
         return [Rollout(sample, [1, 2], completions), Rollout(sample, [1, 2], completions)], {}
 
     def state(self):  # what a checkpoint keeps of the pool

@@ -1,0 +1,54 @@
+"""The records a step's data travels in, from the engine's tokens to the loss: typed, never dicts of strings.
+
+    Answer     one sampled answer as the rollout pool builds it: tokens, the behaviour logprob of each, the
+               policy version that sampled each, why it ended, its seed and budget
+    Rollout    a complete group: one prompt (its Sample and token ids) and its answers, ready to score
+    Sequence   what a trainer rank trains on: prompt and response tokens, the behaviour logprobs, the advantage
+
+The controller hands Sequences to the trainer actors as they are (Ray pickles dataclasses); adding a per-sample
+field means adding it here and where it is set, not editing every dict along the way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from colocate.rl.tasks import Sample
+
+
+@dataclass
+class Answer:
+    seed: int
+    max_tokens: int
+    """The whole answer's budget, fixed at creation (never renewed by a continuation)."""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    """The engine's logprob of each token when it was sampled (after temperature and top-p)."""
+    versions: list[int] = field(default_factory=list)
+    """Policy version that sampled each token."""
+    finish_reason: str | None = None
+    num_prefill_computed: int = 0
+    num_prefill_cached: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def restart(self) -> None:
+        self.token_ids, self.logprobs, self.versions = [], [], []
+        self.finish_reason = None
+
+
+@dataclass
+class Rollout:
+    sample: Sample
+    prompt_ids: list[int]
+    completions: list[Answer]
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]  # the engine's logprob of each response token when it was sampled
+    advantage: float

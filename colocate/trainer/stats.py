@@ -1,0 +1,54 @@
+"""What a training step measures, typed: each trainer rank's sums over its micro-batches, added over the ranks by
+the controller, then divided into the step record's per-token figures.
+
+    stats = TrainStats() ; stats += micro_batch_stats      # trainer rank: the loss's own stats, per micro-batch
+    total = sum(rank_results, TrainStats())                 # controller: every rank's together
+    total.per_token("mismatch_abs_sum")                     # a sum over response tokens / the tokens
+
+Every float field is a sum and adds field by field, and the per-token arrays concatenate: a new statistic is a
+field here and its value where the loss computes it (trainer/loss.py policy_loss), nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def _empty() -> np.ndarray:
+    return np.zeros(0, dtype=np.float32)
+
+
+@dataclass
+class TrainStats:
+    tokens: float = 0.0
+    """Response tokens trained on."""
+    loss_sum: float = 0.0
+    mismatch_abs_sum: float = 0.0
+    """|log p_trainer - log p_engine| summed over response tokens."""
+    clipped_sum: float = 0.0
+    """Tokens whose ratio the PPO clip cut."""
+    corrected_sum: float = 0.0
+    """Tokens a TIS/MIS correction truncated or masked."""
+    weight_sum: float = 0.0
+    """The correction's importance weights summed (tokens, without a correction)."""
+    kl_sum: float = 0.0
+    """The KL estimator summed over response tokens (0 without a reference)."""
+    token_log_w: np.ndarray = field(default_factory=_empty)
+    """Every response token's log(p_trainer / p_engine), for the mismatch monitor."""
+    seq_log_w: np.ndarray = field(default_factory=_empty)
+    """Every sequence's summed log ratio."""
+    grad_norm: float | None = None
+    """The total gradient norm before clipping (the same on every rank; None without clipping)."""
+
+    def __add__(self, other: TrainStats) -> TrainStats:
+        sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)
+                if f.type == "float"}
+        return TrainStats(**sums, token_log_w=np.concatenate([self.token_log_w, other.token_log_w]),
+                          seq_log_w=np.concatenate([self.seq_log_w, other.seq_log_w]),
+                          grad_norm=self.grad_norm if self.grad_norm is not None else other.grad_norm)
+
+    def per_token(self, name: str) -> float:
+        return getattr(self, name) / (self.tokens or 1.0)
