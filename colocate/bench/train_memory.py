@@ -27,6 +27,7 @@ from colocate.bench.common import write_result
 from colocate.config import JobConfig
 from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.job.preflight import PROMPT_TOKENS  # the rows the preflight pictures: a 64-token prompt, then the answer
+from colocate.rl.samples import Sequence
 
 TOLERANCE = 0.15
 DEFAULT_LENGTHS = (256, 512, 1024, 2048)
@@ -63,14 +64,14 @@ def _config_for(cfg: JobConfig, length: int, rows: int, top_p: float) -> JobConf
         engine=dataclasses.replace(cfg.engine, max_model_len=max(cfg.engine.max_model_len, length)))
 
 
-def _sequences(length: int, rows: int, vocab: int) -> list[dict]:
+def _sequences(length: int, rows: int, vocab: int) -> list[Sequence]:
     """`rows` sequences; the first exactly `length` tokens, the others shorter (padded up to it)."""
     out = []
     for row in range(rows):
         response = length - PROMPT_TOKENS - row * (length // 4)
-        out.append({"prompt_ids": [5 + i % (vocab - 5) for i in range(PROMPT_TOKENS)],
-                    "response_ids": [6 + (i * 7) % (vocab - 6) for i in range(response)],
-                    "logprobs": [-2.0] * response, "advantage": 1.0 if row % 2 == 0 else -1.0})
+        out.append(Sequence([5 + i % (vocab - 5) for i in range(PROMPT_TOKENS)],
+                            [6 + (i * 7) % (vocab - 6) for i in range(response)], [-2.0] * response,
+                            1.0 if row % 2 == 0 else -1.0))
     return out
 
 
@@ -79,14 +80,14 @@ def _measure(cfg: JobConfig, model_path: str, runs: list[tuple[int, int, float]]
     import torch
 
     from colocate.trainer.actor import TrainerActor
-    from colocate.trainer.loss import LossSettings
 
     torch.manual_seed(0)
-    trainer = TrainerActor(0, 1, cfg.trainer, model_path, device="cpu", pad_id=0, loss=LossSettings.from_job(cfg))
+    trainer = TrainerActor(0, 1, cfg.trainer, model_path, device="cpu", pad_id=0, algo=cfg.algo,
+                           sampling=cfg.rollout)
     trainer.setup("127.0.0.1", port)
     vocab = trainer.model.config.vocab_size
     warm = _sequences(runs[0][0], 1, vocab)
-    trainer.train_step(warm, num_tokens_all_ranks=len(warm[0]["response_ids"]), num_micro_batches=1)
+    trainer.train_step(warm, num_tokens_all_ranks=len(warm[0].response_ids), num_micro_batches=1)
     for length, rows, top_p in runs:
         trainer.loss = dataclasses.replace(trainer.loss, top_p=top_p)
         trainer.release_grads()
@@ -96,7 +97,7 @@ def _measure(cfg: JobConfig, model_path: str, runs: list[tuple[int, int, float]]
         reset_peak_rss()
         seqs = _sequences(length, rows, vocab)
         started = time.perf_counter()
-        trainer.train_step(seqs, num_tokens_all_ranks=sum(len(s["response_ids"]) for s in seqs), num_micro_batches=1)
+        trainer.train_step(seqs, num_tokens_all_ranks=sum(len(s.response_ids) for s in seqs), num_micro_batches=1)
         queue.put({"length": length, "rows": rows, "top_p": top_p, "rss_before_bytes": before,
                    "peak_rss_bytes": peak_rss_bytes(), "step_s": time.perf_counter() - started})
     trainer.shutdown()

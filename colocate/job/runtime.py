@@ -56,7 +56,6 @@ from colocate.sync.transport import (
 )
 from colocate.sync.weight_sync import WeightSync
 from colocate.trainer.actor import TrainerActor
-from colocate.trainer.loss import LossSettings
 
 log = logging.getLogger("colocate")
 
@@ -220,7 +219,7 @@ class Runtime:
                           **actor_options(self.group, rank, cpu_share=TRAINER_SHARE, gpu_share=gpu_share,
                                           env=env)).remote(
                 rank, world, cfg.trainer, self.model_path, device=self.device, pad_id=pad,
-                loss=LossSettings.from_job(cfg))
+                algo=cfg.algo, sampling=cfg.rollout)
             for rank in range(world)
         ]
         # one node: the store on loopback; several: on rank 0's node address (all interfaces, torch's doing)

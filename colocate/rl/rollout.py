@@ -20,7 +20,7 @@ from collections.abc import Callable
 import ray
 
 from colocate.config import JobConfig
-from colocate.rl.rollout_pool import Group, PoolSettings, RolloutPool
+from colocate.rl.rollout_pool import Group, RolloutPool
 from colocate.rl.samples import Rollout
 from colocate.rl.tasks import PromptStream, Sample
 
@@ -33,10 +33,7 @@ class Rollouts:
                  budgets: BudgetFn | None = None, ignore_eos: bool = False):
         r = cfg.rollout
         self.engines, self.tokenizer, self.prompts = engines, tokenizer, prompts
-        self.pool = RolloutPool(PoolSettings(
-            num_groups=r.num_prompts, num_samples=r.num_samples, oversample=r.oversample,
-            partial_tokens=r.partial_tokens, max_lag=r.max_lag, leftover=r.leftover,
-            max_model_len=cfg.engine.max_model_len, seed=cfg.engine.seed))
+        self.pool = RolloutPool(r, max_model_len=cfg.engine.max_model_len, seed=cfg.engine.seed)
         self.budgets = budgets or (lambda sample, n: [r.max_tokens] * n)
         self.sampling = {"temperature": r.temperature, "top_p": r.top_p, "ignore_eos": ignore_eos}
         self.timelines: list[list[list[tuple[float, int]]]] = []  # last collect: per pass, per engine
@@ -47,13 +44,13 @@ class Rollouts:
         pool.stats.reset()
         samples = self.prompts.next_batch(pool.num_missing)
         prompt_ids = [self.tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples]
-        pool.top_up([(s, p, self.budgets(s, pool.settings.num_samples)) for s, p in zip(samples, prompt_ids)])
+        pool.top_up([(s, p, self.budgets(s, pool.rollout.num_samples)) for s, p in zip(samples, prompt_ids)])
         pool.expire(version)
         self.timelines = []
         started = time.perf_counter()
-        while pool.num_complete() < pool.settings.num_groups:
+        while pool.num_complete() < pool.rollout.num_prompts:
             self.timelines.append(self._pass(version))
-            if pool.settings.partial_tokens and pool.num_complete():
+            if pool.rollout.partial_tokens and pool.num_complete():
                 break  # partial rollout: the step ends with what is complete; the rest goes on next step
         groups = pool.take()
         return [_as_rollout(g) for g in groups], self._stats(groups, version, time.perf_counter() - started)

@@ -1,7 +1,7 @@
 """The groups in flight between rollout passes: their answers so far, tagged with the policy that sampled each
 token, and what each engine request of the next pass must be.
 
-    pool = RolloutPool(settings)
+    pool = RolloutPool(cfg.rollout, max_model_len=cfg.engine.max_model_len, seed=cfg.engine.seed)
     pool.top_up(new_groups)                      # new prompts fill the places of the groups trained
     pool.expire(version)                         # the lag cap
     requests = pool.requests(version)            # unfinished answers' next segments (context guard)
@@ -26,29 +26,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from colocate.config import RolloutConfig
 from colocate.engine.requests import EngineRequest, RequestResult, segment_seed
 from colocate.rl.samples import Answer
 from colocate.rl.tasks import Sample
-
-
-@dataclass(frozen=True)
-class PoolSettings:
-    num_groups: int
-    """Complete groups a step trains on."""
-    num_samples: int
-    oversample: float = 1.0
-    partial_tokens: int = 0
-    """New tokens per answer per pass; 0: answers run to their end within the pass."""
-    max_lag: int = 1
-    leftover: str = "carry"
-    """carry (unfinished and surplus groups stay for the next step) or drop."""
-    max_model_len: int = 128
-    """Each answer's budget is cut to what the context leaves after its prompt."""
-    seed: int = 0
-
-    @property
-    def num_in_flight(self) -> int:
-        return math.ceil(self.num_groups * self.oversample)
 
 
 @dataclass
@@ -76,29 +57,37 @@ class PoolStats:
 
 
 class RolloutPool:
-    def __init__(self, settings: PoolSettings):
-        self.settings = settings
+    def __init__(self, rollout: RolloutConfig, *, max_model_len: int, seed: int = 0):
+        """`rollout`: the job's section (num_prompts complete groups a step trains, num_samples, oversample,
+        partial_tokens, max_lag, leftover); each answer's budget is cut to what `max_model_len` leaves after its
+        prompt; `seed`: the answers' seeds derive from it (engine.seed)."""
+        self.rollout, self.max_model_len, self.seed = rollout, max_model_len, seed
         self.groups: list[Group] = []
         self.stats = PoolStats()
         self._next_group_id = 0
+
+    @property
+    def num_in_flight(self) -> int:
+        """Groups kept in flight: `oversample` x the groups a step trains."""
+        return math.ceil(self.rollout.num_prompts * self.rollout.oversample)
 
     # ------------------------------------------------------------------------------------------ filling
 
     @property
     def num_missing(self) -> int:
-        return max(0, self.settings.num_in_flight - len(self.groups))
+        return max(0, self.num_in_flight - len(self.groups))
 
     def top_up(self, new_groups: list[tuple[Sample, list[int], list[int]]]) -> None:
         """Add groups: (sample, prompt ids, each answer's token budget before the context guard)."""
         for sample, prompt_ids, budgets in new_groups:
-            assert len(budgets) == self.settings.num_samples
-            room = self.settings.max_model_len - len(prompt_ids)
+            assert len(budgets) == self.rollout.num_samples
+            room = self.max_model_len - len(prompt_ids)
             if room < 1:
                 raise ValueError(f"prompt {sample.prompt!r} is {len(prompt_ids)} tokens, leaving no room to answer "
-                                 f"within engine.max_model_len={self.settings.max_model_len}")
+                                 f"within engine.max_model_len={self.max_model_len}")
             gid = self._next_group_id
             self._next_group_id += 1
-            seeds = [(self.settings.seed * 1_000_003 + gid * self.settings.num_samples + i) % 2**31
+            seeds = [(self.seed * 1_000_003 + gid * self.rollout.num_samples + i) % 2**31
                      for i in range(len(budgets))]
             self.groups.append(Group(gid, sample, prompt_ids,
                                      [Answer(seed, min(budget, room)) for seed, budget in zip(seeds, budgets)]))
@@ -111,7 +100,7 @@ class RolloutPool:
         carried over, must not train stale tokens)."""
         for group in self.groups:
             for answer in group.answers:
-                if answer.versions and version - answer.versions[0] > self.settings.max_lag:
+                if answer.versions and version - answer.versions[0] > self.rollout.max_lag:
                     answer.restart()
                     self.stats.num_lag_restarts += 1
 
@@ -124,7 +113,7 @@ class RolloutPool:
                     continue
                 left = answer.max_tokens - len(answer.token_ids)
                 assert left > 0, "an answer with no budget left must have been finished"
-                segment = min(left, self.settings.partial_tokens or left)
+                segment = min(left, self.rollout.partial_tokens or left)
                 out.append(EngineRequest(
                     request_id=f"g{group.group_id}-a{i}-v{version}-t{len(answer.token_ids)}", group=group.group_id,
                     index=i, prompt_ids=group.prompt_ids + answer.token_ids, max_tokens=segment, final=segment == left,
@@ -146,7 +135,7 @@ class RolloutPool:
                 answer.finish_reason = result.finish_reason
             self.stats.num_aborted += result.finish_reason is None
             self.stats.num_tokens_generated += len(result.token_ids)
-            assert len(group.prompt_ids) + len(answer.token_ids) <= self.settings.max_model_len
+            assert len(group.prompt_ids) + len(answer.token_ids) <= self.max_model_len
 
     def num_complete(self) -> int:
         return sum(g.complete for g in self.groups)
@@ -155,7 +144,7 @@ class RolloutPool:
         """Complete groups each engine must reach in the next pass (groups go to engine group_id % num_engines,
         so a continuation finds its engine's prefix cache): together what the step still lacks, none more than
         an engine has unfinished."""
-        wanted = max(0, self.settings.num_groups - self.num_complete())
+        wanted = max(0, self.rollout.num_prompts - self.num_complete())
         unfinished = [0] * num_engines
         for g in self.groups:
             unfinished[g.group_id % num_engines] += not g.complete
@@ -169,10 +158,10 @@ class RolloutPool:
 
     def take(self) -> list[Group]:
         """Up to `num_groups` complete groups, oldest first. The rest stay for the next step (carry) or go."""
-        complete = [g for g in self.groups if g.complete][:self.settings.num_groups]
+        complete = [g for g in self.groups if g.complete][:self.rollout.num_prompts]
         taken = {g.group_id for g in complete}
         self.groups = [g for g in self.groups if g.group_id not in taken]
-        if self.settings.leftover == "drop":
+        if self.rollout.leftover == "drop":
             self.stats.num_dropped_groups += len(self.groups)
             self.groups = []
         return complete

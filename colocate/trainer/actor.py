@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import torch
 
+from colocate.config import AlgoConfig, RolloutConfig
 from colocate.host.devices import copy_seconds, device_memory, device_name, local_cuda_device
 from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.sync.buckets import TensorSpec
@@ -25,7 +26,7 @@ from colocate.sync.reshard import SyncPlan
 from colocate.sync.shards import bucket_copies, local_shards, run_copies
 from colocate.trainer.finite import check_weights, clip_checked
 from colocate.trainer.fsdp import shard_by_layer
-from colocate.trainer.loss import LossSettings, Sequence, collate, policy_loss, token_logprobs
+from colocate.trainer.loss import Sequence, collate, policy_loss, token_logprobs
 from colocate.trainer.offload import make_offloader
 from colocate.trainer.stats import TrainStats
 
@@ -34,11 +35,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 class TrainerActor:
     def __init__(self, rank: int, world_size: int, cfg, model_path: str, *, device: str, pad_id: int,
-                 loss: LossSettings = LossSettings()):
+                 algo: AlgoConfig | None = None, sampling: RolloutConfig | None = None):
         self.rank, self.world_size = rank, world_size
         self.cfg = cfg
         self.model_path = model_path
-        self.loss = loss
+        # the loss's settings, and the sampling the engine used (its logprobs are those after temperature, top-p)
+        self.algo, self.sampling = algo or AlgoConfig(), sampling or RolloutConfig()
         self.pad_id = pad_id
         self.device = local_cuda_device() if device == "cuda" else torch.device("cpu")
         self._rings = {}
@@ -110,7 +112,7 @@ class TrainerActor:
                                          directory=self.cfg.offload_dir or None, owner=f"trainer rank {self.rank}")
         shard_by_layer(model, mesh=mesh, device=self.device, offloader=self._offloader, mp_policy=mp_policy)
         self.model = model
-        if self.loss.kl_coef > 0:
+        if self.algo.kl_coef > 0:
             from colocate.trainer.reference import ReferencePolicy
 
             # built offloaded, before the engine starts and measures the free memory
@@ -159,14 +161,14 @@ class TrainerActor:
         chunks = [sequences[i * size:(i + 1) * size] for i in range(num_micro_batches)]
         batches = [collate(chunk or sequences[:1] or [_dummy_sequence(self.pad_id)], pad_id=self.pad_id,
                            device=self.device) for chunk in chunks]
-        ref_logprobs = self.reference.score(batches, temperature=self.loss.temperature, top_p=self.loss.top_p) \
+        ref_logprobs = self.reference.score(batches, temperature=self.sampling.temperature, top_p=self.sampling.top_p) \
             if self.reference is not None else [None] * len(batches)
         for chunk, batch, ref in zip(chunks, batches, ref_logprobs):
             empty = not chunk
             logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-            logprobs = token_logprobs(logits, batch.input_ids, temperature=self.loss.temperature,
-                                      top_p=self.loss.top_p)
-            loss, stats = policy_loss(logprobs, batch, settings=self.loss, ref_logprobs=ref)
+            logprobs = token_logprobs(logits, batch.input_ids, temperature=self.sampling.temperature,
+                                      top_p=self.sampling.top_p)
+            loss, stats = policy_loss(logprobs, batch, algo=self.algo, ref_logprobs=ref)
             (loss * (0.0 if empty else scale)).backward()
             if not empty:
                 totals += stats

@@ -29,34 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
+from colocate.config import AlgoConfig
 from colocate.rl.corrections import importance_weights
 from colocate.rl.samples import Sequence
 from colocate.trainer.stats import TrainStats
 
 GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: below it a request is sampled greedily
 LOGPROB_FLOOR = -100.0  # a token outside the nucleus: probability e^-100, as good as impossible, and finite
-
-
-@dataclass(frozen=True)
-class LossSettings:
-    """What the policy loss needs of the job's config (algo.* and the rollout's sampling)."""
-
-    clip_eps: float = 0.2
-    temperature: float = 1.0
-    top_p: float = 1.0
-    correction: str = "none"  # none, tis, mis (see rl/corrections.py)
-    correction_level: str = "token"
-    tis_cap: float = 2.0
-    mis_low: float = 0.5
-    mis_high: float = 2.0
-    kl_coef: float = 0.0  # 0: no reference policy, no KL term
-    kl_estimator: str = "k3"  # k1, k2, k3 (see kl_estimator)
-
-    @classmethod
-    def from_job(cls, cfg) -> LossSettings:
-        a, r = cfg.algo, cfg.rollout
-        return cls(a.clip_eps, r.temperature, r.top_p, a.correction, a.correction_level, a.tis_cap, a.mis_low,
-                   a.mis_high, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
 
 
 @dataclass
@@ -136,31 +115,31 @@ def kl_estimator(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: 
     return torch.exp(log_r) - 1 - log_r
 
 
-def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, settings: LossSettings,
+def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, algo: AlgoConfig,
                 ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """Sum over response tokens of the clipped surrogate loss plus, when settings.kl_coef > 0, kl_coef times the
+    """Sum over response tokens of the clipped surrogate loss plus, when algo.kl_coef > 0, kl_coef times the
     KL estimate against `ref_logprobs` (the caller normalises by the token count: the KL term becomes kl_coef *
     its per-token mean); and the step's mismatch: every response token's log w = logp_trainer - logp_engine and
     every sequence's sum."""
     mask = batch.target_mask
     log_w = (logprobs.detach() - batch.old_logprobs) * mask
-    if settings.correction == "none":
+    if algo.correction == "none":
         log_ratio, weights, affected = (logprobs - batch.old_logprobs) * mask, mask, torch.zeros_like(mask)
     else:  # the ratio against the trainer's own policy (1 in value); the mismatch moves into the weights
         log_ratio = (logprobs - logprobs.detach()) * mask
-        weights, affected = importance_weights(log_w, mask, mode=settings.correction,
-                                               level=settings.correction_level, cap=settings.tis_cap,
-                                               low=settings.mis_low, high=settings.mis_high)
+        weights, affected = importance_weights(log_w, mask, mode=algo.correction,
+                                               level=algo.correction_level, cap=algo.tis_cap,
+                                               low=algo.mis_low, high=algo.mis_high)
     ratio = torch.exp(log_ratio)
     advantages = batch.advantages.unsqueeze(1)
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - settings.clip_eps, 1 + settings.clip_eps) * advantages
+    clipped = torch.clamp(ratio, 1 - algo.clip_eps, 1 + algo.clip_eps) * advantages
     loss = -(torch.minimum(unclipped, clipped) * weights).sum()
     kl_sum = torch.zeros(())
-    if settings.kl_coef > 0:
+    if algo.kl_coef > 0:
         assert ref_logprobs is not None and ref_logprobs.shape == logprobs.shape, "kl_coef > 0 needs ref_logprobs"
-        kl = kl_estimator(logprobs, ref_logprobs, settings.kl_estimator) * mask
-        loss = loss + settings.kl_coef * kl.sum()
+        kl = kl_estimator(logprobs, ref_logprobs, algo.kl_estimator) * mask
+        loss = loss + algo.kl_coef * kl.sum()
         kl_sum = kl.detach().sum()
     with torch.no_grad():
         on = mask.bool()

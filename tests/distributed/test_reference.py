@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate.config import ModelConfig, TrainerConfig
+from colocate.config import AlgoConfig, ModelConfig, TrainerConfig
 from colocate.models.sources import ensure_model
-from colocate.trainer.loss import LossSettings
 from tests.distributed.conftest import run_distributed
 from tests.distributed.test_trainer import SEQS
 
@@ -33,7 +32,7 @@ def _kl_steps(rank: int, world_size: int, port: int, model_path: str):
 
     cfg = TrainerConfig(lr=5e-2, micro_batch_size=2, grad_clip=0.0)  # a large step: the policy must move
     trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0,
-                           loss=LossSettings(kl_coef=0.1, kl_estimator="k3"))
+                           algo=AlgoConfig(kl_coef=0.1, kl_estimator="k3"))
     info = trainer.setup("127.0.0.1", port)
     reference = trainer.reference
     assert reference is not None and reference.offloaded and _storages_freed(reference)

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate.config import ModelConfig, TrainerConfig
+from colocate.config import AlgoConfig, ModelConfig, RolloutConfig, TrainerConfig
 from colocate.models.sources import ensure_model
 from colocate.rl.samples import Sequence
-from colocate.trainer.loss import LossSettings
 from tests.distributed.conftest import run_distributed
 
 SEQS = [
@@ -21,13 +20,14 @@ SEQS = [
 ]
 
 
-def _train(rank: int, world_size: int, port: int, model_path: str, out_path: str, loss):
+def _train(rank: int, world_size: int, port: int, model_path: str, out_path: str, algo, sampling):
     from colocate.trainer.actor import TrainerActor
 
     cfg = TrainerConfig(lr=1e-2, micro_batch_size=2, grad_clip=0.0)
-    trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0, loss=loss)
+    trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0, algo=algo,
+                           sampling=sampling)
     trainer.setup("127.0.0.1", port)
-    assert (trainer.reference is not None) == (loss.kl_coef > 0)  # no reference policy unless the KL is on
+    assert (trainer.reference is not None) == (algo.kl_coef > 0)  # no reference policy unless the KL is on
     num_tokens = sum(len(s.response_ids) for s in SEQS)
     stats = trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens,
                                num_micro_batches=-(-len(SEQS[0::world_size]) // cfg.micro_batch_size))
@@ -40,19 +40,19 @@ def _train(rank: int, world_size: int, port: int, model_path: str, out_path: str
     trainer.shutdown()
 
 
-@pytest.mark.parametrize("loss", [
-    pytest.param(LossSettings(), id="ppo_against_the_engine"),
+@pytest.mark.parametrize("algo, sampling", [
+    pytest.param(AlgoConfig(), RolloutConfig(), id="ppo_against_the_engine"),
     # the engine logprobs above are far from the tiny model's (log w up to ~7): sequence weights get truncated
-    pytest.param(LossSettings(correction="tis", correction_level="sequence", tis_cap=2.0, temperature=0.8),
-                 id="tis_sequence_temperature"),
+    pytest.param(AlgoConfig(correction="tis", correction_level="sequence", tis_cap=2.0),
+                 RolloutConfig(temperature=0.8), id="tis_sequence_temperature"),
     # k1's gradient is 1 per token even where the policy is the reference: the KL term's normalisation over
     # ranks (and rank 1's dummy reference forward) is checked, not only its value 0
-    pytest.param(LossSettings(kl_coef=0.5, kl_estimator="k1"), id="kl_k1"),
+    pytest.param(AlgoConfig(kl_coef=0.5, kl_estimator="k1"), RolloutConfig(), id="kl_k1"),
 ])
-def test_two_ranks_match_one_rank(tmp_path, loss):
+def test_two_ranks_match_one_rank(tmp_path, algo, sampling):
     path = ensure_model(ModelConfig(preset="tiny", cache_dir=str(tmp_path / "models")))
-    run_distributed(_train, path, str(tmp_path / "w1.pt"), loss, world_size=1, init=False)
-    run_distributed(_train, path, str(tmp_path / "w2.pt"), loss, world_size=2, init=False)
+    run_distributed(_train, path, str(tmp_path / "w1.pt"), algo, sampling, world_size=1, init=False)
+    run_distributed(_train, path, str(tmp_path / "w2.pt"), algo, sampling, world_size=2, init=False)
     one, two = torch.load(tmp_path / "w1.pt"), torch.load(tmp_path / "w2.pt")
     from transformers import AutoModelForCausalLM
 

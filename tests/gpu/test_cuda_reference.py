@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate.config import ModelConfig, TrainerConfig
+from colocate.config import AlgoConfig, ModelConfig, TrainerConfig
 from colocate.rl.samples import Sequence
-from colocate.trainer.loss import LossSettings
 from tests.distributed.conftest import run_distributed
 
 pytest.importorskip("transformers")
@@ -23,7 +22,7 @@ def _kl_on_gpu(rank: int, world_size: int, port: int, model_path: str, backend: 
 
     cfg = TrainerConfig(lr=5e-2, micro_batch_size=2, grad_clip=0.0, mixed_precision=True, offload_backend=backend)
     trainer = TrainerActor(rank, world_size, cfg, model_path, device="cuda", pad_id=0,
-                           loss=LossSettings(kl_coef=0.1))
+                           algo=AlgoConfig(kl_coef=0.1))
     info = trainer.setup("127.0.0.1", port)
     reference = trainer.reference
     assert reference.offloaded and reference._offloader.name == backend

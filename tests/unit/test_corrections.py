@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
+from colocate.config import AlgoConfig
 from colocate.rl.corrections import importance_weights, mismatch_stats
-from colocate.trainer.loss import LOGPROB_FLOOR, LossSettings, Sequence, collate, policy_loss, token_logprobs
+from colocate.trainer.loss import LOGPROB_FLOOR, Sequence, collate, policy_loss, token_logprobs
 
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
 # log w = logp_trainer - logp_engine per token; the padding position carries garbage that must not count
@@ -48,19 +49,19 @@ def test_mismatch_stats():
     assert stats["sequence"]["count"] == 2 and stats["sequence"]["fraction_outside_band"] == 0.0
 
 
-def _loss_and_grad(settings: LossSettings, engine_logprobs: list[float], trainer_logprobs: list[float]):
+def _loss_and_grad(settings: AlgoConfig, engine_logprobs: list[float], trainer_logprobs: list[float]):
     batch = collate([Sequence([1], [2, 3], engine_logprobs, 1.0)], pad_id=0, device=torch.device("cpu"))
     logprobs = torch.zeros_like(batch.old_logprobs)
     logprobs[0, :2] = torch.tensor(trainer_logprobs)
     logprobs.requires_grad_()
-    loss, stats = policy_loss(logprobs, batch, settings=settings)
+    loss, stats = policy_loss(logprobs, batch, algo=settings)
     loss.backward()
     return loss.item(), logprobs.grad[0, :2].tolist(), stats
 
 
 def test_tis_weights_the_on_policy_gradient_by_the_truncated_ratio():
     # w = exp(trainer - engine) = [e^2 (truncated to 2), e^-0.5]
-    loss, grad, stats = _loss_and_grad(LossSettings(correction="tis", tis_cap=2.0), [-3.0, -1.0], [-1.0, -1.5])
+    loss, grad, stats = _loss_and_grad(AlgoConfig(correction="tis", tis_cap=2.0), [-3.0, -1.0], [-1.0, -1.5])
     weights = [2.0, math.exp(-0.5)]
     assert loss == pytest.approx(-sum(weights))  # ratio 1 in value, advantage 1
     assert grad == pytest.approx([-w for w in weights])  # d(-w * exp(l - sg(l)))/dl = -w
@@ -69,14 +70,14 @@ def test_tis_weights_the_on_policy_gradient_by_the_truncated_ratio():
 
 
 def test_mis_drops_tokens_outside_the_band():
-    loss, grad, stats = _loss_and_grad(LossSettings(correction="mis", mis_low=0.5, mis_high=2.0), [-3.0, -1.0],
+    loss, grad, stats = _loss_and_grad(AlgoConfig(correction="mis", mis_low=0.5, mis_high=2.0), [-3.0, -1.0],
                                        [-1.0, -1.5])
     assert grad == pytest.approx([0.0, -math.exp(-0.5)])  # e^2 lies outside [0.5, 2]: no gradient
     assert stats.corrected_sum == 1.0
 
 
 def test_no_correction_keeps_the_ratio_against_the_engine():
-    loss, grad, _ = _loss_and_grad(LossSettings(correction="none", clip_eps=10.0), [-1.0, -1.0], [-0.5, -1.0])
+    loss, grad, _ = _loss_and_grad(AlgoConfig(correction="none", clip_eps=10.0), [-1.0, -1.0], [-0.5, -1.0])
     assert grad == pytest.approx([-math.exp(0.5), -1.0])  # d(-exp(l - l_engine))/dl
 
 
@@ -121,6 +122,6 @@ def test_nucleus_keeps_the_loss_finite_at_padding_and_outside_tokens():
     logits = torch.randn(2, batch.input_ids.shape[1], 8, requires_grad=True)
     logprobs = token_logprobs(logits, batch.input_ids, temperature=0.9, top_p=0.3)
     for correction in ("none", "tis", "mis"):
-        loss, _ = policy_loss(logprobs, batch, settings=LossSettings(correction=correction))
+        loss, _ = policy_loss(logprobs, batch, algo=AlgoConfig(correction=correction))
         (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
         assert torch.isfinite(loss) and torch.isfinite(grad).all(), correction

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from colocate.config import JobConfig
+from colocate.config import AlgoConfig, JobConfig
 from colocate.errors import ConfigError
-from colocate.trainer.loss import KL_CLAMP, LossSettings, Sequence, collate, kl_estimator, policy_loss
+from colocate.trainer.loss import KL_CLAMP, Sequence, collate, kl_estimator, policy_loss
 
 CPU = torch.device("cpu")
 
@@ -60,8 +60,8 @@ def test_policy_loss_adds_kl_coef_times_the_masked_estimator(estimator):
     logprobs = batch.old_logprobs + 0.1 * torch.randn_like(mask)
     # the reference differs everywhere, padding included: only response tokens may count
     ref = logprobs - 0.3 + 0.2 * torch.randn_like(mask)
-    base, base_stats = policy_loss(logprobs, batch, settings=LossSettings())
-    loss, stats = policy_loss(logprobs, batch, settings=LossSettings(kl_coef=0.05, kl_estimator=estimator),
+    base, base_stats = policy_loss(logprobs, batch, algo=AlgoConfig())
+    loss, stats = policy_loss(logprobs, batch, algo=AlgoConfig(kl_coef=0.05, kl_estimator=estimator),
                               ref_logprobs=ref)
     kl = kl_estimator(logprobs, ref, estimator)
     expected = (kl * mask).sum()
@@ -74,22 +74,22 @@ def test_policy_loss_adds_kl_coef_times_the_masked_estimator(estimator):
 
 def test_policy_loss_without_kl_coef_ignores_the_reference_and_with_it_requires_one():
     batch = _batch()
-    plain, _ = policy_loss(batch.old_logprobs, batch, settings=LossSettings())
-    given, stats = policy_loss(batch.old_logprobs, batch, settings=LossSettings(),
+    plain, _ = policy_loss(batch.old_logprobs, batch, algo=AlgoConfig())
+    given, stats = policy_loss(batch.old_logprobs, batch, algo=AlgoConfig(),
                                ref_logprobs=batch.old_logprobs - 1.0)
     assert given.item() == plain.item() and stats.kl_sum == 0.0
     with pytest.raises(AssertionError, match="ref_logprobs"):
-        policy_loss(batch.old_logprobs, batch, settings=LossSettings(kl_coef=0.1))
+        policy_loss(batch.old_logprobs, batch, algo=AlgoConfig(kl_coef=0.1))
 
 
 def test_kl_gradient_reaches_only_response_tokens():
     batch = _batch()
     logprobs = batch.old_logprobs.clone().requires_grad_()
     ref = batch.old_logprobs - 0.5
-    settings = LossSettings(kl_coef=1.0)
-    loss, _ = policy_loss(logprobs, batch, settings=settings, ref_logprobs=ref)
+    settings = AlgoConfig(kl_coef=1.0)
+    loss, _ = policy_loss(logprobs, batch, algo=settings, ref_logprobs=ref)
     base = batch.old_logprobs.clone().requires_grad_()
-    policy_loss(base, batch, settings=LossSettings())[0].backward()
+    policy_loss(base, batch, algo=AlgoConfig())[0].backward()
     loss.backward()
     kl_grad = logprobs.grad - base.grad
     assert (kl_grad[batch.target_mask == 0] == 0).all()
@@ -98,12 +98,10 @@ def test_kl_gradient_reaches_only_response_tokens():
                                torch.full((4,), 1 - math.exp(-0.5)))
 
 
-def test_loss_settings_from_job_and_validation():
+def test_kl_keys_default_and_validation():
     cfg = JobConfig()
     assert (cfg.algo.kl_coef, cfg.algo.kl_estimator) == (0.0, "k3")  # off by default
     cfg.algo.kl_coef, cfg.algo.kl_estimator = 0.01, "k2"
-    settings = LossSettings.from_job(cfg)
-    assert (settings.kl_coef, settings.kl_estimator) == (0.01, "k2")
     cfg.check()
     cfg.algo.kl_estimator = "k4"
     with pytest.raises(ConfigError, match=r"algo.kl_estimator='k4' is invalid: valid: k1, k2, k3"):

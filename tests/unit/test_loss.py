@@ -7,11 +7,12 @@ import math
 import pytest
 import torch
 
+from colocate.config import AlgoConfig
 from colocate.errors import RewardError
 from colocate.rl.samples import Answer, Rollout
 from colocate.rl.scoring import group_advantages, score
 from colocate.rl.tasks import Sample
-from colocate.trainer.loss import LossSettings, Sequence, collate, policy_loss, token_logprobs
+from colocate.trainer.loss import Sequence, collate, policy_loss, token_logprobs
 
 
 def test_collate_aligns_targets_with_response_tokens():
@@ -34,7 +35,7 @@ def test_on_policy_loss_is_minus_advantage_per_token():
     seqs = [Sequence([1], [2, 3], [-1.0, -1.0], 2.0)]
     batch = collate(seqs, pad_id=0, device=torch.device("cpu"))
     logprobs = batch.old_logprobs.clone().requires_grad_()
-    loss, stats = policy_loss(logprobs, batch, settings=LossSettings(clip_eps=0.2))
+    loss, stats = policy_loss(logprobs, batch, algo=AlgoConfig(clip_eps=0.2))
     assert loss.item() == pytest.approx(-4.0)  # two tokens, ratio 1, advantage 2
     assert stats.tokens == 2 and stats.mismatch_abs_sum == 0 and stats.clipped_sum == 0
 
@@ -43,7 +44,7 @@ def test_ratio_is_clipped_for_positive_advantage():
     seqs = [Sequence([1], [2], [math.log(0.5)], 1.0)]
     batch = collate(seqs, pad_id=0, device=torch.device("cpu"))
     new = torch.tensor([[math.log(0.9)]])  # ratio 1.8 > 1.2
-    loss, stats = policy_loss(new, batch, settings=LossSettings(clip_eps=0.2))
+    loss, stats = policy_loss(new, batch, algo=AlgoConfig(clip_eps=0.2))
     assert loss.item() == pytest.approx(-1.2)
     assert stats.clipped_sum == 1
     assert stats.mismatch_abs_sum == pytest.approx(math.log(1.8))

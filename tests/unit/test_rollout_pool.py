@@ -13,8 +13,9 @@ import random
 
 import pytest
 
+from colocate.config import RolloutConfig
 from colocate.engine.requests import EngineRequest, RequestResult, segment_seed
-from colocate.rl.rollout_pool import PoolSettings, RolloutPool
+from colocate.rl.rollout_pool import RolloutPool
 from colocate.rl.tasks import Sample
 
 EOS = 2
@@ -62,20 +63,20 @@ def run_step(pool: RolloutPool, version: int, rng: random.Random, prompt_len: di
     new = []
     for _ in range(pool.num_missing):
         n = rng.randint(3, 6)
-        new.append((Sample("p", "a"), list(range(5, 5 + n)), [max_tokens] * pool.settings.num_samples))
+        new.append((Sample("p", "a"), list(range(5, 5 + n)), [max_tokens] * pool.rollout.num_samples))
     first_id = pool._next_group_id
     pool.top_up(new)
     for i, (_, prompt, _) in enumerate(new):
         prompt_len[first_id + i] = len(prompt)
     pool.expire(version)
-    while pool.num_complete() < pool.settings.num_groups:
+    while pool.num_complete() < pool.rollout.num_prompts:
         requests = pool.requests(version)
         quotas = pool.quotas(num_engines)
         for e in range(num_engines):
             mine = [r for r in requests if r.group % num_engines == e]
             if quotas[e] and mine:
                 pool.apply(mine, fake_pass(mine, quotas[e], prompt_len), version)
-        if pool.settings.partial_tokens and pool.num_complete():
+        if pool.rollout.partial_tokens and pool.num_complete():
             break
     return pool.take()
 
@@ -95,8 +96,8 @@ def answer_of(group: int, index: int, max_tokens: int) -> list[int]:
 @pytest.mark.parametrize("leftover", ["carry", "drop"])
 @pytest.mark.parametrize("num_engines", [1, 2])
 def test_over_sampling_trains_exactly_the_groups_asked_for(leftover, num_engines):
-    settings = PoolSettings(num_groups=4, num_samples=3, oversample=2.0, leftover=leftover, max_model_len=64)
-    pool, rng, prompt_len = RolloutPool(settings), random.Random(0), {}
+    settings = RolloutConfig(num_prompts=4, num_samples=3, oversample=2.0, leftover=leftover)
+    pool, rng, prompt_len = RolloutPool(settings, max_model_len=64), random.Random(0), {}
     for version in range(6):
         groups = run_step(pool, version, rng, prompt_len, max_tokens=30, num_engines=num_engines)
         assert len(groups) == 4
@@ -110,8 +111,8 @@ def test_over_sampling_trains_exactly_the_groups_asked_for(leftover, num_engines
 
 
 def test_partial_rollout_continues_answers_from_their_segment_seeds_and_tags_versions():
-    settings = PoolSettings(num_groups=4, num_samples=4, partial_tokens=3, max_lag=100, max_model_len=64)
-    pool, rng, prompt_len = RolloutPool(settings), random.Random(1), {}
+    settings = RolloutConfig(num_prompts=4, num_samples=4, partial_tokens=3, max_lag=100)
+    pool, rng, prompt_len = RolloutPool(settings, max_model_len=64), random.Random(1), {}
     carried_any = False
     SEGMENTS.clear()
     for version in range(12):
@@ -133,9 +134,8 @@ def test_partial_rollout_continues_answers_from_their_segment_seeds_and_tags_ver
 @pytest.mark.parametrize("max_lag", [0, 1])
 def test_lag_cap_restarts_answers_older_than_k_versions(max_lag):
     # over-sampled and partial: aborted and capped answers wait for later steps, finished ones for their group
-    settings = PoolSettings(num_groups=2, num_samples=3, oversample=2.0, partial_tokens=10, max_lag=max_lag,
-                            max_model_len=64)
-    pool, rng, prompt_len = RolloutPool(settings), random.Random(2), {}
+    settings = RolloutConfig(num_prompts=2, num_samples=3, oversample=2.0, partial_tokens=10, max_lag=max_lag)
+    pool, rng, prompt_len = RolloutPool(settings, max_model_len=64), random.Random(2), {}
     restarts, lags = 0, set()
     for version in range(20):
         for group in run_step(pool, version, rng, prompt_len, max_tokens=10 * (max_lag + 1)):
@@ -149,8 +149,8 @@ def test_lag_cap_restarts_answers_older_than_k_versions(max_lag):
 
 def test_a_continued_answer_never_exceeds_the_context():
     # prompts of 3-6 tokens, max_model_len 12: budgets shrink to what the context leaves, carried or not
-    settings = PoolSettings(num_groups=3, num_samples=4, partial_tokens=2, max_lag=100, max_model_len=12)
-    pool, rng, prompt_len = RolloutPool(settings), random.Random(3), {}
+    settings = RolloutConfig(num_prompts=3, num_samples=4, partial_tokens=2, max_lag=100)
+    pool, rng, prompt_len = RolloutPool(settings, max_model_len=12), random.Random(3), {}
     for version in range(10):
         for group in run_step(pool, version, rng, prompt_len, max_tokens=30):
             for answer in group.answers:
@@ -161,14 +161,14 @@ def test_a_continued_answer_never_exceeds_the_context():
 
 
 def test_a_prompt_that_fills_the_context_is_refused_with_the_key():
-    pool = RolloutPool(PoolSettings(num_groups=1, num_samples=1, max_model_len=8))
+    pool = RolloutPool(RolloutConfig(num_prompts=1, num_samples=1), max_model_len=8)
     with pytest.raises(ValueError, match="engine.max_model_len=8"):
         pool.top_up([(Sample("long", "x"), list(range(8)), [4])])
 
 
 def test_quotas_split_what_the_step_lacks_over_the_engines_with_work():
-    settings = PoolSettings(num_groups=5, num_samples=1, oversample=2.0, max_model_len=16)
-    pool = RolloutPool(settings)
+    settings = RolloutConfig(num_prompts=5, num_samples=1, oversample=2.0)
+    pool = RolloutPool(settings, max_model_len=16)
     pool.top_up([(Sample("p", "a"), [5], [4]) for _ in range(10)])
     assert pool.quotas(2) == [3, 2] or pool.quotas(2) == [2, 3]
     assert sum(pool.quotas(3)) == 5
@@ -186,18 +186,18 @@ def test_segment_seeds_are_the_answer_seed_first_then_distinct_per_position():
 def test_a_restored_pool_asks_for_the_same_segments_and_reads_an_older_checkpoint():
     """The checkpoint carries seeds and tokens: a restored pool's next requests are the saved pool's. A state
     written by the release that carried the V1 runner's generator state ('random_state') still loads."""
-    settings = PoolSettings(num_groups=2, num_samples=2, partial_tokens=3, max_lag=100, max_model_len=64)
-    pool, rng, prompt_len = RolloutPool(settings), random.Random(4), {}
+    settings = RolloutConfig(num_prompts=2, num_samples=2, partial_tokens=3, max_lag=100)
+    pool, rng, prompt_len = RolloutPool(settings, max_model_len=64), random.Random(4), {}
     for version in range(3):
         run_step(pool, version, rng, prompt_len, max_tokens=40)
     state = pool.state()
     assert any(a["token_ids"] for g in state["groups"] for a in g["answers"]), "nothing was carried"
-    restored = RolloutPool(settings)
+    restored = RolloutPool(settings, max_model_len=64)
     restored.load_state(state)
     assert restored.requests(3) == pool.requests(3)
     for g in state["groups"]:
         for a in g["answers"]:
             a["random_state"] = "AAAA"
-    older = RolloutPool(settings)
+    older = RolloutPool(settings, max_model_len=64)
     older.load_state(state)
     assert older.requests(3) == pool.requests(3)
