@@ -32,7 +32,6 @@ import time
 from collections import deque
 from pathlib import Path
 
-import ray
 import torch
 
 from colocate.checkpoint.checkpointer import Checkpointer
@@ -47,7 +46,6 @@ from colocate.rl.rollout import Rollouts
 from colocate.rl.scoring import Rollout, Scored, score
 from colocate.rl.tasks import make_task
 from colocate.telemetry.metrics import MetricsWriter
-from colocate.trainer.stats import TrainStats
 
 HISTORY_KEPT = 1000
 
@@ -102,7 +100,7 @@ class Controller:
                 self.metrics.evaluation(result, num_done=0)
         if self.rt.switch.trainer_offload:
             with self._phase({}, "switch"):
-                self._call(self.rt.trainers, "offload")  # the engine runs first
+                self.rt.trainers.offload()  # the engine runs first
             self.events.append("trainer.offload")
         for step in range(first, num_steps):
             self.step(step, num_steps=num_steps)
@@ -159,23 +157,15 @@ class Controller:
 
     def switch_to_train(self) -> None:
         if self.rt.switch.engine_sleep_level:
-            self._call(self.rt.engines, "sleep", self.rt.switch.engine_sleep_level)
+            self.rt.engines.sleep(self.rt.switch.engine_sleep_level)
             self.events.append("engine.sleep")
         if self.rt.switch.trainer_offload:
-            self._call(self.rt.trainers, "onload")
+            self.rt.trainers.onload()
             self.events.append("trainer.onload")
 
     def train(self, scored: Scored) -> dict:
-        world = len(self.rt.trainers)
-        seqs = scored.sequences
-        num_tokens = sum(len(s.response_ids) for s in seqs)
-        most_per_rank = -(-len(seqs) // world)
-        num_micro_batches = -(-most_per_rank // self.cfg.trainer.micro_batch_size)
-        results = ray.get([t.train_step.remote(seqs[rank::world], num_tokens_all_ranks=num_tokens,
-                                               num_micro_batches=num_micro_batches)
-                           for rank, t in enumerate(self.rt.trainers)])
+        total = self.rt.trainers.train_step(scored.sequences, micro_batch_size=self.cfg.trainer.micro_batch_size)
         self.events.append("train")
-        total = sum(results, TrainStats())
         monitor = mismatch_stats(torch.from_numpy(total.token_log_w), torch.from_numpy(total.seq_log_w),
                                  band=self.cfg.algo.mismatch_band)
         return {"loss": total.per_token("loss_sum"),
@@ -189,10 +179,10 @@ class Controller:
                 "grad_norm": total.grad_norm or 0.0}
 
     def switch_to_sync(self) -> None:
-        self._call(self.rt.trainers, "release_grads")
+        self.rt.trainers.release_grads()
         self.events.append("trainer.release_grads")
         if self.rt.switch.engine_sleep_level:
-            self._call(self.rt.engines, "wake", ["weights"])
+            self.rt.engines.wake(["weights"])
             self.events.append("engine.wake.weights")
 
     def sync(self) -> dict:
@@ -207,10 +197,10 @@ class Controller:
 
     def switch_to_rollout(self) -> None:
         if self.rt.switch.trainer_offload:
-            self._call(self.rt.trainers, "offload")
+            self.rt.trainers.offload()
             self.events.append("trainer.offload")
         if self.rt.switch.engine_sleep_level:
-            self._call(self.rt.engines, "wake", ["kv_cache"])
+            self.rt.engines.wake(["kv_cache"])
             self.events.append("engine.wake.kv_cache")
 
     def evaluate(self, num_done: int) -> dict:
@@ -259,10 +249,6 @@ class Controller:
         finally:
             times[name] = times.get(name, 0.0) + time.perf_counter() - started
 
-    @staticmethod
-    def _call(actors: list, method: str, *args):
-        return ray.get([getattr(a, method).remote(*args) for a in actors])
-
     def _record(self, step: int, times: dict, scored: Scored, rollout_stats: dict, train_stats: dict,
                 sync_stats: dict) -> dict:
         stats = scored.stats()
@@ -281,8 +267,8 @@ class Controller:
     def memory(self) -> dict:
         """Host RSS summed per side, and on CUDA each actor's device memory (torch's allocated and reserved
         bytes, and the driver's free bytes on its GPU: vLLM's cuMem pool is invisible to torch's counters)."""
-        engines = [w for e in self._call(self.rt.engines, "memory") for w in e]
-        trainers = self._call(self.rt.trainers, "memory")
+        engines = [w for e in self.rt.engines.call("memory") for w in e]
+        trainers = self.rt.trainers.call("memory")
         record = {"engine_rss_bytes": sum(w["rss_bytes"] for w in engines),
                   "trainer_rss_bytes": sum(t["rss_bytes"] for t in trainers)}
         if "device_free_bytes" in trainers[0]:

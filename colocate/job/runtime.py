@@ -31,6 +31,7 @@ from colocate.config import JobConfig
 from colocate.engine.actor import EngineActor, engine_env
 from colocate.host.clean import JobRecord
 from colocate.host.procfs import actor_processes, process_tree, stop_processes
+from colocate.job.groups import EngineGroup, TrainerGroup
 from colocate.job.placement import (
     ENGINE_SHARE,
     TRAINER_SHARE,
@@ -71,8 +72,8 @@ class Runtime:
         Ray cluster the sync transport is decided again once the nodes are known."""
         self.cfg = cfg
         self.resolved = resolved
-        self.trainers: list = []
-        self.engines: list = []
+        self.trainers = TrainerGroup()
+        self.engines = EngineGroup()
         self.group = None
         self.slot_nodes: list[str] | None = None  # on a Ray cluster: each slot's node (placement.plan_nodes)
         self.sync: WeightSync | None = None
@@ -214,14 +215,14 @@ class Runtime:
                **(ONE_NODE_TRAINER_ENV if one_node else {})}
         actor = ray.remote(TrainerActor)
         gpu_share = TRAINER_SHARE if self.device == "cuda" else 0.0
-        self.trainers = [
+        self.trainers = TrainerGroup([
             actor.options(name=self._trainer_name(rank),
                           **actor_options(self.group, rank, cpu_share=TRAINER_SHARE, gpu_share=gpu_share,
                                           env=env)).remote(
                 rank, world, cfg.trainer, self.model_path, device=self.device, pad_id=pad,
                 algo=cfg.algo, sampling=cfg.rollout)
             for rank in range(world)
-        ]
+        ])
         # one node: the store on loopback; several: on rank 0's node address (all interfaces, torch's doing)
         addr, port = ray.get(self.trainers[0].rendezvous.remote(LOOPBACK if one_node else None))
         self.trainer_info = ray.get([t.setup.remote(addr, port) for t in self.trainers])
@@ -229,7 +230,7 @@ class Runtime:
     def _start_engines(self) -> None:
         cfg = self.cfg
         actor = ray.remote(EngineActor)
-        self.engines = []
+        self.engines = EngineGroup()
         self._engine_generation += 1
         for e in range(self.plan.num_engines):
             where = engine_placement(self.plan, e)
@@ -275,7 +276,7 @@ class Runtime:
                 log.debug("engine shutdown: %s", e)
         for actor in self.engines + self.trainers:
             ray.kill(actor, no_restart=True)
-        self.engines, self.trainers = [], []
+        self.engines, self.trainers = EngineGroup(), TrainerGroup()
         if self.group is not None:
             ray.util.remove_placement_group(self.group)
             self.group = None

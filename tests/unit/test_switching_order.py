@@ -17,6 +17,7 @@ import ray
 import colocate.job.controller as controller_module
 from colocate.config import load_config
 from colocate.job.controller import Controller
+from colocate.job.groups import EngineGroup, TrainerGroup
 from colocate.job.preflight import SwitchPlan
 from colocate.rl.samples import Answer, Rollout
 from colocate.rl.tasks import Sample
@@ -205,8 +206,8 @@ def test_the_switching_order(level, offload, checkpoint, evaluate, monkeypatch, 
                              f"checkpoint.every_steps={1 if checkpoint else 0}", "checkpoint.at_end=false",
                              f"eval.every_steps={1 if evaluate else 0}"])
     runtime = SimpleNamespace(
-        switch=plan, trainers=[FakeTrainer(name, log, state) for name in names],
-        engines=[FakeEngine("engine 0", log, state)], sync=FakeSync(log, state), model_path=str(model),
+        switch=plan, trainers=TrainerGroup(FakeTrainer(name, log, state) for name in names),
+        engines=EngineGroup([FakeEngine("engine 0", log, state)]), sync=FakeSync(log, state), model_path=str(model),
         tokenizer=SimpleNamespace(decode=lambda ids: "2", eos_token_id=None))
     controller = Controller(cfg, runtime, rollouts=FakeRollouts(log, state))
     controller.run_steps(NUM_STEPS)

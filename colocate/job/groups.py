@@ -1,0 +1,57 @@
+"""The job's actors as groups: one call fans out to every member and returns when all have answered, so the
+controller's phases read as what they do (`trainers.offload()`, `engines.sleep(2)`), not as Ray plumbing.
+
+    trainers = TrainerGroup(actor_handles)        # a list of Ray actor handles, with the group's calls
+    trainers.train_step(sequences, micro_batch_size=16)   # each rank its share, every rank the same pass count
+    engines.sleep(2); engines.wake(["weights"])
+
+A group is a list: code that needs one member (a rank, an engine's worker list) indexes it as before.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from colocate.rl.samples import Sequence
+from colocate.trainer.stats import TrainStats
+
+
+class ActorGroup(list):
+    def call(self, method: str, *args, **kwargs) -> list:
+        """`method` on every member at once; their results in member order."""
+        return ray.get([getattr(actor, method).remote(*args, **kwargs) for actor in self])
+
+
+class TrainerGroup(ActorGroup):
+    """The FSDP2 ranks. Every call is a collective of theirs: all ranks or none."""
+
+    def train_step(self, sequences: list[Sequence], *, micro_batch_size: int) -> TrainStats:
+        """One optimizer step on `sequences`, dealt round-robin to the ranks; every rank runs the pass count of
+        the rank with the most (a collective each), and the loss is normalised by the tokens of all ranks."""
+        world = len(self)
+        num_tokens = sum(len(s.response_ids) for s in sequences)
+        most_per_rank = -(-len(sequences) // world)
+        num_micro_batches = -(-most_per_rank // micro_batch_size)
+        results = ray.get([t.train_step.remote(sequences[rank::world], num_tokens_all_ranks=num_tokens,
+                                               num_micro_batches=num_micro_batches)
+                           for rank, t in enumerate(self)])
+        return sum(results, TrainStats())
+
+    def offload(self) -> None:
+        self.call("offload")
+
+    def onload(self) -> None:
+        self.call("onload")
+
+    def release_grads(self) -> None:
+        self.call("release_grads")
+
+
+class EngineGroup(ActorGroup):
+    """The vLLM engines (each an actor driving its TP workers)."""
+
+    def sleep(self, level: int) -> None:
+        self.call("sleep", level)
+
+    def wake(self, tags: list[str]) -> None:
+        self.call("wake", tags)
