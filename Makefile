@@ -4,7 +4,7 @@
 VENV ?= .venv
 STAMP := $(VENV)/.colocate-setup
 
-.PHONY: setup run test docs
+.PHONY: setup run test test-unit docs
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml scripts/setup.sh
@@ -16,6 +16,10 @@ run: setup
 
 test: setup
 	$(VENV)/bin/python -m pytest -q --durations=12
+
+# a fast subset for local iteration (no Ray, no engine); `make test` is the check
+test-unit: setup
+	$(VENV)/bin/python -m pytest -q tests/unit
 
 docs: setup
 	$(VENV)/bin/colocate config-docs > docs/config.md

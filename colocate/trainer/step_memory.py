@@ -23,7 +23,7 @@ A layer has two norm+projection pairs, so `2 (4h + 4 + 2c h) + c (2q + 2kv) + 4 
 input add `4h + 4 + 2c h`, the rotary cos/sin `2 c head_dim`, the input ids 8. tests/unit/test_step_memory.py
 walks a real Qwen2's autograd graph and finds exactly these bytes in fp32 and bf16.
 
-The log-prob pass (trainer/grpo.py `token_logprobs`) over V vocabulary entries per token: the model's logits
+The log-prob pass (trainer/loss.py `token_logprobs`) over V vocabulary entries per token: the model's logits
 (c V, alive through the backward: the train step holds them), an fp32 copy or the temperature's quotient (4V),
 log-softmax's output (4V, kept for backward), and in the backward the gather's and log-softmax's gradients
 (4V each): `(c + 12) V` at the peak, whichever of forward and backward it falls in. A nucleus (top_p < 1) adds
