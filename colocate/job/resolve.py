@@ -55,6 +55,7 @@ def resolve_job(cfg: JobConfig, *, switch: SwitchPlan | None = None, device: str
     here for this machine. `device`: the job's device when it is not this machine's (`validate --gpus`).
     `multi_node`: the job's slots span several nodes (known once connected to a cluster)."""
     decisions: list[Decision] = []
+    described = device is not None  # a node the user described (validate --gpus), not this machine
 
     def decide(key: str, value: str, why: str) -> str:
         section, name = key.split(".")
@@ -78,7 +79,7 @@ def resolve_job(cfg: JobConfig, *, switch: SwitchPlan | None = None, device: str
                        ("in place: every rank writes into the engine's shared memory" if device == "cpu" else
                         "all-gathered, each rank feeding the engine worker on its GPU"))
     offload_backend = cfg.trainer.offload_backend  # the CPU has one tier, a file: the key does not apply there
-    if device == "cuda":
+    if device == "cuda" and not described:  # this process's environment is the one the actors inherit
         offload_backend = decide("trainer.offload_backend", _cuda_offload_backend(cfg),
                                  "torch_memory_saver when it is installed and usable here, else pinned host buffers")
     config = dataclasses.replace(

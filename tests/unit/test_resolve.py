@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+import colocate.job.resolve
 import colocate.trainer.offload
 from colocate.cli import main
 from colocate.config import load_config
@@ -49,15 +50,25 @@ def test_across_nodes_the_gather_protocol():
     assert resolved.transport == "gather"
 
 
+CUDA_VALUES = {"placement.device": "cuda", "engine.sleep_level": "0", "trainer.offload": "false",
+               "engine.sleep_backend": "vllm", "engine.enforce_eager": "false", "sync.transport": "gather"}
+
+
 @pytest.mark.parametrize("problem, backend", [(None, "torch_memory_saver"), ("not installed", "pinned")])
-def test_a_cuda_job_is_decided_for_cuda(monkeypatch, problem, backend):
+def test_a_cuda_job_on_this_machine_is_decided_for_cuda(monkeypatch, problem, backend):
+    monkeypatch.setattr(colocate.job.resolve, "resolve_device", lambda requested: "cuda")  # a GPU node
     monkeypatch.setattr(colocate.trainer.offload, "memory_saver_problem", lambda: problem)
-    cfg = load_config(None, [])
-    resolved = resolve_job(cfg, switch=SwitchPlan(0, False, "awake; stays"), device="cuda")
-    assert values(resolved.config, AUTO_KEYS) == {
-        "placement.device": "cuda", "engine.sleep_level": "0", "trainer.offload": "false",
-        "engine.sleep_backend": "vllm", "engine.enforce_eager": "false", "sync.transport": "gather"}
+    resolved = resolve_job(load_config(None, []), switch=SwitchPlan(0, False, "awake; stays"))
+    assert values(resolved.config, AUTO_KEYS) == CUDA_VALUES
     assert resolved.config.trainer.offload_backend == backend
+
+
+def test_a_described_gpu_node_leaves_the_offload_backend_to_the_node():
+    """`validate --gpus` on a machine that is not the node: this process's packages say nothing of the node's."""
+    resolved = resolve_job(load_config(None, []), switch=SwitchPlan(0, False, "awake; stays"), device="cuda")
+    assert values(resolved.config, AUTO_KEYS) == CUDA_VALUES
+    assert resolved.config.trainer.offload_backend == "auto"
+    assert "trainer.offload_backend" not in [d.key for d in resolved.decisions]
 
 
 def test_the_resolved_job_is_frozen():
