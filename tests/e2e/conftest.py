@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -28,9 +29,27 @@ def small_job(tmp_path: Path, *overrides: str) -> JobConfig:
 
 _OURS = ("raylet", "gcs_server", "ray::", "VLLM", "EngineCore", "dashboard", "log_monitor", "runtime_env")
 
+# The tests run two at a time (pytest-xdist, `make test`): each worker tags what it starts with a variable every
+# child inherits (Ray's daemons and workers, vLLM's, a `ray start` head), so that the leak checks below count
+# this worker's processes and segments, never those of the test running beside it.
+RUN_TAG = "COLOCATE_TEST_RUN"
+os.environ[RUN_TAG] = f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{uuid.uuid4().hex}"
+
+
+def _run_of(pid: int | str) -> str | None:
+    """The test run a process belongs to (its RUN_TAG at exec), or None: not started by a test run."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    for entry in environ.split(b"\0"):
+        if entry.startswith(RUN_TAG.encode() + b"="):
+            return entry.split(b"=", 1)[1].decode()
+    return None
+
 
 def colocate_processes() -> set[tuple[int, str]]:
-    """Processes a run of ours could leave behind (Ray daemons, actors, vLLM workers)."""
+    """This test run's processes that a job could leave behind (Ray daemons, actors, vLLM workers)."""
     found = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():
@@ -39,7 +58,7 @@ def colocate_processes() -> set[tuple[int, str]]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if any(marker in cmdline for marker in _OURS):
+        if any(marker in cmdline for marker in _OURS) and _run_of(pid) == os.environ[RUN_TAG]:
             found.add((int(pid), cmdline[:120]))
     return found
 
@@ -49,11 +68,28 @@ def shm_segments() -> set[str]:
     return {p.name for p in Path("/dev/shm").iterdir()}
 
 
+def _mapped_by_other_runs() -> set[str]:
+    """The /dev/shm entries that a live process of another test run maps (the test beside this one)."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        run = _run_of(maps.parent.name)
+        if run is None or run == os.environ[RUN_TAG]:
+            continue
+        try:
+            lines = maps.read_text().splitlines()
+        except OSError:
+            continue
+        names |= {line.split("/dev/shm/", 1)[1].split(" ")[0] for line in lines if "/dev/shm/" in line}
+    return names
+
+
 def assert_nothing_left(before_procs: set, before_shm: set, timeout_s: float = 60) -> None:
     deadline = time.time() + timeout_s
     while True:
         left = colocate_processes() - before_procs
         shm = shm_segments() - before_shm
+        if shm:
+            shm -= _mapped_by_other_runs()
         if (not left and not shm) or time.time() > deadline:
             break
         time.sleep(1)
