@@ -29,9 +29,11 @@ def small_job(tmp_path: Path, *overrides: str) -> JobConfig:
 
 _OURS = ("raylet", "gcs_server", "ray::", "VLLM", "EngineCore", "dashboard", "log_monitor", "runtime_env")
 
-# The tests run two at a time (pytest-xdist, `make test`): each worker tags what it starts with a variable every
-# child inherits (Ray's daemons and workers, vLLM's, a `ray start` head), so that the leak checks below count
-# this worker's processes and segments, never those of the test running beside it.
+# Each test run (a pytest process, or an xdist worker) tags what it starts with a variable every child inherits
+# (Ray's daemons and workers, vLLM's, a `ray start` head), so that the leak checks below count this run's
+# processes, and not the segments another run's live processes map: a second suite or job beside this one
+# (a loaded machine) is not a leak. vLLM's named semaphores (sem.mp-*) are mapped by no one and carry no owner:
+# those of a job running beside this one still count.
 RUN_TAG = "COLOCATE_TEST_RUN"
 os.environ[RUN_TAG] = f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{uuid.uuid4().hex}"
 
