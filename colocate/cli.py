@@ -111,7 +111,8 @@ def cmd_submit(args) -> int:
     # nor this shell's RAY_ADDRESS belongs in its config.
     path, overrides = _split(args.items)
     cfg = load_config(path, overrides)
-    check_sources(cfg)  # its devices are the cluster's: checked when the job connects, before any actor
+    # its devices and directories are the cluster's: checked by its own launch there, before any actor
+    check_sources(cfg, writes_here=False)
     return _job_command(lambda: submit_job(cfg, args.items, address=args.job_server, token_file=args.token_file,
                                            wait=not args.no_wait))
 

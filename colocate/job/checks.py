@@ -41,8 +41,9 @@ class GpuNode:
     gpu_memory_gib: float
 
 
-def check_sources(cfg: JobConfig) -> None:
-    """What needs this machine's files and the user's code, but no device."""
+def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> None:
+    """What needs this machine's files and the user's code, but no device. `writes_here=False`: the job writes on
+    another machine (`colocate submit`: the cluster's), whose directories its own launch checks there."""
     if not cfg.model.path and cfg.model.preset not in models.PRESETS:
         raise _bad("model.preset", cfg.model.preset, "valid: " + ", ".join(sorted(models.PRESETS)))
     _check_model_path(cfg.model.path)
@@ -57,8 +58,9 @@ def check_sources(cfg: JobConfig) -> None:
         parse_injection(cfg.fault.inject)
     _check_bucket_size(cfg)
     check_sinks(cfg.logging)
-    for key, path in written_paths(cfg).items():
-        check_writable(key, path)
+    if writes_here:
+        for key, path in written_paths(cfg).items():
+            check_writable(key, path)
 
 
 @dataclass(frozen=True)

@@ -59,3 +59,12 @@ def test_the_paths_a_job_writes():
                              "model.path=/m"])
     assert {k: str(v) for k, v in written_paths(cfg).items()} == {
         "logging.output_dir": "/x/out", "checkpoint.dir": "/y/ckpt", "trainer.offload_dir": "/z"}
+
+
+def test_a_submitted_job_writes_on_the_cluster_so_its_directories_are_not_tried_here():
+    from colocate.job.checks import check_sources
+
+    cfg = load_config(None, ["logging.output_dir=/proc/forbidden"])  # a path of the cluster's, say
+    check_sources(cfg, writes_here=False)
+    with pytest.raises(ConfigError, match="logging.output_dir='/proc/forbidden' is invalid"):
+        check_sources(cfg)
