@@ -184,13 +184,12 @@ class Runtime:
         if self._started_ray:
             processes.update({e["pid"]: e for e in process_tree(os.getpid())[1:]})
         new = shm_entries() - self._shm_before
-        # vLLM's engine (multiprocessing, spawn) names two semaphores that no process maps; only the engine's
-        # resource tracker would unlink them, and a SIGKILLed job's tracker dies with it. They carry no job in
-        # their names: those that appeared while this job started are taken as its own.
-        semaphores = {name for name in new if name.startswith("sem.mp-")}
+        # vLLM's engine (multiprocessing, spawn) names two semaphores (sem.mp-*) that only the engine's resource
+        # tracker would unlink, and a SIGKILLed job's tracker dies with it. Their names carry no job; the engine
+        # actor that created them maps them (by inode: mapped_by), which makes them this job's and no other's.
         self._job_processes = list(processes.values())
         self.record.update(state="running", actors=self._actor_names(), processes=list(processes.values()),
-                           shm=sorted(mapped_by(new, pids=[os.getpid(), *processes]) | semaphores))
+                           shm=sorted(mapped_by(new, pids=[os.getpid(), *processes])))
 
     def _actor_names(self) -> list[str]:
         return [self._trainer_name(r) for r in range(len(self.trainers))] + \

@@ -231,7 +231,21 @@ def remove_orphaned_entries(candidates: set[str]) -> list[str]:
 
 
 def mapped_by(names: set[str], pids: list[int] | None = None) -> set[str]:
-    """The entries among `names` that a living process maps (every process, or only `pids`)."""
+    """The entries among `names` that a living process maps (every process, or only `pids`).
+
+    By inode, not by name: glibc's sem_open(O_CREAT) maps a temporary file (sem.XXXXXX), links it to the
+    semaphore's name and unlinks the temporary, so its creator's /proc/<pid>/maps shows
+    `/dev/shm/sem.XXXXXX (deleted)`, never the name. multiprocessing's semaphores (vLLM's engine names some,
+    sem.mp-*) are seen as mapped only by the processes that opened them by name, and by name a semaphore whose
+    creator alone holds it looks like garbage: a concurrent job's cleanup would unlink it while that job's
+    spawned workers are still to open it (their start fails with FileNotFoundError)."""
+    inodes: dict[int, set[str]] = {}
+    for name in names:
+        try:
+            inodes.setdefault(os.stat(SHM_DIR / name).st_ino, set()).add(name)
+        except OSError:  # removed meanwhile
+            continue
+    prefix = f"{SHM_DIR}/"
     paths = [Path(f"/proc/{pid}/maps") for pid in pids] if pids is not None else Path("/proc").glob("[0-9]*/maps")
     mapped = set()
     for maps in paths:
@@ -239,7 +253,10 @@ def mapped_by(names: set[str], pids: list[int] | None = None) -> set[str]:
             text = maps.read_text()
         except OSError:  # the process exited, or is not ours to read
             continue
-        mapped.update(name for name in names if f"/dev/shm/{name}" in text)
+        for line in text.splitlines():
+            fields = line.split(None, 5)  # address perms offset dev inode path
+            if len(fields) == 6 and fields[5].startswith(prefix):
+                mapped |= inodes.get(int(fields[4]), set())
     return mapped
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from colocate.config import JobConfig, load_config
+from colocate.sync.transport import mapped_by
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,8 +33,7 @@ _OURS = ("raylet", "gcs_server", "ray::", "VLLM", "EngineCore", "dashboard", "lo
 # Each test run (a pytest process, or an xdist worker) tags what it starts with a variable every child inherits
 # (Ray's daemons and workers, vLLM's, a `ray start` head), so that the leak checks below count this run's
 # processes, and not the segments another run's live processes map: a second suite or job beside this one
-# (a loaded machine) is not a leak. vLLM's named semaphores (sem.mp-*) are mapped by no one and carry no owner:
-# those of a job running beside this one still count.
+# (a loaded machine) is not a leak.
 RUN_TAG = "COLOCATE_TEST_RUN"
 os.environ[RUN_TAG] = f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{uuid.uuid4().hex}"
 
@@ -70,19 +70,12 @@ def shm_segments() -> set[str]:
     return {p.name for p in Path("/dev/shm").iterdir()}
 
 
-def _mapped_by_other_runs() -> set[str]:
-    """The /dev/shm entries that a live process of another test run maps (the test beside this one)."""
-    names = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        run = _run_of(maps.parent.name)
-        if run is None or run == os.environ[RUN_TAG]:
-            continue
-        try:
-            lines = maps.read_text().splitlines()
-        except OSError:
-            continue
-        names |= {line.split("/dev/shm/", 1)[1].split(" ")[0] for line in lines if "/dev/shm/" in line}
-    return names
+def _mapped_by_other_runs(names: set[str]) -> set[str]:
+    """The entries among `names` that a live process of another test run maps (the test beside this one); by
+    inode, as the product does (colocate.sync.transport.mapped_by): a semaphore's creator maps it unnamed."""
+    others = [int(pid) for pid in os.listdir("/proc")
+              if pid.isdigit() and _run_of(pid) not in (None, os.environ[RUN_TAG])]
+    return mapped_by(names, pids=others)
 
 
 def assert_nothing_left(before_procs: set, before_shm: set, timeout_s: float = 60) -> None:
@@ -91,7 +84,7 @@ def assert_nothing_left(before_procs: set, before_shm: set, timeout_s: float = 6
         left = colocate_processes() - before_procs
         shm = shm_segments() - before_shm
         if shm:
-            shm -= _mapped_by_other_runs()
+            shm -= _mapped_by_other_runs(shm)
         if (not left and not shm) or time.time() > deadline:
             break
         time.sleep(1)

@@ -20,6 +20,7 @@ from colocate.sync.transport import (
     ShmBuffer,
     ShmHandle,
     attach,
+    mapped_by,
     remove_orphaned_entries,
     remove_stale_segments,
 )
@@ -145,6 +146,24 @@ def test_recorded_vllm_entries_go_only_when_nobody_maps_them(tmp_path, segments)
         assert not orphan.exists() and (SHM_DIR / live.name).exists()
     finally:
         orphan.unlink(missing_ok=True)
+
+
+def test_a_semaphore_held_only_by_its_creator_counts_as_mapped(tmp_path):
+    # multiprocessing's named semaphores (vLLM's engine makes some, spawn context): glibc maps a temporary file
+    # and renames it, so the creator's maps never show the name. By name a concurrent job's cleanup took it
+    # for garbage and unlinked it before that job's spawned workers opened it.
+    import multiprocessing
+
+    lock = multiprocessing.get_context("spawn").Lock()
+    name = "sem" + lock._semlock.name.replace("/", ".")
+    assert (SHM_DIR / name).exists()
+    assert mapped_by({name}, pids=[os.getpid()]) == {name} and mapped_by({name}) == {name}
+    assert remove_orphaned_entries({name}) == [] and (SHM_DIR / name).exists()
+    write_record(tmp_path, "abcd0012", shm=[name])
+    clean(tmp_path, say=lambda line: None)
+    assert (SHM_DIR / name).exists()
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    assert mapped_by({name}, pids=[int(child.stdout)]) == set()  # a process that does not map it (gone too)
 
 
 def test_segments_named_after_the_jobs_dead_processes_go_too(tmp_path):
