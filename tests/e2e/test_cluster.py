@@ -4,8 +4,6 @@ that joins it with `colocate launch --address auto`, and one sent through `coloc
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import ROOT, assert_nothing_left, colocate_processes, shm_segments
+from tests.e2e.ray_head import ray_head
 
 pytestmark = pytest.mark.e2e
 BIN = Path(sys.executable).parent
@@ -20,21 +19,18 @@ SMALL = ["algo.num_steps=1", "rollout.num_prompts=4", "rollout.num_samples=4", "
          f"model.cache_dir={ROOT / '.cache' / 'models'}", "logging.progress=false"]
 
 
-@pytest.fixture
-def head(tmp_path):
+@pytest.fixture(scope="module")
+def head():
+    """One head for the module, of its own (tests/e2e/ray_head.py): `colocate launch --address auto` finds it
+    through RAY_ADDRESS, as Ray's own resolution of "auto" reads that variable first."""
     before = (colocate_processes(), shm_segments())
-    token = tmp_path / "token"
-    token.write_text(secrets.token_hex(32))
-    token.chmod(0o600)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-                    "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=180)
-    try:
-        yield env
-    finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
+    with ray_head() as head:
+        yield head
     assert_nothing_left(*before)
+
+
+def joining(head) -> dict[str, str]:
+    return {**head.env, "RAY_ADDRESS": head.gcs_address}
 
 
 def steps(path: Path) -> list[int]:
@@ -45,20 +41,20 @@ def steps(path: Path) -> list[int]:
 def test_launch_joins_submit_runs_and_a_local_job_stays_local(head, tmp_path):
     joined = subprocess.run([str(BIN / "colocate"), "launch", "--address", "auto", *SMALL,
                              f"logging.output_dir={tmp_path / 'joined'}"],
-                            cwd=ROOT, env=head, capture_output=True, text=True, timeout=420)
+                            cwd=ROOT, env=joining(head), capture_output=True, text=True, timeout=420)
     assert joined.returncode == 0, joined.stderr[-2000:]
     assert steps(tmp_path / "joined" / "metrics.jsonl") == [0]
 
-    submitted = subprocess.run([str(BIN / "colocate"), "submit", "--address", "http://127.0.0.1:8265", *SMALL,
+    submitted = subprocess.run([str(BIN / "colocate"), "submit", "--address", head.url, *SMALL,
                                 f"logging.output_dir={tmp_path / 'submitted'}"],
-                               cwd=ROOT, env=head, capture_output=True, text=True, timeout=420)
+                               cwd=ROOT, env=head.env, capture_output=True, text=True, timeout=420)
     assert submitted.returncode == 0, submitted.stderr[-2000:]
     assert "succeeded" in submitted.stderr
     assert steps(tmp_path / "submitted" / "metrics.jsonl") == [0]
 
     # Without an address the job starts a Ray of its own, even with this head running on the machine.
     local = subprocess.run([str(BIN / "colocate"), "launch", *SMALL, f"logging.output_dir={tmp_path / 'local'}"],
-                           cwd=ROOT, env={k: v for k, v in head.items() if k != "RAY_ADDRESS"},
+                           cwd=ROOT, env=head.env,
                            capture_output=True, text=True, timeout=420)
     assert local.returncode == 0, local.stderr[-2000:]
     assert steps(tmp_path / "local" / "metrics.jsonl") == [0]
@@ -67,7 +63,7 @@ def test_launch_joins_submit_runs_and_a_local_job_stays_local(head, tmp_path):
 def test_cluster_without_enough_slots_is_refused_before_any_actor(head, tmp_path):
     result = subprocess.run([str(BIN / "colocate"), "launch", "--address", "auto", *SMALL,
                              "placement.num_slots=64", "engine.tp=2", f"logging.output_dir={tmp_path / 'out'}"],
-                            cwd=ROOT, env=head, capture_output=True, text=True, timeout=300)
+                            cwd=ROOT, env=joining(head), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.startswith("colocate:")]
     assert lines == [lines[0]] and "placement.num_slots=64" in lines[0] and "the Ray cluster" in lines[0]

@@ -11,186 +11,27 @@ import os
 import secrets
 import select
 import shlex
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
-import requests
 
 from colocate.cluster.submit import follow_job
 from tests.e2e.conftest import sigint_ignored
+from tests.e2e.ray_head import client_env, ray_head, wait_status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 BIN = Path(sys.executable).parent
 PY = shlex.quote(sys.executable)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        tree.setdefault(ppid, []).append(int(pid))
-    return tree
-
-
-def _descendants(root: int) -> set[int]:
-    tree, found, todo = _children(), set(), [root]
-    while todo:
-        pid = todo.pop()
-        found.add(pid)
-        todo += tree.get(pid, [])
-    return found
-
-
-def _with_marker(marker: str) -> set[int]:
-    """Processes whose command line names our temp dir (Ray's daemons pass their session and log dirs)."""
-    found = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.add(int(pid))
-        except OSError:
-            continue
-    return found
-
-
-def _alive(pids: set[int]) -> set[int]:
-    """Still running (a zombie waiting for init to reap it has no command line and no longer counts)."""
-    alive = set()
-    for pid in pids:
-        try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes():
-                alive.add(pid)
-        except OSError:
-            continue
-    return alive
-
-
-class Head:
-    def __init__(self, url: str, token_file: Path, env: dict[str, str]):
-        self.url, self.token_file, self.env = url, token_file, env
-        self.headers = {"Authorization": f"Bearer {token_file.read_text()}"}
-
-    def client(self):
-        from ray.job_submission import JobSubmissionClient
-
-        return JobSubmissionClient(self.url, headers=self.headers)
-
-    def colocate(self, *args: str, env: dict[str, str] | None = None, timeout: float = 60):
-        """The colocate command line as a user runs it (no Ray auth variables: only --token-file, if given)."""
-        return subprocess.run([str(BIN / "colocate"), *args], env=env or _client_env(), capture_output=True,
-                              text=True, timeout=timeout, check=False)
-
-
-def _client_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RAY_AUTH", "RAY_ADDRESS", "RAY_API_SERVER"))}
-    return {**env, **extra}
-
-
 @pytest.fixture(scope="module")
 def head():
-    tmp = Path(tempfile.mkdtemp(prefix="cj-", dir="/tmp"))  # short: Ray's socket paths live under it
-    token = tmp / "token"
-    token.write_text(secrets.token_hex(32))
-    token.chmod(0o600)
-    dashboard = _free_port()
-    env = {**_client_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    # Every port chosen here, so a head that another test started with Ray's defaults cannot collide with ours.
-    ports = {f"--{name}": _free_port() for name in (
-        "port", "ray-client-server-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-        "metrics-export-port", "runtime-env-agent-port", "node-manager-port", "object-manager-port")}
-    with open(tmp / "head.log", "w") as log:  # the child keeps its own descriptor
-        proc = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-                                 "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=2",
-                                 f"--temp-dir={tmp / 'ray'}", "--disable-usage-stats",
-                                 *(f"{k}={v}" for k, v in ports.items())],
-                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{dashboard}"
-    try:
-        _wait_ready(url, token, proc, tmp / "head.log")
-        yield Head(url, token, env)
-    finally:
-        _stop_jobs(Head(url, token, env))
-        killed = _end_head(proc, _descendants(proc.pid) | _with_marker(str(tmp)))
-        shutil.rmtree(tmp, ignore_errors=True)
-    assert not killed, f"processes of our Ray head still there after it stopped (killed): {killed}"
-
-
-def _stop_jobs(head: Head, timeout_s: float = 20) -> None:
-    """A job still running when the head goes would outlive it (Ray starts entrypoints in sessions of their own),
-    as one would if a test failed before stopping its job."""
-    try:
-        client = head.client()
-        running = [j.submission_id for j in client.list_jobs() if not j.status.is_terminal() and j.submission_id]
-        for job in running:
-            client.stop_job(job)
-        for job in running:
-            _wait_status(client, job, {"STOPPED", "SUCCEEDED", "FAILED"}, timeout_s)
-    except Exception as e:  # noqa: BLE001 -- the head may be what failed; ending it is what matters now
-        print(f"could not stop the jobs on {head.url}: {e}", file=sys.stderr)
-
-
-def _wait_ready(url: str, token: Path, proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ray start exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if requests.get(f"{url}/api/version", headers={"Authorization": f"Bearer {token.read_text()}"},
-                            timeout=2).ok:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"the Ray head at {url} was not ready after {timeout_s} s:\n{log.read_text()[-3000:]}")
-
-
-def _end_head(proc: subprocess.Popen, ours: set[int], timeout_s: float = 30) -> dict[int, str]:
-    """SIGTERM to `ray start --block` alone: it stops what it started (a signal to the whole group at once
-    leaves it waiting on daemons already gone); then anything of ours still there is killed and returned."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    deadline = time.monotonic() + timeout_s
-    while _alive(ours) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    killed = {}
-    for pid in _alive(ours):
-        try:
-            killed[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    return killed
-
-
-def _wait_status(client, job_id: str, wanted: set[str], timeout_s: float = 60) -> str:
-    deadline = time.monotonic() + timeout_s
-    while (status := str(client.get_job_status(job_id))) not in wanted:
-        assert time.monotonic() < deadline, f"{job_id} still {status}, expected one of {wanted}"
-        time.sleep(0.3)
-    return status
+    with ray_head() as head:
+        yield head
 
 
 def _job_output(logs: str) -> list[str]:
@@ -215,7 +56,7 @@ def _read_until(proc: subprocess.Popen, text: str, timeout_s: float = 30) -> str
 def test_jobs_logs_follow_detach_and_stop(head):
     client = head.client()
     job = client.submit_job(entrypoint=f"{PY} -u -c \"print('hello'); import time; time.sleep(120)\"")
-    _wait_status(client, job, {"RUNNING"})
+    wait_status(client, job, {"RUNNING"})
     flags = ["--address", head.url, "--token-file", str(head.token_file)]
 
     listed = head.colocate("jobs", *flags)
@@ -226,7 +67,7 @@ def test_jobs_logs_follow_detach_and_stop(head):
     assert row.split()[1] == "RUNNING" and row.endswith("...")  # the long entrypoint is shortened
 
     # Ctrl-C while following leaves the job running and says how to stop it.
-    follower = subprocess.Popen([str(BIN / "colocate"), "logs", job, "--follow", *flags], env=_client_env(),
+    follower = subprocess.Popen([str(BIN / "colocate"), "logs", job, "--follow", *flags], env=client_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=sigint_ignored)
     _read_until(follower, "hello")
     follower.send_signal(signal.SIGINT)
@@ -278,7 +119,7 @@ def test_follow_job_prints_each_line_once_and_exits_with_the_status(head, capsys
 
 def test_token_and_address_from_the_environment_and_refused_tokens(head, tmp_path):
     # Ray's own variables: RAY_API_SERVER_ADDRESS, RAY_AUTH_MODE=token with RAY_AUTH_TOKEN_PATH.
-    env = _client_env(RAY_API_SERVER_ADDRESS=head.url, RAY_AUTH_MODE="token",
+    env = client_env(RAY_API_SERVER_ADDRESS=head.url, RAY_AUTH_MODE="token",
                       RAY_AUTH_TOKEN_PATH=str(head.token_file), RAY_ADDRESS="auto")
     listed = head.colocate("jobs", env=env)
     assert listed.returncode == 0 and listed.stdout.startswith("JOB"), listed.stderr
@@ -286,9 +127,9 @@ def test_token_and_address_from_the_environment_and_refused_tokens(head, tmp_pat
     wrong = tmp_path / "wrong"
     wrong.write_text(secrets.token_hex(32))
     wrong.chmod(0o600)
-    for args, env, why in [(["--token-file", str(wrong)], _client_env(), "HTTP 403"),
-                           ([], _client_env(), "HTTP 401, no token sent"),
-                           ([], _client_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32)),
+    for args, env, why in [(["--token-file", str(wrong)], client_env(), "HTTP 403"),
+                           ([], client_env(), "HTTP 401, no token sent"),
+                           ([], client_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32)),
                             "HTTP 403: the token from RAY_AUTH_TOKEN")]:
         start = time.monotonic()
         refused = head.colocate("jobs", "--address", head.url, *args, env=env)
@@ -305,7 +146,7 @@ def test_submit_prints_the_job_id_follows_it_and_exits_with_its_status(head, tmp
     submitted = subprocess.run([str(BIN / "colocate"), "submit", "--address", head.url, "--token-file",
                                 str(head.token_file), "placement.num_slots=64", "engine.tp=2",
                                 f"model.cache_dir={root / '.cache' / 'models'}"],
-                               cwd=tmp_path, env=_client_env(), capture_output=True, text=True, timeout=180,
+                               cwd=tmp_path, env=client_env(), capture_output=True, text=True, timeout=180,
                                check=False)
     assert submitted.returncode == 1, submitted.stderr[-3000:]
     job, *job_logs = submitted.stdout.splitlines()

@@ -47,7 +47,11 @@ def two_nodes(tmp_path_factory):
     try:
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1",
-            "dashboard_port": dashboard_port})
+            "dashboard_port": dashboard_port,
+            # Ray's default (52365) is taken by any other Ray on the machine started first (a job beside this
+            # one): the head's agent then serves no HTTP, and the Job API answers "No available agent".
+            # Cluster.add_node picks a free one for the second node itself.
+            "dashboard_agent_listen_port": free_port()})
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
         yield {"gcs": cluster.address, "job_server": f"http://127.0.0.1:{dashboard_port}", "env": dict(os.environ),
