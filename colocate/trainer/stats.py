@@ -44,11 +44,17 @@ class TrainStats:
     """The total gradient norm before clipping (the same on every rank; None without clipping)."""
 
     def __add__(self, other: TrainStats) -> TrainStats:
-        sums = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)
-                if f.type == "float"}
-        return TrainStats(**sums, token_log_w=np.concatenate([self.token_log_w, other.token_log_w]),
-                          seq_log_w=np.concatenate([self.seq_log_w, other.seq_log_w]),
-                          grad_norm=self.grad_norm if self.grad_norm is not None else other.grad_norm)
+        """Sums add, arrays concatenate, and grad_norm (one value for the whole step) is kept."""
+        values = {}
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "grad_norm":
+                values[f.name] = mine if mine is not None else theirs
+            elif isinstance(mine, np.ndarray):
+                values[f.name] = np.concatenate([mine, theirs])
+            else:
+                values[f.name] = mine + theirs
+        return TrainStats(**values)
 
     def per_token(self, name: str) -> float:
         return getattr(self, name) / (self.tokens or 1.0)
