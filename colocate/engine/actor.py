@@ -42,13 +42,20 @@ class EngineActor:
         self.sleep_backend = sleep_backend
         self.eos_token_id = eos_token_id
         self.llm = None
+        self._prepared = False
         self._shared_rings: dict = {}  # sync key -> the segment a full-tensor plan's workers share (CPU)
         self._asleep: set[str] = set()  # the tags still asleep: nothing may generate before both woke
         self._deaths: list[tuple[int, int, int | None]] = []  # worker exits, in order (_watch_workers)
 
     # ------------------------------------------------------------------------------------------------ life
 
-    def start(self) -> dict:
+    def prepare(self) -> None:
+        """Everything before the engine itself: the environment and vLLM's import (seconds of CPU), which the
+        runtime runs while the trainers load. Importing vLLM touches no device memory (it creates no CUDA
+        context: its workers could not be forked otherwise), so the memory order of the start is kept: the
+        engine allocates in start(), after the trainers. Idempotent."""
+        if self._prepared:
+            return
         os.environ.update(engine_env(self.cfg, self.device, self.placement_env))
         # Owner-only files for everything vLLM creates from here (its TP workers inherit the umask): its ZMQ
         # IPC sockets in $VLLM_RPC_BASE_PATH (/tmp: vllm/utils/network_utils.py get_open_zmq_ipc_path) are
@@ -56,6 +63,12 @@ class EngineActor:
         # connect; 0700 with this. Its /dev/shm segments are 0600 whatever the umask (sync/transport.py). This
         # process is the engine's own Ray worker and writes nothing a user reads.
         os.umask(0o077)
+        import vllm  # noqa: F401 -- the import is the work
+
+        self._prepared = True
+
+    def start(self) -> dict:
+        self.prepare()
         from vllm import LLM
 
         if self.device == "cpu":

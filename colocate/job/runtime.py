@@ -84,6 +84,7 @@ class Runtime:
         self.record = JobRecord(cfg.logging.output_dir, self.job)
         self._recorded = False
         self._job_processes: list[dict] = []  # this host's processes of the job, stopped at close if still alive
+        self._engines_prepared: list = []  # the engines' prepare() calls in flight
         self._engine_generation = 0  # actor names must be new: a killed actor's name is freed asynchronously
 
     def __enter__(self) -> Runtime:
@@ -124,7 +125,9 @@ class Runtime:
             self.plan = plan_slots(cfg, device=device, num_devices=local_device_count(device))
         cfg = self.cfg
         self.group = create_placement_group(self.plan, slot_nodes=self.slot_nodes)
-        self._start_trainers()
+        self._create_trainers()
+        self._create_engines()  # vLLM imports in the engine actors while the trainers load
+        self._setup_trainers()
         self._start_engines()
         specs = ray.get(self.trainers[0].param_specs.remote(cfg.engine.dtype))
         from transformers import AutoConfig
@@ -163,7 +166,10 @@ class Runtime:
             with _loopback_only():
                 ray.init(address="local", num_cpus=max(os.cpu_count() or 1, self.cfg.placement.num_slots),
                          include_dashboard=False, dashboard_host=LOOPBACK, _node_ip_address=LOOPBACK,
-                         _system_config={"task_events_report_interval_ms": 0}, **common)
+                         _system_config={"task_events_report_interval_ms": 0,
+                                         # no idle workers started ahead: every actor of ours needs a worker
+                                         # of its own environment (runtime_env), which these are not
+                                         "prestart_worker_first_driver": False}, **common)
             self._started_ray = True
 
     def _ray_record(self) -> dict:
@@ -204,7 +210,7 @@ class Runtime:
     def _trainers_on_one_node(self) -> bool:
         return self.slot_nodes is None or len(set(self.slot_nodes)) == 1
 
-    def _start_trainers(self) -> None:
+    def _create_trainers(self) -> None:
         cfg = self.cfg
         world = self.plan.num_slots
         eos = self.tokenizer.eos_token_id
@@ -222,11 +228,15 @@ class Runtime:
                 algo=cfg.algo, sampling=cfg.rollout)
             for rank in range(world)
         ])
+
+    def _setup_trainers(self) -> None:
         # one node: the store on loopback; several: on rank 0's node address (all interfaces, torch's doing)
-        addr, port = ray.get(self.trainers[0].rendezvous.remote(LOOPBACK if one_node else None))
+        host = LOOPBACK if self._trainers_on_one_node() else None
+        addr, port = ray.get(self.trainers[0].rendezvous.remote(host))
         self.trainer_info = ray.get([t.setup.remote(addr, port) for t in self.trainers])
 
-    def _start_engines(self) -> None:
+    def _create_engines(self) -> None:
+        """The engine actors, each preparing (vLLM's import) at once; _start_engines builds the engines."""
         cfg = self.cfg
         actor = ray.remote(EngineActor)
         self.engines = EngineGroup()
@@ -239,6 +249,12 @@ class Runtime:
             self.engines.append(actor.options(name=self._engine_name(e), **options).remote(
                 cfg.engine, self.model_path, device=self.device, sleep_backend=self.resolved.sleep_backend,
                 eos_token_id=self.tokenizer.eos_token_id, placement_env=where.env))
+        self._engines_prepared = [e.prepare.remote() for e in self.engines]
+
+    def _start_engines(self) -> None:
+        if not self.engines:
+            self._create_engines()
+        ray.get(self._engines_prepared)
         self.engine_info = ray.get([e.start.remote() for e in self.engines])
         self.pairs = self._pair_trainers_with_workers()
 
@@ -260,6 +276,7 @@ class Runtime:
         for engine in self.engines:
             ray.get(engine.shutdown.remote())
             ray.kill(engine, no_restart=True)
+        self.engines = EngineGroup()
         self._start_engines()
         self.sync.engines = self.engines
         self.sync.pairs = self.pairs
@@ -304,7 +321,8 @@ class Runtime:
 @contextlib.contextmanager
 def _sigterm_handler_kept():
     """ray.init installs Ray's crash handler for SIGTERM in the driver, which logs and ends the process without
-    unwinding: the caller's handler (host.signals.catch_stop_signals, which releases actors and segments) is put back."""
+    unwinding: the caller's handler (host.signals.catch_stop_signals, which releases actors and segments) is put
+    back."""
     main = threading.current_thread() is threading.main_thread()
     handler = signal.getsignal(signal.SIGTERM) if main else None
     yield
