@@ -76,6 +76,10 @@ _LIST_KEYS = {"data.train_files", "data.val_files"}
 
 
 def _coerce(key: str, value, hint):
+    args = typing.get_args(hint)
+    if type(None) in args:  # `int | None`: null (YAML, or key=null) is None
+        (inner,) = [a for a in args if a is not type(None)]
+        return None if value is None else _coerce(key, value, inner)
     if key in _JSON_KEYS and isinstance(value, (dict, list)):
         import json
 
