@@ -55,9 +55,21 @@ class TrainerConfig:
     """CPU: directory of the offload file (on disk, not tmpfs); empty: the system's temporary directory."""
     num_threads: int = 1
     """Torch intra-op threads per trainer rank (CPU)."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input for the backward and recompute the layer there (torch's non-reentrant checkpoint, per layer, inside FSDP2's per-layer groups): activations fall from ~10 hidden sizes a token per layer to one, for ~a third more compute."""
+    activation_offload: bool = False
+    """With activation_checkpointing on CUDA: hold the kept layer inputs in pinned host memory (a copy each way per layer); the CPU has nowhere further to put them."""
+    logprob_chunk_tokens: int | None = 1024
+    """Tokens per chunk of the log-prob pass (lm_head, temperature, top-p, log-softmax), each chunk recomputed in the backward: the full [tokens, vocabulary] logits never exist at once; null: all of a micro-batch's at once."""
 
     def check(self) -> None:
         _positive(self, "trainer", "lr", "micro_batch_size", "num_threads")
+        if self.activation_offload and not self.activation_checkpointing:
+            raise _bad("trainer.activation_offload", True, "offloads the checkpointed layer inputs: needs "
+                       "trainer.activation_checkpointing=true")
+        if self.logprob_chunk_tokens is not None and self.logprob_chunk_tokens <= 0:
+            raise _bad("trainer.logprob_chunk_tokens", self.logprob_chunk_tokens,
+                       "must be > 0 (tokens per chunk), or null for all of a micro-batch's logits at once")
         _non_negative(self, "trainer", "weight_decay", "grad_clip")
         _one_of(self, "trainer", "offload", ["auto", "true", "false"])
         _one_of(self, "trainer", "offload_backend", ["auto", "pinned", "torch_memory_saver"])

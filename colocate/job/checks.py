@@ -14,6 +14,7 @@ any actor starts.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from colocate.config.schema import _bad
 from colocate.errors import ConfigError
 from colocate.job.faults import parse_injection
 from colocate.job.placement import SlotPlan, local_device_count, plan_slots, resolve_device
-from colocate.job.preflight import GIB, Prediction, host_available_bytes, preflight
+from colocate.job.preflight import GIB, Prediction, host_available_bytes, model_config_file, preflight
 from colocate.models import sources as models
 from colocate.rl.data import data_files, load_val_samples, make_prompt_source
 from colocate.rl.evaluation import enabled as evaluation_enabled
@@ -47,6 +48,8 @@ def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> None:
     if not cfg.model.path and cfg.model.preset not in models.PRESETS:
         raise _bad("model.preset", cfg.model.preset, "valid: " + ", ".join(sorted(models.PRESETS)))
     _check_model_path(cfg.model.path)
+    _check_chunked_head(cfg)
+    _check_activation_checkpointing(cfg)
     make_task(cfg.rollout.task, length=cfg.rollout.task_length)
     if cfg.rollout.reward_fn:
         load_reward_fn(cfg.rollout.reward_fn)
@@ -158,6 +161,43 @@ def check_writable(key: str, path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ model
+
+# What some causal LMs do to the logits after lm_head, in their own forward: the chunked head returns log-probs
+# there instead of logits, and these would be applied to them (Gemma 2/3 soft-cap, Cohere scales).
+_AFTER_LM_HEAD = ("final_logit_softcapping", "logit_scale")
+
+
+def _check_chunked_head(cfg: JobConfig) -> None:
+    if not cfg.trainer.logprob_chunk_tokens or not cfg.model.path:  # the presets are plain Qwen2
+        return
+    config_file = model_config_file(cfg.model.path)
+    if config_file is None:
+        return
+    config = json.loads(config_file.read_text())
+    for section in (config, config.get("text_config") or {}):
+        for key in _AFTER_LM_HEAD:
+            if section.get(key) not in (None, 0, 1, 1.0):
+                raise _bad("trainer.logprob_chunk_tokens", cfg.trainer.logprob_chunk_tokens,
+                           f"the model transforms its logits after lm_head ({key}={section[key]}), which the "
+                           "chunked log-prob pass does not; set trainer.logprob_chunk_tokens=null")
+
+
+def _check_activation_checkpointing(cfg: JobConfig) -> None:
+    """The model's class must checkpoint its layers (the presets are Qwen2, which does)."""
+    if not cfg.trainer.activation_checkpointing or not cfg.model.path:
+        return
+    config_file = model_config_file(cfg.model.path)
+    if config_file is None:
+        return
+    import transformers
+
+    for name in json.loads(config_file.read_text()).get("architectures") or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None and not getattr(cls, "supports_gradient_checkpointing", False):
+            raise _bad("trainer.activation_checkpointing", True, f"{name} cannot checkpoint its layers "
+                       "(transformers' supports_gradient_checkpointing is False); set "
+                       "trainer.activation_checkpointing=false")
+
 
 def _check_model_path(path: str) -> None:
     if not path:

@@ -171,6 +171,7 @@ class Controller:
         return {"loss": total.per_token("loss_sum"),
                 "mismatch": total.per_token("mismatch_abs_sum"),
                 "kl": total.per_token("kl_sum"),  # 0.0 with algo.kl_coef = 0
+                "entropy": total.per_token("entropy_sum"),  # of the sampling distribution, per response token
                 "mismatch_monitor": monitor,
                 "correction": {"mode": self.cfg.algo.correction, "level": self.cfg.algo.correction_level,
                                "fraction_affected": total.per_token("corrected_sum"),

@@ -181,7 +181,8 @@ def micro_batch_bytes(cfg: JobConfig, dims: ModelDims) -> dict[str, int]:
     compute = 2 if cfg.trainer.mixed_precision else 4
     return {**micro_batch_parts(dims, num_tokens=train_tokens_per_rank(cfg),
                                 micro_batch_size=cfg.trainer.micro_batch_size, compute_bytes=compute,
-                                top_p=cfg.rollout.top_p),
+                                top_p=cfg.rollout.top_p, chunk_tokens=cfg.trainer.logprob_chunk_tokens,
+                                checkpointed=cfg.trainer.activation_checkpointing),
             "fsdp unsharded groups": unsharded_group_bytes(dims, compute_bytes=compute)}
 
 
@@ -380,7 +381,14 @@ def _advice(phase: Phase, largest: str, cfg: JobConfig, plan: SwitchPlan) -> str
     if largest == "attention masks":
         return (f"use trainer.micro_batch_size=1 (now {cfg.trainer.micro_batch_size}): one row needs no padding "
                 "mask, and every layer keeps a copy of it that grows with the square of the length")
-    if largest in ("activations kept for backward", "logits and log-softmax"):
+    if largest in ("activations kept for backward", "one layer recomputed") and \
+            not cfg.trainer.activation_checkpointing:
+        return ("use trainer.activation_checkpointing=true (each layer keeps only its input), or lower "
+                f"trainer.micro_batch_size (now {cfg.trainer.micro_batch_size}) or rollout.max_tokens (now "
+                f"{cfg.rollout.max_tokens})")
+    if largest == "logits and log-softmax" and cfg.trainer.logprob_chunk_tokens is None:
+        return "use trainer.logprob_chunk_tokens=1024 (one chunk of logits at a time)"
+    if largest in ("activations kept for backward", "logits and log-softmax", "one layer recomputed"):
         return (f"lower trainer.micro_batch_size (now {cfg.trainer.micro_batch_size}), rollout.max_tokens (now "
                 f"{cfg.rollout.max_tokens}) or engine.max_model_len (now {cfg.engine.max_model_len})")
     if "unsharded" in largest and not cfg.trainer.mixed_precision:

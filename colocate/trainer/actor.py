@@ -25,8 +25,9 @@ from colocate.sync.buckets import TensorSpec
 from colocate.sync.reshard import SyncPlan
 from colocate.sync.shards import bucket_copies, local_shards, run_copies
 from colocate.trainer.finite import check_weights, clip_checked
-from colocate.trainer.fsdp import shard_by_layer
-from colocate.trainer.loss import Sequence, collate, policy_loss, token_logprobs
+from colocate.trainer.fsdp import checkpoint_layers, shard_by_layer
+from colocate.trainer.logprobs import install_chunked_head, sequence_logprobs
+from colocate.trainer.loss import Sequence, collate, policy_loss
 from colocate.trainer.offload import make_offloader
 from colocate.trainer.stats import TrainStats
 
@@ -106,6 +107,10 @@ class TrainerActor:
 
         # loaded on the CPU, sharded onto the device a layer at a time (trainer/fsdp.py): never whole on the GPU
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        if self.cfg.logprob_chunk_tokens:  # before sharding: the head's weight keeps its name and its FSDP group
+            install_chunked_head(model, self.cfg.logprob_chunk_tokens)
+        if self.cfg.activation_checkpointing:
+            checkpoint_layers(model, offload=self.cfg.activation_offload and self.device.type == "cuda")
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if self.cfg.mixed_precision else MixedPrecisionPolicy()
         self._offloader = make_offloader(self.device, backend=self.cfg.offload_backend,
@@ -165,10 +170,9 @@ class TrainerActor:
             if self.reference is not None else [None] * len(batches)
         for chunk, batch, ref in zip(chunks, batches, ref_logprobs):
             empty = not chunk
-            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-            logprobs = token_logprobs(logits, batch.input_ids, temperature=self.sampling.temperature,
-                                      top_p=self.sampling.top_p)
-            loss, stats = policy_loss(logprobs, batch, algo=self.algo, ref_logprobs=ref)
+            logprobs, entropy = sequence_logprobs(self.model, batch, temperature=self.sampling.temperature,
+                                                  top_p=self.sampling.top_p)
+            loss, stats = policy_loss(logprobs, batch, algo=self.algo, ref_logprobs=ref, entropy=entropy)
             (loss * (0.0 if empty else scale)).backward()
             if not empty:
                 totals += stats
@@ -211,8 +215,7 @@ class TrainerActor:
         for i in range(num_micro_batches):
             chunk = sequences[i * size:(i + 1) * size]
             batch = collate(chunk or [_dummy_sequence(self.pad_id)], pad_id=self.pad_id, device=self.device)
-            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-            logprobs = token_logprobs(logits, batch.input_ids, temperature=temperature, top_p=top_p).cpu()
+            logprobs = sequence_logprobs(self.model, batch, temperature=temperature, top_p=top_p)[0].cpu()
             for row, s in enumerate(chunk):
                 first = len(s.prompt_ids) - 1
                 out.append(logprobs[row, first:first + len(s.response_ids)].tolist())

@@ -22,6 +22,23 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def checkpoint_layers(model: torch.nn.Module, *, offload: bool = False) -> None:
+    """Recompute every decoder layer in the backward, keeping only its input (Hugging Face's
+    GradientCheckpointingLayer, with torch's non-reentrant checkpoint). Before fully_shard; the parameters keep
+    their names (a checkpoint_wrapper would prefix them, and the sync and checkpoints go by name).
+
+    How it composes with FSDP2: the layer's __call__ runs the checkpoint around the module call, FSDP2's hooks
+    included. In the backward the layer's pre-backward hook unshards it, then the recompute runs the module's
+    forward hooks again in state PRE_BACKWARD, where FSDP2's pre-forward does not unshard and its post-forward
+    does not reshard: "When composing with module-hook-based activation checkpointing, the pre-backward hook is
+    responsible for the unshard" (torch/distributed/fsdp/_fully_shard/_fsdp_state.py, FSDPState._pre_forward
+    and _post_forward). `offload`: the kept inputs live in pinned host memory (torch.autograd.graph.save_on_cpu)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"trainer.activation_checkpointing=true is invalid: {type(model).__name__} cannot "
+                         "checkpoint its layers (transformers' supports_gradient_checkpointing is False)")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, offload=offload)
+
+
 def shard_by_layer(model: torch.nn.Module, *, mesh, device: torch.device, offloader, mp_policy,
                    **fully_shard_kwargs) -> None:
     """fully_shard every decoder layer, then the root (what no layer holds: embeddings, norm, lm_head)."""

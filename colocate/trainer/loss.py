@@ -19,7 +19,7 @@ DeepSeekMath style: kl_coef * (an estimator of KL(policy || reference)) per resp
 the reward, unweighted by the corrections above. `kl_estimator` gives each estimator's formula.
 
 Behaviour logprobs must be those of the distribution the engine sampled from: the engine reports processed
-logprobs (after temperature and top-p, vLLM's `logprobs_mode="processed_logprobs"`), and `token_logprobs`
+logprobs (after temperature and top-p, vLLM's `logprobs_mode="processed_logprobs"`), and trainer/logprobs.py
 applies the same temperature and nucleus to the trainer's logits.
 """
 
@@ -33,9 +33,6 @@ from colocate.config import AlgoConfig
 from colocate.rl.corrections import importance_weights
 from colocate.rl.samples import Sequence
 from colocate.trainer.stats import TrainStats
-
-GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: below it a request is sampled greedily
-LOGPROB_FLOOR = -100.0  # a token outside the nucleus: probability e^-100, as good as impossible, and finite
 
 
 @dataclass
@@ -64,32 +61,6 @@ def collate(seqs: list[Sequence], *, pad_id: int, device: torch.device) -> Micro
     return MicroBatch(*(t.to(device) for t in (input_ids, attention_mask, target_mask, old_logprobs, advantages)))
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, temperature: float = 1.0,
-                   top_p: float = 1.0) -> torch.Tensor:
-    """logprob of each next token, [B, T-1], under the distribution the engine samples from: logits divided by
-    the temperature, then restricted to the nucleus of mass `top_p` and renormalised (vLLM's
-    `apply_top_k_top_p`: drop the smallest tokens whose cumulative probability stays <= 1 - top_p, keep at
-    least one). Greedy sampling (temperature below vLLM's 1e-5) is scored as vLLM reports it: the plain
-    distribution, no temperature, no nucleus (vllm/v1/sample/sampler.py, the all-greedy branch)."""
-    logits = logits[:, :-1].float()
-    if temperature < GREEDY_TEMPERATURE:
-        temperature, top_p = 1.0, 1.0
-    if temperature != 1.0:
-        logits = logits / temperature
-    if top_p < 1.0:
-        # Hazard (memory): sorts the vocabulary at every position; a [B, T, V] copy beside the logits
-        ordered, order = logits.sort(dim=-1)
-        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= 1 - top_p
-        drop[..., -1] = False
-        logits = logits.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
-    logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = torch.gather(logprobs, 2, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    # Hazard: outside the nucleus a token's logprob is -inf (a padding target, or a sampled token the trainer
-    # ranks just outside it): -inf * 0 in a mask is NaN. A floor keeps it finite and its gradient zero.
-    return chosen.clamp(min=LOGPROB_FLOOR) if top_p < 1.0 else chosen
-
-
 KL_CLAMP = 20.0  # |log r| bound for k3: e^20 is finite in fp32, e^100 (a floored logprob's log r) is not
 
 
@@ -116,7 +87,8 @@ def kl_estimator(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: 
 
 
 def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, algo: AlgoConfig,
-                ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                ref_logprobs: torch.Tensor | None = None,
+                entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, TrainStats]:
     """Sum over response tokens of the clipped surrogate loss plus, when algo.kl_coef > 0, kl_coef times the
     KL estimate against `ref_logprobs` (the caller normalises by the token count: the KL term becomes kl_coef *
     its per-token mean); and the step's mismatch: every response token's log w = logp_trainer - logp_engine and
@@ -147,5 +119,6 @@ def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, algo: AlgoConfig,
             tokens=float(mask.sum()), loss_sum=float(loss.detach()),
             mismatch_abs_sum=float(log_w.abs().sum()), clipped_sum=float(((unclipped != clipped).float() * mask).sum()),
             corrected_sum=float(affected.sum()), weight_sum=float(weights.sum()), kl_sum=float(kl_sum),
+            entropy_sum=float((entropy * mask).sum()) if entropy is not None else 0.0,
             token_log_w=log_w[on].cpu().numpy(), seq_log_w=log_w.sum(dim=1)[mask.sum(dim=1) > 0].cpu().numpy())
     return loss, stats

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from colocate.trainer.fsdp import shard_by_layer
-from colocate.trainer.loss import MicroBatch, token_logprobs
+from colocate.trainer.logprobs import install_chunked_head, sequence_logprobs
+from colocate.trainer.loss import MicroBatch
 from colocate.trainer.offload import make_offloader
 
 REFERENCE_TAG = "colocate-reference"  # torch_memory_saver pauses by tag: not the policy's
@@ -36,6 +37,8 @@ class ReferencePolicy:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        if cfg.logprob_chunk_tokens:
+            install_chunked_head(model, cfg.logprob_chunk_tokens)
         model.requires_grad_(False)
         model.eval()  # no dropout: the policy's logprobs at the initial weights must match these exactly
         if cfg.mixed_precision:
@@ -65,11 +68,10 @@ class ReferencePolicy:
 
     @torch.no_grad()
     def logprobs(self, batch: MicroBatch, *, temperature: float, top_p: float) -> torch.Tensor:
-        """[B, T-1] logprob of each next token under the reference, as the policy's (`token_logprobs`). A
+        """[B, T-1] logprob of each next token under the reference, as the policy's (trainer/logprobs.py). A
         collective; the reference must be onloaded."""
         assert not self._offloaded, "the reference is offloaded: onload() it first (its storages are empty)"
-        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        return token_logprobs(logits, batch.input_ids, temperature=temperature, top_p=top_p)
+        return sequence_logprobs(self.model, batch, temperature=temperature, top_p=top_p)[0]
 
     def score(self, batches: list[MicroBatch], *, temperature: float, top_p: float) -> list[torch.Tensor]:
         """The reference logprobs of every batch, onloaded for just these forwards and offloaded again (a

@@ -36,6 +36,8 @@ class TrainStats:
     """The correction's importance weights summed (tokens, without a correction)."""
     kl_sum: float = 0.0
     """The KL estimator summed over response tokens (0 without a reference)."""
+    entropy_sum: float = 0.0
+    """The entropy of each response token's sampling distribution (after temperature and top-p), summed."""
     token_log_w: np.ndarray = field(default_factory=_empty)
     """Every response token's log(p_trainer / p_engine), for the mismatch monitor."""
     seq_log_w: np.ndarray = field(default_factory=_empty)

@@ -23,12 +23,14 @@ A layer has two norm+projection pairs, so `2 (4h + 4 + 2c h) + c (2q + 2kv) + 4 
 input add `4h + 4 + 2c h`, the rotary cos/sin `2 c head_dim`, the input ids 8. tests/unit/test_step_memory.py
 walks a real Qwen2's autograd graph and finds exactly these bytes in fp32 and bf16.
 
-The log-prob pass (trainer/loss.py `token_logprobs`) over V vocabulary entries per token: the model's logits
+The log-prob pass (trainer/logprobs.py) over V vocabulary entries per token: the model's logits
 (c V, alive through the backward: the train step holds them), an fp32 copy or the temperature's quotient (4V),
 log-softmax's output (4V, kept for backward), and in the backward the gather's and log-softmax's gradients
 (4V each): `(c + 12) V` at the peak, whichever of forward and backward it falls in. A nucleus (top_p < 1) adds
 the sort's values and int64 indices, the softmax, the cumulative sum, the mask and two [tokens, V] results:
-`17 V` more.
+`17 V` more. Chunked (`trainer.logprob_chunk_tokens`, trainer/logprobs.py), that peak is one chunk's: each chunk's
+forward frees its logits, and its recompute in the backward holds the same again; every token keeps 16 bytes of
+output. The entropy (a metric, no gradient) is taken 256 positions at a time, beside no peak of its own.
 
 Padding: a micro-batch of rows of unequal length carries transformers' [rows, 1, T, T] boolean sdpa mask, and
 every layer's attention keeps its own copy converted to the compute dtype for its backward (aten's
@@ -49,6 +51,7 @@ from typing import Protocol
 FP32 = 4
 LOGITS_BYTES_PER_VOCAB = 12  # beyond the model's own logits: fp32 copy, log-softmax, two gradients
 NUCLEUS_BYTES_PER_VOCAB = 17  # top_p < 1: sort values + int64 indices, softmax, mask, masked and scattered copies
+CHUNKED_OUTPUT_BYTES = 16  # chunked head: (logprob, entropy) in fp32 per token, in the chunks and concatenated
 
 
 class Dims(Protocol):
@@ -63,16 +66,31 @@ class Dims(Protocol):
     root_params: int
 
 
+def layer_bytes_per_token(dims: Dims, *, compute_bytes: int, masked: bool = False) -> int:
+    """What one decoder layer keeps per token for its backward (the table above)."""
+    h, c = dims.hidden_size, compute_bytes
+    q = dims.num_heads * dims.head_dim
+    kv = q if masked else dims.num_kv_heads * dims.head_dim
+    norm_and_projection = FP32 * h + FP32 + 2 * c * h
+    return 2 * norm_and_projection + c * (2 * q + 2 * kv) + FP32 * dims.num_heads + 4 * c * dims.intermediate_size
+
+
+def checkpointed_bytes_per_token(dims: Dims, *, compute_bytes: int) -> int:
+    """trainer.activation_checkpointing: each layer keeps only its input (the hidden states, in the compute dtype:
+    FSDP2 casts the layer's inputs), the final norm and lm_head theirs; a layer's own activations exist only
+    while the backward recomputes it (micro_batch_parts adds the largest, one layer's)."""
+    h, c = dims.hidden_size, compute_bytes
+    return dims.num_layers * c * h + FP32 * h + FP32 + 2 * c * h + 8
+
+
 def saved_bytes_per_token(dims: Dims, *, compute_bytes: int, masked: bool = False) -> int:
     """Bytes autograd keeps per token through the decoder, for the backward (the table above). `masked`: sdpa
     gets a padding mask, and transformers then repeats k and v to every query head before the kernel
     (integrations/sdpa_attention.py `use_gqa_in_sdpa`: grouped-query sdpa only without a mask), so the kernel
     keeps them that size."""
     h, c = dims.hidden_size, compute_bytes
-    q = dims.num_heads * dims.head_dim
-    kv = q if masked else dims.num_kv_heads * dims.head_dim
     norm_and_projection = FP32 * h + FP32 + 2 * c * h
-    layer = 2 * norm_and_projection + c * (2 * q + 2 * kv) + FP32 * dims.num_heads + 4 * c * dims.intermediate_size
+    layer = layer_bytes_per_token(dims, compute_bytes=c, masked=masked)
     return dims.num_layers * layer + norm_and_projection + 8  # + the final norm and lm_head's input, the ids
 
 
@@ -85,9 +103,10 @@ def logits_bytes_per_token(dims: Dims, *, compute_bytes: int, top_p: float) -> i
     return per_vocab * dims.vocab_size
 
 
-def attention_mask_bytes(dims: Dims, *, rows: int, length: int, compute_bytes: int) -> int:
-    """The padded micro-batch's boolean mask and each layer's additive copy of it."""
-    return rows * length * length * (1 + dims.num_layers * compute_bytes)
+def attention_mask_bytes(dims: Dims, *, rows: int, length: int, compute_bytes: int,
+                         num_layers: int | None = None) -> int:
+    """The padded micro-batch's boolean mask and each layer's additive copy of it (`num_layers` copies alive)."""
+    return rows * length * length * (1 + (dims.num_layers if num_layers is None else num_layers) * compute_bytes)
 
 
 def unsharded_group_bytes(dims: Dims, *, compute_bytes: int) -> int:
@@ -99,17 +118,33 @@ def unsharded_group_bytes(dims: Dims, *, compute_bytes: int) -> int:
         FP32 * max(dims.root_params, dims.layer_params)
 
 
+def logprob_pass_bytes(dims: Dims, *, num_tokens: int, compute_bytes: int, top_p: float,
+                       chunk_tokens: int | None) -> int:
+    """The log-prob pass's peak: all tokens' logits at once, or one chunk's (trainer.logprob_chunk_tokens; its
+    forward and its recompute in the backward hold the same) plus every token's two fp32 outputs (logprob and
+    entropy), in the chunks and in their concatenation."""
+    per_token = logits_bytes_per_token(dims, compute_bytes=compute_bytes, top_p=top_p)
+    if chunk_tokens is None:
+        return num_tokens * per_token
+    return min(num_tokens, chunk_tokens) * per_token + num_tokens * CHUNKED_OUTPUT_BYTES
+
+
 def micro_batch_parts(dims: Dims, *, num_tokens: int, micro_batch_size: int, compute_bytes: int,
-                      top_p: float) -> dict[str, int]:
+                      top_p: float, chunk_tokens: int | None = None, checkpointed: bool = False) -> dict[str, int]:
     """What one micro-batch of `num_tokens` (rows x padded length) adds on a rank while it trains."""
-    length = num_tokens // micro_batch_size
-    parts = {
-        "activations kept for backward": num_tokens * saved_bytes_per_token(dims, compute_bytes=compute_bytes,
-                                                                           masked=micro_batch_size > 1)
-        + rotary_bytes(dims, num_tokens=length, compute_bytes=compute_bytes),
-        "logits and log-softmax": num_tokens * logits_bytes_per_token(dims, compute_bytes=compute_bytes, top_p=top_p),
-    }
-    if micro_batch_size > 1:
+    length, masked, c = num_tokens // micro_batch_size, micro_batch_size > 1, compute_bytes
+    rotary = rotary_bytes(dims, num_tokens=length, compute_bytes=c)
+    if checkpointed:
+        parts = {"activations kept for backward": num_tokens * checkpointed_bytes_per_token(dims, compute_bytes=c)
+                 + rotary,
+                 "one layer recomputed": num_tokens * layer_bytes_per_token(dims, compute_bytes=c, masked=masked)}
+    else:
+        parts = {"activations kept for backward": num_tokens * saved_bytes_per_token(dims, compute_bytes=c,
+                                                                                   masked=masked) + rotary}
+    parts["logits and log-softmax"] = logprob_pass_bytes(dims, num_tokens=num_tokens, compute_bytes=c, top_p=top_p,
+                                                         chunk_tokens=chunk_tokens)
+    if masked:
+        # checkpointed: only the layer being recomputed makes its additive copy of the mask
         parts["attention masks"] = attention_mask_bytes(dims, rows=micro_batch_size, length=length,
-                                                        compute_bytes=compute_bytes)
+                                                        compute_bytes=c, num_layers=1 if checkpointed else None)
     return parts

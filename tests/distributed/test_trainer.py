@@ -20,10 +20,12 @@ SEQS = [
 ]
 
 
-def _train(rank: int, world_size: int, port: int, model_path: str, out_path: str, algo, sampling):
+def _train(rank: int, world_size: int, port: int, model_path: str, out_path: str, algo, sampling,
+           chunk_tokens: int | None = 1024, checkpointed: bool = False):
     from colocate.trainer.actor import TrainerActor
 
-    cfg = TrainerConfig(lr=1e-2, micro_batch_size=2, grad_clip=0.0)
+    cfg = TrainerConfig(lr=1e-2, micro_batch_size=2, grad_clip=0.0, logprob_chunk_tokens=chunk_tokens,
+                        activation_checkpointing=checkpointed)
     trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0, algo=algo,
                            sampling=sampling)
     trainer.setup("127.0.0.1", port)
@@ -64,6 +66,25 @@ def test_two_ranks_match_one_rank(tmp_path, algo, sampling):
     # Adam's first step is about lr * sign(grad): the weights agree wherever the gradient is not ~0.
     for name, weight in one["state"].items():
         torch.testing.assert_close(two["state"][name], weight, rtol=0, atol=2 * 1e-2)
+
+
+def test_chunked_logprobs_and_checkpointed_layers_under_fsdp_give_the_plain_gradients(tmp_path):
+    # The chunked head inside FSDP2's root group: its recompute in the backward reads the root's full weights
+    # and its gradient reaches the reduce-scatter (trainer/logprobs.py); chunks of 2 tokens split every sequence.
+    # Checkpointed layers: FSDP2's hooks run again in the recompute, in PRE_BACKWARD (trainer/fsdp.py).
+    path = ensure_model(ModelConfig(preset="tiny", cache_dir=str(tmp_path / "models")))
+    sampling = RolloutConfig(temperature=0.8, top_p=0.9)
+    # each alone is tests/unit's (test_logprobs.py, test_activation_checkpointing.py); here both under FSDP2
+    runs = {"plain": (None, False), "both": (2, True)}
+    for name, (chunk, checkpointed) in runs.items():
+        run_distributed(_train, path, str(tmp_path / f"{name}.pt"), AlgoConfig(), sampling, chunk, checkpointed,
+                        world_size=2, init=False)
+    plain = torch.load(tmp_path / "plain.pt")
+    for name in ("both",):
+        other = torch.load(tmp_path / f"{name}.pt")
+        for param, grad in plain["grads"].items():
+            assert grad.abs().max() > 0, param
+            torch.testing.assert_close(other["grads"][param], grad, rtol=1e-5, atol=1e-6, msg=f"{name}: {param}")
 
 
 def _offload_round_trip(rank: int, world_size: int, port: int, model_path: str):

@@ -10,7 +10,8 @@ import torch
 
 from colocate.config import AlgoConfig
 from colocate.rl.corrections import importance_weights, mismatch_stats
-from colocate.trainer.loss import LOGPROB_FLOOR, Sequence, collate, policy_loss, token_logprobs
+from colocate.trainer.logprobs import LOGPROB_FLOOR, token_logprobs
+from colocate.trainer.loss import Sequence, collate, policy_loss
 
 MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
 # log w = logp_trainer - logp_engine per token; the padding position carries garbage that must not count

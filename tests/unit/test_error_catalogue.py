@@ -159,10 +159,19 @@ def test_every_range_checked_key_is_refused_naming_it(helper, key):
     pytest.param("train", "engine host copy (sleep level 1)", ["engine.sleep_level=1"], (1, True),
                  "use engine.sleep_level=2 (the sync restores the weights)", id="host_copy"),
     pytest.param("sync", "sync ring", [], (2, True), "lower sync.bucket_mb (now 0.0)", id="ring"),
-    pytest.param("train", "activations kept for backward", [], (2, True), "lower trainer.micro_batch_size (now 16), "
-                 "rollout.max_tokens (now 3) or engine.max_model_len (now 128)", id="activations"),
+    pytest.param("train", "activations kept for backward", [], (2, True), "use trainer.activation_checkpointing="
+                 "true (each layer keeps only its input), or lower trainer.micro_batch_size (now 16) or "
+                 "rollout.max_tokens (now 3)", id="activations"),
+    pytest.param("train", "activations kept for backward", ["trainer.activation_checkpointing=true"], (2, True),
+                 "lower trainer.micro_batch_size (now 16), rollout.max_tokens (now 3) or engine.max_model_len "
+                 "(now 128)", id="checkpointed_activations"),
+    pytest.param("train", "one layer recomputed", ["trainer.activation_checkpointing=true"], (2, True),
+                 "lower trainer.micro_batch_size (now 16), rollout.max_tokens (now 3) or engine.max_model_len "
+                 "(now 128)", id="recomputed_layer"),
     pytest.param("train", "logits and log-softmax", [], (2, True), "lower trainer.micro_batch_size (now 16), "
                  "rollout.max_tokens (now 3) or engine.max_model_len (now 128)", id="logits"),
+    pytest.param("train", "logits and log-softmax", ["trainer.logprob_chunk_tokens=null"], (2, True),
+                 "use trainer.logprob_chunk_tokens=1024 (one chunk of logits at a time)", id="full_logits"),
     pytest.param("train", "attention masks", [], (2, True), "use trainer.micro_batch_size=1 (now 16): one row needs "
                  "no padding mask", id="attention_masks"),
     pytest.param("train", "fsdp unsharded groups", [], (2, True), "use trainer.mixed_precision=true",

@@ -12,7 +12,8 @@ from colocate.errors import RewardError
 from colocate.rl.samples import Answer, Rollout
 from colocate.rl.scoring import group_advantages, score
 from colocate.rl.tasks import Sample
-from colocate.trainer.loss import Sequence, collate, policy_loss, token_logprobs
+from colocate.trainer.logprobs import token_logprobs
+from colocate.trainer.loss import Sequence, collate, policy_loss
 
 
 def test_collate_aligns_targets_with_response_tokens():

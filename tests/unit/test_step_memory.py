@@ -90,3 +90,16 @@ def test_micro_batch_parts_scale_with_tokens_and_count_the_nucleus_and_the_mask(
     assert two["logits and log-softmax"] == 2 * one["logits and log-softmax"] == 2 * 1000 * 16 * 1000
     nucleus = micro_batch_parts(dims, num_tokens=1000, micro_batch_size=1, compute_bytes=4, top_p=0.9)
     assert nucleus["logits and log-softmax"] == 1000 * (16 + 17) * 1000
+
+
+def test_the_chunked_log_prob_pass_holds_one_chunk_of_logits():
+    dims = ModelDims.from_config_dict({**CONFIGS["qwen2-gqa"]})
+    full = micro_batch_parts(dims, num_tokens=4000, micro_batch_size=1, compute_bytes=4, top_p=0.9)
+    chunked = micro_batch_parts(dims, num_tokens=4000, micro_batch_size=1, compute_bytes=4, top_p=0.9,
+                                chunk_tokens=1000)
+    per_token = (4 + 12 + 17) * dims.vocab_size
+    assert full["logits and log-softmax"] == 4000 * per_token
+    assert chunked["logits and log-softmax"] == 1000 * per_token + 4000 * 16
+    assert chunked["activations kept for backward"] == full["activations kept for backward"]
+    short = micro_batch_parts(dims, num_tokens=500, micro_batch_size=1, compute_bytes=4, top_p=0.9, chunk_tokens=1000)
+    assert short["logits and log-softmax"] == 500 * per_token + 500 * 16
