@@ -64,6 +64,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from colocate.config import ModelConfig, TrainerConfig  # noqa: E402
+from colocate.rl.samples import Sequence  # noqa: E402
 from colocate.sync.buckets import Region  # noqa: E402
 from colocate.sync.load import load_regions, ring_view  # noqa: E402
 from colocate.sync.transport import attach, create_buffer, range_checksum  # noqa: E402
@@ -71,8 +72,7 @@ from colocate.sync.transport import attach, create_buffer, range_checksum  # noq
 COLS = 4096  # columns of every test parameter (8 KiB bf16 rows)
 NUM_TRAINERS = 2
 SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU spin at ~2 GHz: the late load surely runs after the overwrite
-SEQS = [{"prompt_ids": [5, 6, 16], "response_ids": [5, 6, 2], "logprobs": [-3.0, -3.5, -4.0], "advantage": 1.0},
-        {"prompt_ids": [7, 8, 16], "response_ids": [9], "logprobs": [-3.2], "advantage": -1.0}]
+SEQS = [Sequence([5, 6, 16], [5, 6, 2], [-3.0, -3.5, -4.0], 1.0), Sequence([7, 8, 16], [9], [-3.2], -1.0)]
 
 
 def sync(device: torch.device) -> None:
@@ -366,7 +366,7 @@ def _train_and_offload(path: str, backend: str) -> dict:
         losses = []
         for _ in range(3):  # the first step also creates AdamW's state
             t0 = time.perf_counter()
-            losses.append(trainer.train_step(SEQS, num_tokens_all_ranks=4, num_micro_batches=1)["loss_sum"])
+            losses.append(trainer.train_step(SEQS, num_tokens_all_ranks=4, num_micro_batches=1).loss_sum)
             torch.cuda.synchronize()
             out["step_s"].append(time.perf_counter() - t0)
         out["losses"] = losses
@@ -384,7 +384,7 @@ def _train_and_offload(path: str, backend: str) -> dict:
         out["onload_s"] = time.perf_counter() - t0
         after = trainer.full_state_dict("float32")
         out["bit_exact"] = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-        out["loss_after_onload"] = trainer.train_step(SEQS, num_tokens_all_ranks=4, num_micro_batches=1)["loss_sum"]
+        out["loss_after_onload"] = trainer.train_step(SEQS, num_tokens_all_ranks=4, num_micro_batches=1).loss_sum
         out["offloader"] = type(trainer._offloader).__name__
     finally:
         trainer.shutdown()

@@ -78,7 +78,7 @@ def _measure(rt: Runtime, prompts: list[list[int]], num_samples: int, max_tokens
     token_log_w, seq_log_w = [], []
     for rank, per_rank in enumerate(scored):
         for seq, trainer in zip(seqs[rank::world], per_rank):
-            delta = torch.tensor(trainer, dtype=torch.float64) - torch.tensor(seq["logprobs"], dtype=torch.float64)
+            delta = torch.tensor(trainer, dtype=torch.float64) - torch.tensor(seq.logprobs, dtype=torch.float64)
             token_log_w.append(delta)
             seq_log_w.append(delta.sum().reshape(1))
     return torch.cat(token_log_w), torch.cat(seq_log_w)

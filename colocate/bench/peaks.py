@@ -50,8 +50,11 @@ class PhaseSampler:
     def phase(self) -> str:
         if self._controller is None:
             return "startup"
-        events = self._controller.events
-        return _PHASE_AFTER[events[-1]] if events else "startup"  # until the trainers first offload
+        # the last event that names a phase: a checkpoint, an eval or a restore runs within the one before it
+        for event in reversed(self._controller.events):
+            if event in _PHASE_AFTER:
+                return _PHASE_AFTER[event]
+        return "startup"  # until the trainers first offload
 
     def start(self) -> PhaseSampler:
         self._thread.start()

@@ -89,7 +89,7 @@ def _measure(cfg: JobConfig, model_path: str, runs: list[tuple[int, int, float]]
     warm = _sequences(runs[0][0], 1, vocab)
     trainer.train_step(warm, num_tokens_all_ranks=len(warm[0].response_ids), num_micro_batches=1)
     for length, rows, top_p in runs:
-        trainer.loss = dataclasses.replace(trainer.loss, top_p=top_p)
+        trainer.sampling = dataclasses.replace(trainer.sampling, top_p=top_p)
         trainer.release_grads()
         gc.collect()
         return_free_memory_to_os()
