@@ -13,7 +13,7 @@ LEFT = "semaphores_left"
 _reported: list[str] = []
 
 
-def _check_deferred(timeout_s: float = 900) -> tuple[list[str], str | None]:
+def _check_deferred(timeout_s: float = 300) -> tuple[list[str], str | None]:
     """The deferred semaphores still there once no other run has a process left, or why none were checked."""
     e2e = sys.modules.get("tests.e2e.conftest")
     if e2e is None or not e2e.DEFERRED_SEMAPHORES:
