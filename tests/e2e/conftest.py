@@ -54,8 +54,19 @@ def _note_other_runs():
 
 
 def other_runs_alive() -> bool:
-    """Whether a process started by another test run is alive (a run between two tests may have none)."""
-    return any(_run_of(pid) not in (None, os.environ[RUN_TAG]) for pid in os.listdir("/proc") if pid.isdigit())
+    """Whether a Ray or vLLM process started by another test run is alive (a run between two tests has none).
+    Only those: a pytest worker's own multiprocessing resource tracker lives as long as the worker, and two
+    workers waiting on each other's would each wait out the session-end check."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or _run_of(pid) in (None, os.environ[RUN_TAG]):
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(marker in cmdline for marker in _OURS):
+            return True
+    return False
 
 
 def _run_of(pid: int | str) -> str | None:
