@@ -167,14 +167,15 @@ def check_writable(key: str, path: Path) -> None:
 _AFTER_LM_HEAD = ("final_logit_softcapping", "logit_scale")
 
 
+def _model_config(cfg: JobConfig) -> dict | None:
+    """model.path's config.json as a dict; None for the presets (plain Qwen2) or a hub id not on this machine."""
+    config_file = model_config_file(cfg.model.path) if cfg.model.path else None
+    return json.loads(config_file.read_text()) if config_file else None
+
+
 def _check_chunked_head(cfg: JobConfig) -> None:
-    if not cfg.trainer.logprob_chunk_tokens or not cfg.model.path:  # the presets are plain Qwen2
-        return
-    config_file = model_config_file(cfg.model.path)
-    if config_file is None:
-        return
-    config = json.loads(config_file.read_text())
-    for section in (config, config.get("text_config") or {}):
+    config = _model_config(cfg) if cfg.trainer.logprob_chunk_tokens else None
+    for section in (config, config.get("text_config") or {}) if config else ():
         for key in _AFTER_LM_HEAD:
             if section.get(key) not in (None, 0, 1, 1.0):
                 raise _bad("trainer.logprob_chunk_tokens", cfg.trainer.logprob_chunk_tokens,
@@ -184,14 +185,12 @@ def _check_chunked_head(cfg: JobConfig) -> None:
 
 def _check_activation_checkpointing(cfg: JobConfig) -> None:
     """The model's class must checkpoint its layers (the presets are Qwen2, which does)."""
-    if not cfg.trainer.activation_checkpointing or not cfg.model.path:
-        return
-    config_file = model_config_file(cfg.model.path)
-    if config_file is None:
+    config = _model_config(cfg) if cfg.trainer.activation_checkpointing else None
+    if not config:
         return
     import transformers
 
-    for name in json.loads(config_file.read_text()).get("architectures") or []:
+    for name in config.get("architectures") or []:
         cls = getattr(transformers, name, None)
         if cls is not None and not getattr(cls, "supports_gradient_checkpointing", False):
             raise _bad("trainer.activation_checkpointing", True, f"{name} cannot checkpoint its layers "

@@ -66,21 +66,25 @@ class Dims(Protocol):
     root_params: int
 
 
+def _norm_and_projection(dims: Dims, c: int) -> int:
+    """An RMSNorm and the projection after it: the fp32 input and rsqrt, the normalised value, the input."""
+    return FP32 * dims.hidden_size + FP32 + 2 * c * dims.hidden_size
+
+
 def layer_bytes_per_token(dims: Dims, *, compute_bytes: int, masked: bool = False) -> int:
     """What one decoder layer keeps per token for its backward (the table above)."""
-    h, c = dims.hidden_size, compute_bytes
+    c = compute_bytes
     q = dims.num_heads * dims.head_dim
     kv = q if masked else dims.num_kv_heads * dims.head_dim
-    norm_and_projection = FP32 * h + FP32 + 2 * c * h
-    return 2 * norm_and_projection + c * (2 * q + 2 * kv) + FP32 * dims.num_heads + 4 * c * dims.intermediate_size
+    attention = c * (2 * q + 2 * kv) + FP32 * dims.num_heads
+    return 2 * _norm_and_projection(dims, c) + attention + 4 * c * dims.intermediate_size
 
 
 def checkpointed_bytes_per_token(dims: Dims, *, compute_bytes: int) -> int:
     """trainer.activation_checkpointing: each layer keeps only its input (the hidden states, in the compute dtype:
     FSDP2 casts the layer's inputs), the final norm and lm_head theirs; a layer's own activations exist only
     while the backward recomputes it (micro_batch_parts adds the largest, one layer's)."""
-    h, c = dims.hidden_size, compute_bytes
-    return dims.num_layers * c * h + FP32 * h + FP32 + 2 * c * h + 8
+    return dims.num_layers * compute_bytes * dims.hidden_size + _norm_and_projection(dims, compute_bytes) + 8
 
 
 def saved_bytes_per_token(dims: Dims, *, compute_bytes: int, masked: bool = False) -> int:
@@ -88,10 +92,9 @@ def saved_bytes_per_token(dims: Dims, *, compute_bytes: int, masked: bool = Fals
     gets a padding mask, and transformers then repeats k and v to every query head before the kernel
     (integrations/sdpa_attention.py `use_gqa_in_sdpa`: grouped-query sdpa only without a mask), so the kernel
     keeps them that size."""
-    h, c = dims.hidden_size, compute_bytes
-    norm_and_projection = FP32 * h + FP32 + 2 * c * h
-    layer = layer_bytes_per_token(dims, compute_bytes=c, masked=masked)
-    return dims.num_layers * layer + norm_and_projection + 8  # + the final norm and lm_head's input, the ids
+    layer = layer_bytes_per_token(dims, compute_bytes=compute_bytes, masked=masked)
+    # + the final norm and lm_head's input, the ids
+    return dims.num_layers * layer + _norm_and_projection(dims, compute_bytes) + 8
 
 
 def rotary_bytes(dims: Dims, *, num_tokens: int, compute_bytes: int) -> int:
