@@ -326,7 +326,7 @@ def _job_info(client, job_id: str):
 
 def entrypoint(cfg: JobConfig) -> str:
     """`colocate launch` with every resolved key as an override: the cluster runs exactly what was validated."""
-    overrides = [f"{section}.{key}={value}" for section, fields in to_dict(cfg).items()
+    overrides = [f"{section}.{key}={'null' if value is None else value}" for section, fields in to_dict(cfg).items()
                  for key, value in fields.items() if key != "ray_address"]
     # `python -m`: the cluster's Python must have colocate installed; its console script need not be on PATH
     return " ".join(["python", "-m", "colocate.cli", "launch", "--address", "auto", *map(shlex.quote, overrides)])

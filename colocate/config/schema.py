@@ -61,6 +61,10 @@ class TrainerConfig:
     """With activation_checkpointing on CUDA: hold the kept layer inputs in pinned host memory (a copy each way per layer); the CPU has nowhere further to put them."""
     logprob_chunk_tokens: int | None = 1024
     """Tokens per chunk of the log-prob pass (lm_head, temperature, top-p, log-softmax), each chunk recomputed in the backward: the full [tokens, vocabulary] logits never exist at once; null: all of a micro-batch's at once."""
+    pack_sequences: bool = False
+    """A micro-batch is one row of its sequences end to end (positions restarting per sequence, attention kept inside each), no padding; false: one right-padded row per sequence."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget of a micro-batch (dynamic batch size): as many sequences as fit, packed tokens or rows x longest when padded, at most micro_batch_size rows padded; null: micro_batch_size sequences each. Must hold the longest sequence the engine can return."""
 
     def check(self) -> None:
         _positive(self, "trainer", "lr", "micro_batch_size", "num_threads")
@@ -70,6 +74,9 @@ class TrainerConfig:
         if self.logprob_chunk_tokens is not None and self.logprob_chunk_tokens <= 0:
             raise _bad("trainer.logprob_chunk_tokens", self.logprob_chunk_tokens,
                        "must be > 0 (tokens per chunk), or null for all of a micro-batch's logits at once")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch <= 0:
+            raise _bad("trainer.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch,
+                       "must be > 0 (tokens per micro-batch), or null for trainer.micro_batch_size sequences each")
         _non_negative(self, "trainer", "weight_decay", "grad_clip")
         _one_of(self, "trainer", "offload", ["auto", "true", "false"])
         _one_of(self, "trainer", "offload_backend", ["auto", "pinned", "torch_memory_saver"])
@@ -385,6 +392,19 @@ class JobConfig:
     def num_engines(self) -> int:
         return self.placement.num_slots // self.engine.tp
 
+    @property
+    def longest_sequence_tokens(self) -> int:
+        """The most tokens a trained sequence can have: the engine returns at most engine.max_model_len, prompt
+        included, and at most rollout.max_tokens of answer after a prompt of data.max_prompt_tokens (when set)."""
+        if not self.data.max_prompt_tokens:
+            return self.engine.max_model_len
+        return min(self.engine.max_model_len, self.data.max_prompt_tokens + self.rollout.max_tokens)
+
+    def _longest_why(self) -> str:
+        if self.longest_sequence_tokens == self.engine.max_model_len:
+            return f"engine.max_model_len={self.engine.max_model_len}"
+        return f"data.max_prompt_tokens={self.data.max_prompt_tokens} + rollout.max_tokens={self.rollout.max_tokens}"
+
     def check(self) -> None:
         """The checks that need no machine, no file and no user code: each section's own, then those across
         sections. Raises ConfigError naming the first bad key. (What needs files, user code, the model or the
@@ -400,6 +420,12 @@ class JobConfig:
             if value >= self.engine.max_model_len:
                 room = " (room to answer)" if key == "data.max_prompt_tokens" else ""
                 raise _bad(key, value, f"must be smaller than engine.max_model_len={self.engine.max_model_len}{room}")
+        budget, longest = self.trainer.max_tokens_per_micro_batch, self.longest_sequence_tokens
+        if budget is not None and budget < longest:
+            raise _bad("trainer.max_tokens_per_micro_batch", budget,
+                       f"the longest sequence this job can train is {longest} tokens ({self._longest_why()}); "
+                       f"valid: >= {longest}, or a shorter longest sequence (engine.max_model_len, or "
+                       "data.max_prompt_tokens + rollout.max_tokens)")
         if (self.eval.every_steps or self.eval.at_start or self.eval.at_end) and self.data.train_files \
                 and not self.data.val_files:
             raise _bad("data.val_files", "", "evaluation (eval.every_steps, eval.at_start, eval.at_end) of a run on "

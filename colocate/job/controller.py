@@ -164,7 +164,7 @@ class Controller:
             self.events.append("trainer.onload")
 
     def train(self, scored: Scored) -> dict:
-        total = self.rt.trainers.train_step(scored.sequences, micro_batch_size=self.cfg.trainer.micro_batch_size)
+        total = self.rt.trainers.train_step(scored.sequences, self.cfg.trainer)
         self.events.append("train")
         monitor = mismatch_stats(torch.from_numpy(total.token_log_w), torch.from_numpy(total.seq_log_w),
                                  band=self.cfg.algo.mismatch_band)

@@ -2,7 +2,7 @@
 controller's phases read as what they do (`trainers.offload()`, `engines.sleep(2)`), not as Ray plumbing.
 
     trainers = TrainerGroup(actor_handles)        # a list of Ray actor handles, with the group's calls
-    trainers.train_step(sequences, micro_batch_size=16)   # each rank its share, every rank the same pass count
+    trainers.train_step(sequences, cfg.trainer)   # each rank its share, every rank the same pass count
     engines.sleep(2); engines.wake(["weights"])
 
 A group is a list: code that needs one member (a rank, an engine's worker list) indexes it as before.
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import ray
 
+from colocate.config import TrainerConfig
 from colocate.rl.samples import Sequence
+from colocate.trainer.batching import deal, group_micro_batches
 from colocate.trainer.stats import TrainStats
 
 
@@ -25,16 +27,18 @@ class ActorGroup(list):
 class TrainerGroup(ActorGroup):
     """The FSDP2 ranks. Every call is a collective of theirs: all ranks or none."""
 
-    def train_step(self, sequences: list[Sequence], *, micro_batch_size: int) -> TrainStats:
-        """One optimizer step on `sequences`, dealt round-robin to the ranks; every rank runs the pass count of
-        the rank with the most (a collective each), and the loss is normalised by the tokens of all ranks."""
-        world = len(self)
+    def train_step(self, sequences: list[Sequence], cfg: TrainerConfig) -> TrainStats:
+        """One optimizer step on `sequences`, dealt to the ranks by tokens (trainer/batching.py); every rank runs
+        the micro-batch count of the rank with the most (a collective each), grouped as each rank groups its
+        own, and the loss is normalised by the response tokens of all ranks."""
+        shares = deal(sequences, len(self))
+        num_micro_batches = max(len(group_micro_batches(
+            share, max_seqs=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch,
+            packed=cfg.pack_sequences)) for share in shares)
         num_tokens = sum(len(s.response_ids) for s in sequences)
-        most_per_rank = -(-len(sequences) // world)
-        num_micro_batches = -(-most_per_rank // micro_batch_size)
-        results = ray.get([t.train_step.remote(sequences[rank::world], num_tokens_all_ranks=num_tokens,
+        results = ray.get([t.train_step.remote(share, num_tokens_all_ranks=num_tokens,
                                                num_micro_batches=num_micro_batches)
-                           for rank, t in enumerate(self)])
+                           for share, t in zip(shares, self)])
         return sum(results, TrainStats())
 
     def offload(self) -> None:

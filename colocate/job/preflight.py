@@ -25,6 +25,7 @@ from colocate.config import JobConfig
 from colocate.errors import ConfigError
 from colocate.host.node_checks import host_needs
 from colocate.job.placement import sync_in_place, sync_transport
+from colocate.trainer.batching import attention_implementation
 from colocate.trainer.step_memory import micro_batch_parts, unsharded_group_bytes
 
 GIB = 1 << 30
@@ -169,20 +170,31 @@ def predict_phases(cfg: JobConfig, dims: ModelDims, *, device: str, plan: Switch
     return _cpu_phases(cfg, dims, plan)
 
 
-def train_tokens_per_rank(cfg: JobConfig) -> int:
-    """Tokens of one micro-batch as the trainer pads it: rows x (prompt + response). The response is bounded by
-    rollout.max_tokens; the prompt is not known before the task runs, so PROMPT_TOKENS is a generous guess,
-    capped by the engine's context."""
-    return cfg.trainer.micro_batch_size * min(cfg.engine.max_model_len, PROMPT_TOKENS + cfg.rollout.max_tokens)
+def train_micro_batch_shape(cfg: JobConfig, device: str = "cpu") -> tuple[int, int, bool]:
+    """(rows, tokens per row, attention mask materialised) of the largest micro-batch the trainer runs
+    (trainer/batching.py). A sequence is bounded by rollout.max_tokens of answer; its prompt is not known before
+    the task runs, so PROMPT_TOKENS is a generous guess (data.max_prompt_tokens when set), both capped by the
+    engine's context. With a token budget the micro-batch holds at most the budget's tokens."""
+    trainer = cfg.trainer
+    prompt = cfg.data.max_prompt_tokens or PROMPT_TOKENS
+    longest = min(cfg.engine.max_model_len, prompt + cfg.rollout.max_tokens)
+    tokens = trainer.micro_batch_size * longest
+    if trainer.max_tokens_per_micro_batch is not None:
+        tokens = min(tokens, trainer.max_tokens_per_micro_batch) if not trainer.pack_sequences \
+            else trainer.max_tokens_per_micro_batch
+    if trainer.pack_sequences:
+        return 1, tokens, attention_implementation(trainer, device) != "flash_attention_2"
+    rows = max(1, tokens // longest)
+    return rows, longest, rows > 1
 
 
-def micro_batch_bytes(cfg: JobConfig, dims: ModelDims) -> dict[str, int]:
+def micro_batch_bytes(cfg: JobConfig, dims: ModelDims, device: str = "cpu") -> dict[str, int]:
     """One rank's activations, log-prob pass and FSDP2 unsharded groups while it trains (trainer/step_memory.py)."""
     compute = 2 if cfg.trainer.mixed_precision else 4
-    return {**micro_batch_parts(dims, num_tokens=train_tokens_per_rank(cfg),
-                                micro_batch_size=cfg.trainer.micro_batch_size, compute_bytes=compute,
+    rows, length, masked = train_micro_batch_shape(cfg, device)
+    return {**micro_batch_parts(dims, num_tokens=rows * length, micro_batch_size=rows, compute_bytes=compute,
                                 top_p=cfg.rollout.top_p, chunk_tokens=cfg.trainer.logprob_chunk_tokens,
-                                checkpointed=cfg.trainer.activation_checkpointing),
+                                checkpointed=cfg.trainer.activation_checkpointing, masked=masked),
             "fsdp unsharded groups": unsharded_group_bytes(dims, compute_bytes=compute)}
 
 
@@ -248,7 +260,8 @@ def _cuda_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan, gpu_bytes: i
                              else {**engine_share, **ring})}),
         Phase("rollout", {**contexts, **engine_share, **ring,
                           **({} if plan.trainer_offload else {"trainer params + optimizer": 3 * shard})}),
-        Phase("train", {**contexts, "trainer params + grads + optimizer": 4 * shard, **micro_batch_bytes(cfg, dims),
+        Phase("train", {**contexts, "trainer params + grads + optimizer": 4 * shard,
+                        **micro_batch_bytes(cfg, dims, "cuda"),
                         **(engine_share if awake else residue), **ring}),
         # grads were released; the engine woke its weights only, the KV cache stays asleep
         Phase("sync", {**contexts, "trainer params + optimizer": 3 * shard,
@@ -378,6 +391,10 @@ def _advice(phase: Phase, largest: str, cfg: JobConfig, plan: SwitchPlan) -> str
         return "use engine.sleep_level=2 (the sync restores the weights)"
     if "ring" in largest:
         return f"lower sync.bucket_mb (now {cfg.sync.bucket_mb})"
+    if largest == "attention masks" and cfg.trainer.pack_sequences:
+        return (f"lower trainer.max_tokens_per_micro_batch (now {cfg.trainer.max_tokens_per_micro_batch}): a packed "
+                "row's mask grows with the square of its tokens (none on CUDA with flash-attn installed and "
+                "trainer.mixed_precision=true)")
     if largest == "attention masks":
         return (f"use trainer.micro_batch_size=1 (now {cfg.trainer.micro_batch_size}): one row needs no padding "
                 "mask, and every layer keeps a copy of it that grows with the square of the length")
@@ -388,6 +405,10 @@ def _advice(phase: Phase, largest: str, cfg: JobConfig, plan: SwitchPlan) -> str
                 f"{cfg.rollout.max_tokens})")
     if largest == "logits and log-softmax" and cfg.trainer.logprob_chunk_tokens is None:
         return "use trainer.logprob_chunk_tokens=1024 (one chunk of logits at a time)"
+    if largest in ("activations kept for backward", "logits and log-softmax", "one layer recomputed") and \
+            cfg.trainer.max_tokens_per_micro_batch is not None:
+        return (f"lower trainer.max_tokens_per_micro_batch (now {cfg.trainer.max_tokens_per_micro_batch}) or "
+                f"rollout.max_tokens (now {cfg.rollout.max_tokens})")
     if largest in ("activations kept for backward", "logits and log-softmax", "one layer recomputed"):
         return (f"lower trainer.micro_batch_size (now {cfg.trainer.micro_batch_size}), rollout.max_tokens (now "
                 f"{cfg.rollout.max_tokens}) or engine.max_model_len (now {cfg.engine.max_model_len})")

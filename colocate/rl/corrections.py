@@ -29,13 +29,19 @@ QUANTILES = (0.001, 0.01, 0.05, 0.5, 0.95, 0.99, 0.999)
 
 
 def importance_weights(log_w: torch.Tensor, mask: torch.Tensor, *, mode: str, level: str, cap: float, low: float,
-                       high: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       high: float, seq_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss weights [B, T] and where the correction changed a weight (1: truncated by TIS, masked by
-    MIS), both zero outside `mask`. `log_w`: logp_trainer - logp_engine per token, detached."""
+    MIS), both zero outside `mask`. `log_w`: logp_trainer - logp_engine per token, detached. `seq_ids`: the
+    sequence of each token when a row holds several (packed micro-batches); None: each row is one sequence."""
     assert mode in ("tis", "mis") and level in ("token", "sequence"), (mode, level)
     log_w = log_w.detach() * mask
     if level == "sequence":  # one weight per sequence, the product over its tokens, for all of its tokens
-        log_w = log_w.sum(dim=1, keepdim=True).expand_as(mask)
+        if seq_ids is None:
+            log_w = log_w.sum(dim=1, keepdim=True).expand_as(mask)
+        else:
+            sums = torch.zeros(int(seq_ids.max()) + 1, dtype=log_w.dtype, device=log_w.device).index_add_(
+                0, seq_ids.flatten(), log_w.flatten())
+            log_w = sums[seq_ids]
     w = torch.exp(log_w)
     if mode == "tis":
         weights = torch.clamp(w, max=cap)

@@ -24,10 +24,11 @@ from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.sync.buckets import TensorSpec
 from colocate.sync.reshard import SyncPlan
 from colocate.sync.shards import bucket_copies, local_shards, run_copies
+from colocate.trainer.batching import MicroBatch, attention_implementation, collate, group_micro_batches
 from colocate.trainer.finite import check_weights, clip_checked
 from colocate.trainer.fsdp import checkpoint_layers, shard_by_layer
 from colocate.trainer.logprobs import install_chunked_head, sequence_logprobs
-from colocate.trainer.loss import Sequence, collate, policy_loss
+from colocate.trainer.loss import Sequence, policy_loss
 from colocate.trainer.offload import make_offloader
 from colocate.trainer.stats import TrainStats
 
@@ -106,7 +107,9 @@ class TrainerActor:
         mesh = init_device_mesh(self.device.type, (self.world_size,))
 
         # loaded on the CPU, sharded onto the device a layer at a time (trainer/fsdp.py): never whole on the GPU
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        self.attention = attention_implementation(self.cfg, self.device.type)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32,
+                                                     attn_implementation=self.attention)
         if self.cfg.logprob_chunk_tokens:  # before sharding: the head's weight keeps its name and its FSDP group
             install_chunked_head(model, self.cfg.logprob_chunk_tokens)
         if self.cfg.activation_checkpointing:
@@ -132,7 +135,8 @@ class TrainerActor:
             torch.cuda.empty_cache()
         return {"num_params": sum(p.numel() for p in model.parameters()),
                 "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
-                "reference_local_bytes": self.reference.local_bytes if self.reference else 0}
+                "reference_local_bytes": self.reference.local_bytes if self.reference else 0,
+                "attention": self.attention}
 
     def shutdown(self) -> None:
         import torch.distributed as dist
@@ -153,19 +157,15 @@ class TrainerActor:
         response tokens (FSDP averages gradients over ranks, hence the world-size factor).
 
         Hazard: every rank must run the same number of forward/backward passes (each is a set of FSDP
-        collectives), so the caller passes the count for the rank with the most sequences and a rank with fewer
-        runs zero-weighted passes instead of skipping. So does the reference (KL): it scores every micro-batch
+        collectives), so the caller passes the count of the rank with the most micro-batches (the same grouping,
+        job/groups.py) and a rank with fewer runs zero-weighted passes instead of skipping. So does the reference (KL): it scores every micro-batch
         first, in one onload/offload, never resident beside the policy's activations or gradients."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sequences = list(seqs)
         scale = self.world_size / max(num_tokens_all_ranks, 1)
         totals = TrainStats()
-        size = self.cfg.micro_batch_size
-        assert num_micro_batches * size >= len(sequences)
-        chunks = [sequences[i * size:(i + 1) * size] for i in range(num_micro_batches)]
-        batches = [collate(chunk or sequences[:1] or [_dummy_sequence(self.pad_id)], pad_id=self.pad_id,
-                           device=self.device) for chunk in chunks]
+        chunks = self._micro_batches(seqs, num_micro_batches)
+        batches = [self._collate(chunk or list(seqs[:1]) or [_dummy_sequence(self.pad_id)]) for chunk in chunks]
         ref_logprobs = self.reference.score(batches, temperature=self.sampling.temperature, top_p=self.sampling.top_p) \
             if self.reference is not None else [None] * len(batches)
         for chunk, batch, ref in zip(chunks, batches, ref_logprobs):
@@ -210,16 +210,24 @@ class TrainerActor:
               top_p: float) -> list[list[float]]:
         """The trainer's logprob of every response token of `seqs` under the sampling they came from (as the
         loss sees them), without training. A collective, like train_step: every rank runs `num_micro_batches`."""
-        sequences = list(seqs)
-        size, out = self.cfg.micro_batch_size, []
-        for i in range(num_micro_batches):
-            chunk = sequences[i * size:(i + 1) * size]
-            batch = collate(chunk or [_dummy_sequence(self.pad_id)], pad_id=self.pad_id, device=self.device)
+        out: dict[int, list[float]] = {}
+        index = {id(s): i for i, s in enumerate(seqs)}
+        for chunk in self._micro_batches(seqs, num_micro_batches):
+            batch = self._collate(chunk or [_dummy_sequence(self.pad_id)])
             logprobs = sequence_logprobs(self.model, batch, temperature=temperature, top_p=top_p)[0].cpu()
-            for row, s in enumerate(chunk):
-                first = len(s.prompt_ids) - 1
-                out.append(logprobs[row, first:first + len(s.response_ids)].tolist())
-        return out
+            for s, (row, first, num) in zip(chunk, batch.spans):
+                out[index[id(s)]] = logprobs[row, first:first + num].tolist()
+        return [out[i] for i in range(len(seqs))]
+
+    def _micro_batches(self, seqs: list[Sequence], num_micro_batches: int) -> list[list[Sequence]]:
+        """This rank's micro-batches (trainer/batching.py), then empty ones up to the count every rank runs."""
+        groups = group_micro_batches(list(seqs), max_seqs=self.cfg.micro_batch_size,
+                                     max_tokens=self.cfg.max_tokens_per_micro_batch, packed=self.cfg.pack_sequences)
+        assert len(groups) <= num_micro_batches, (len(groups), num_micro_batches)
+        return groups + [[] for _ in range(num_micro_batches - len(groups))]
+
+    def _collate(self, seqs: list[Sequence]) -> MicroBatch:
+        return collate(seqs, pad_id=self.pad_id, device=self.device, packed=self.cfg.pack_sequences)
 
     # ---------------------------------------------------------------------------------------- weight sync
 

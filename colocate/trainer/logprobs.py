@@ -133,7 +133,7 @@ def sequence_logprobs(model: torch.nn.Module, batch, *, temperature: float,
     if isinstance(head, ChunkedLogprobHead):
         targets = F.pad(batch.input_ids[:, 1:], (0, 1))  # the last position predicts nothing
         with head.scoring(targets, temperature=temperature, top_p=top_p):
-            out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+            out = model(**batch.model_inputs()).logits[:, :-1]
         return out[..., 0], out[..., 1]
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logits = model(**batch.model_inputs()).logits
     return processed_logprobs(logits[:, :-1], batch.input_ids[:, 1:], temperature=temperature, top_p=top_p)

@@ -1,9 +1,6 @@
 """The GRPO policy loss on sampled sequences, with the engine's sampling logprobs as the behaviour policy.
 
-Sequence layout (one row per sample):
-
-    tokens:    p0 p1 p2 | r0 r1 r2 <eos>          (prompt | response, right-padded)
-    logits t predicts token t+1, so response token j is scored by the logits at position len(prompt) + j - 1.
+Every tensor is per target position of a micro-batch (trainer/batching.py: padded or packed, the same here).
 
 Loss per response token (PPO-clip with group-relative advantages):
     ratio = exp(logp_trainer - logp_engine)
@@ -25,41 +22,13 @@ applies the same temperature and nucleus to the trainer's logits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from colocate.config import AlgoConfig
 from colocate.rl.corrections import importance_weights
-from colocate.rl.samples import Sequence
+from colocate.rl.samples import Sequence  # noqa: F401 -- the loss's input, imported from here by its callers
+from colocate.trainer.batching import MicroBatch, collate  # noqa: F401 -- likewise
 from colocate.trainer.stats import TrainStats
-
-
-@dataclass
-class MicroBatch:
-    input_ids: torch.Tensor  # [B, T]
-    attention_mask: torch.Tensor  # [B, T]
-    target_mask: torch.Tensor  # [B, T-1], 1 where the target token is a response token
-    old_logprobs: torch.Tensor  # [B, T-1]
-    advantages: torch.Tensor  # [B]
-
-
-def collate(seqs: list[Sequence], *, pad_id: int, device: torch.device) -> MicroBatch:
-    length = max(len(s.prompt_ids) + len(s.response_ids) for s in seqs)
-    input_ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(seqs), length), dtype=torch.long)
-    target_mask = torch.zeros((len(seqs), length - 1))
-    old_logprobs = torch.zeros((len(seqs), length - 1))
-    for i, s in enumerate(seqs):
-        tokens = s.prompt_ids + s.response_ids
-        input_ids[i, :len(tokens)] = torch.tensor(tokens)
-        attention_mask[i, :len(tokens)] = 1
-        first = len(s.prompt_ids) - 1
-        target_mask[i, first:first + len(s.response_ids)] = 1
-        old_logprobs[i, first:first + len(s.response_ids)] = torch.tensor(s.logprobs)
-    advantages = torch.tensor([s.advantage for s in seqs])
-    return MicroBatch(*(t.to(device) for t in (input_ids, attention_mask, target_mask, old_logprobs, advantages)))
-
 
 KL_CLAMP = 20.0  # |log r| bound for k3: e^20 is finite in fp32, e^100 (a floored logprob's log r) is not
 
@@ -101,9 +70,9 @@ def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, algo: AlgoConfig,
         log_ratio = (logprobs - logprobs.detach()) * mask
         weights, affected = importance_weights(log_w, mask, mode=algo.correction,
                                                level=algo.correction_level, cap=algo.tis_cap,
-                                               low=algo.mis_low, high=algo.mis_high)
+                                               low=algo.mis_low, high=algo.mis_high, seq_ids=batch.seq_ids)
     ratio = torch.exp(log_ratio)
-    advantages = batch.advantages.unsqueeze(1)
+    advantages = batch.advantages
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - algo.clip_eps, 1 + algo.clip_eps) * advantages
     loss = -(torch.minimum(unclipped, clipped) * weights).sum()
@@ -120,5 +89,6 @@ def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, algo: AlgoConfig,
             mismatch_abs_sum=float(log_w.abs().sum()), clipped_sum=float(((unclipped != clipped).float() * mask).sum()),
             corrected_sum=float(affected.sum()), weight_sum=float(weights.sum()), kl_sum=float(kl_sum),
             entropy_sum=float((entropy * mask).sum()) if entropy is not None else 0.0,
-            token_log_w=log_w[on].cpu().numpy(), seq_log_w=log_w.sum(dim=1)[mask.sum(dim=1) > 0].cpu().numpy())
+            token_log_w=log_w[on].cpu().numpy(),
+            seq_log_w=batch.per_sequence(log_w)[batch.per_sequence(mask) > 0].cpu().numpy())
     return loss, stats

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from colocate.trainer.batching import MicroBatch, attention_implementation
 from colocate.trainer.fsdp import shard_by_layer
 from colocate.trainer.logprobs import install_chunked_head, sequence_logprobs
-from colocate.trainer.loss import MicroBatch
 from colocate.trainer.offload import make_offloader
 
 REFERENCE_TAG = "colocate-reference"  # torch_memory_saver pauses by tag: not the policy's
@@ -36,7 +36,8 @@ class ReferencePolicy:
         from torch.distributed.fsdp import MixedPrecisionPolicy
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                     attn_implementation=attention_implementation(cfg, device.type))
         if cfg.logprob_chunk_tokens:
             install_chunked_head(model, cfg.logprob_chunk_tokens)
         model.requires_grad_(False)

@@ -133,9 +133,13 @@ def logprob_pass_bytes(dims: Dims, *, num_tokens: int, compute_bytes: int, top_p
 
 
 def micro_batch_parts(dims: Dims, *, num_tokens: int, micro_batch_size: int, compute_bytes: int,
-                      top_p: float, chunk_tokens: int | None = None, checkpointed: bool = False) -> dict[str, int]:
-    """What one micro-batch of `num_tokens` (rows x padded length) adds on a rank while it trains."""
-    length, masked, c = num_tokens // micro_batch_size, micro_batch_size > 1, compute_bytes
+                      top_p: float, chunk_tokens: int | None = None, checkpointed: bool = False,
+                      masked: bool | None = None) -> dict[str, int]:
+    """What one micro-batch of `num_tokens` (`micro_batch_size` rows x padded length) adds on a rank while it
+    trains. `masked`: whether attention takes a materialised mask; None: when rows are padded (more than one).
+    A packed row (one row of several sequences) has one under sdpa and eager, none under flash-attention varlen."""
+    length, c = num_tokens // micro_batch_size, compute_bytes
+    masked = micro_batch_size > 1 if masked is None else masked
     rotary = rotary_bytes(dims, num_tokens=length, compute_bytes=c)
     if checkpointed:
         parts = {"activations kept for backward": num_tokens * checkpointed_bytes_per_token(dims, compute_bytes=c)

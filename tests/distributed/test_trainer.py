@@ -21,24 +21,33 @@ SEQS = [
 
 
 def _train(rank: int, world_size: int, port: int, model_path: str, out_path: str, algo, sampling,
-           chunk_tokens: int | None = 1024, checkpointed: bool = False):
+           chunk_tokens: int | None = 1024, checkpointed: bool = False, layout: dict | None = None):
     from colocate.trainer.actor import TrainerActor
+    from colocate.trainer.batching import group_micro_batches
 
     cfg = TrainerConfig(lr=1e-2, micro_batch_size=2, grad_clip=0.0, logprob_chunk_tokens=chunk_tokens,
-                        activation_checkpointing=checkpointed)
+                        activation_checkpointing=checkpointed, **(layout or {}))
     trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0, algo=algo,
                            sampling=sampling)
     trainer.setup("127.0.0.1", port)
     assert (trainer.reference is not None) == (algo.kl_coef > 0)  # no reference policy unless the KL is on
     num_tokens = sum(len(s.response_ids) for s in SEQS)
+    # as the driver counts them (job/groups.py): the most micro-batches of any rank's share
+    num_micro_batches = max(len(group_micro_batches(SEQS[r::world_size], max_seqs=cfg.micro_batch_size,
+                                                    max_tokens=cfg.max_tokens_per_micro_batch,
+                                                    packed=cfg.pack_sequences)) for r in range(world_size))
     stats = trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens,
-                               num_micro_batches=-(-len(SEQS[0::world_size]) // cfg.micro_batch_size))
+                               num_micro_batches=num_micro_batches)
     assert stats.tokens == sum(len(s.response_ids) for s in SEQS[rank::world_size])
     assert len(stats.token_log_w) == stats.tokens and len(stats.seq_log_w) == len(SEQS[rank::world_size])
     grads = {n: p.grad.full_tensor() for n, p in trainer.model.named_parameters()}
     state = trainer.full_state_dict("float32")
+    losses = [torch.zeros(()) for _ in range(world_size)]
+    if world_size > 1:
+        torch.distributed.all_gather(losses, torch.tensor(stats.loss_sum))
     if rank == 0:
-        torch.save({"grads": grads, "state": state}, out_path)
+        torch.save({"grads": grads, "state": state, "loss": float(sum(losses)) if world_size > 1 else stats.loss_sum},
+                   out_path)
     trainer.shutdown()
 
 
@@ -83,6 +92,29 @@ def test_chunked_logprobs_and_checkpointed_layers_under_fsdp_give_the_plain_grad
     for name in ("both",):
         other = torch.load(tmp_path / f"{name}.pt")
         for param, grad in plain["grads"].items():
+            assert grad.abs().max() > 0, param
+            torch.testing.assert_close(other["grads"][param], grad, rtol=1e-5, atol=1e-6, msg=f"{name}: {param}")
+
+
+def test_packed_and_token_budget_micro_batches_give_the_padded_update(tmp_path):
+    # Packed: one row per micro-batch, positions restarting, attention kept inside each sequence by
+    # transformers' masking from position_ids (sdpa on the CPU). A token budget regroups the same sequences
+    # (first-fit decreasing); the loss is still normalised by all ranks' tokens, so the update is the same.
+    # Top-p and temperature on, a sequence-level correction (its per-sequence sums read the packed rows).
+    path = ensure_model(ModelConfig(preset="tiny", cache_dir=str(tmp_path / "models")))
+    algo = AlgoConfig(correction="tis", correction_level="sequence", tis_cap=2.0)
+    sampling = RolloutConfig(temperature=0.8, top_p=0.9)
+    runs = {"padded": {}, "packed": {"pack_sequences": True},
+            "budget": {"max_tokens_per_micro_batch": 8},  # padded rows x longest <= 8: one or two a pass
+            "packed_budget": {"pack_sequences": True, "max_tokens_per_micro_batch": 12}}
+    for name, layout in runs.items():
+        run_distributed(_train, path, str(tmp_path / f"{name}.pt"), algo, sampling, 4, False, layout,
+                        world_size=2, init=False)
+    padded = torch.load(tmp_path / "padded.pt")
+    for name in runs:
+        other = torch.load(tmp_path / f"{name}.pt")
+        assert other["loss"] == pytest.approx(padded["loss"], rel=1e-5, abs=1e-6), name
+        for param, grad in padded["grads"].items():
             assert grad.abs().max() > 0, param
             torch.testing.assert_close(other["grads"][param], grad, rtol=1e-5, atol=1e-6, msg=f"{name}: {param}")
 
