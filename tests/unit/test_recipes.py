@@ -23,6 +23,7 @@ MODEL_CONFIGS = ROOT / "tests" / "data" / "model_configs"
 CASES = {
     "qwen2.5-0.5b-math-1gpu.yaml": ("Qwen/Qwen2.5-0.5B-Instruct", 1, 494_032_768, (0, False)),
     "qwen2.5-7b-math-8gpu.yaml": ("Qwen/Qwen2.5-7B-Instruct", 8, 7_615_616_512, (0, False)),
+    "qwen2.5-7b-long-answers-8gpu.yaml": ("Qwen/Qwen2.5-7B-Instruct", 8, 7_615_616_512, (0, False)),
 }
 H100 = "79.6"
 
@@ -156,3 +157,41 @@ def test_recipe_as_shipped_validates_without_the_model_and_predicts_once_its_con
     assert f"# switch plan: engine sleep level {level}, trainer offload {str(offload).lower()}" in out
     with_shipped = validate(capsys, *argv, f"model.path={model_dir(hub_id)}")[1]
     assert phase_totals(out) == phase_totals(with_shipped)
+
+
+def _peak_and_budget(out: str, gpu_gib: str) -> tuple[float, float]:
+    budget = float(re.search(r"budget ([\d.]+) of " + re.escape(gpu_gib) + " GiB", out)[1])
+    return max(phase_totals(out).values()), budget
+
+
+def test_16k_token_answers_on_7b_fit_8x80gb_with_ten_percent_headroom(capsys):
+    # checkpointed layers, chunked log-probs, packed rows under a 16,448-token budget (the recipe)
+    name = "qwen2.5-7b-long-answers-8gpu.yaml"
+    code, out, err = validate(capsys, str(RECIPES / name), f"model.path={model_dir('Qwen/Qwen2.5-7B-Instruct')}",
+                              "--gpus", "8", "--gpu-memory-gib", H100)
+    assert code == 0, err
+    assert load_config(str(RECIPES / name)).rollout.max_tokens == 16384
+    peak, budget = _peak_and_budget(out, H100)
+    assert peak <= 0.9 * budget, (peak, budget)  # 10% under what the preflight allows, 12% under the GPU
+    # the same answers on today's path (padded rows of 2, full logits, every activation kept) are refused
+    code, _, err = validate(capsys, str(RECIPES / name), f"model.path={model_dir('Qwen/Qwen2.5-7B-Instruct')}",
+                            "--gpus", "8", "--gpu-memory-gib", H100, "trainer.activation_checkpointing=false",
+                            "trainer.pack_sequences=false", "trainer.max_tokens_per_micro_batch=null",
+                            "trainer.logprob_chunk_tokens=null", "trainer.micro_batch_size=2")
+    assert code == 2 and "phase 'train'" in err and "trainer.activation_checkpointing=true" in err, err
+
+
+def test_8k_token_answers_on_32b_fit_8x141gb(capsys):
+    # Qwen2.5-32B (its public config.json in tests/data) on H200s: 4 engines of TP=4 would not share the
+    # GPUs with 8 ranks' state and 8k answers awake, so the preflight sleeps the engine in training
+    argv = [str(RECIPES / "qwen2.5-7b-long-answers-8gpu.yaml"), f"model.path={MODEL_CONFIGS / 'Qwen2.5-32B-Instruct'}",
+            "--gpus", "8", "--gpu-memory-gib", "141", "engine.tp=4", "engine.gpu_memory_utilization=0.35",
+            "rollout.max_tokens=8192", "eval.max_tokens=8192", "engine.max_model_len=8256",
+            "trainer.max_tokens_per_micro_batch=8256"]
+    code, out, err = validate(capsys, *argv)
+    assert code == 0, err
+    config = json.loads((MODEL_CONFIGS / "Qwen2.5-32B-Instruct" / "config.json").read_text())
+    assert ModelDims.from_config_dict(config).num_params == 32_763_876_352  # embeddings and lm_head included
+    assert "# 8 cuda slot(s), 2 engine(s) x TP=4" in out
+    peak, budget = _peak_and_budget(out, "141.0")
+    assert peak <= budget
