@@ -191,10 +191,16 @@ def cmd_bench(args) -> int:
         from colocate.bench.switch import run_switch_bench
 
         run_switch_bench(cfg, num_cycles=args.repeats, out_dir=args.out, name=args.name or "switch")
-    elif args.which == "train-memory":
-        from colocate.bench.train_memory import run_train_memory_bench
+    elif args.which == "train":
+        from colocate.bench.train import DEFAULT_LENGTHS, run_train_bench
 
-        run_train_memory_bench(cfg, lengths=_lengths(args.lengths), out_dir=args.out, name=args.name or "train_memory")
+        lengths = _lengths(args.lengths) if args.lengths else list(DEFAULT_LENGTHS)
+        run_train_bench(cfg, lengths=lengths, out_dir=args.out, name=args.name or "train")
+    elif args.which == "train-memory":
+        from colocate.bench.train_memory import DEFAULT_LENGTHS, run_train_memory_bench
+
+        lengths = _lengths(args.lengths) if args.lengths else list(DEFAULT_LENGTHS)
+        run_train_memory_bench(cfg, lengths=lengths, out_dir=args.out, name=args.name or "train_memory")
     elif args.which == "rollout":
         from colocate.bench.rollout import run_rollout_bench
 
@@ -300,11 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     stop.set_defaults(func=cmd_stop)
 
     bench = sub.add_parser("bench", help="benchmarks: sync (weight sync), switch (sleep/wake), mismatch (logprobs), "
-                           "rollout (long tail), soak, train-memory (the preflight against a train step's peak)",
+                           "rollout (long tail), soak, train (tokens/s and memory of each long-answer feature), "
+                           "train-memory (the preflight against a train step's peak)",
                            description="Benchmark against the floor measured in the same run; writes JSON and a PNG "
                            "plot. Without a CONFIG, the bench preset (24 layers, >= 0.4 GB bf16, TP=2); rollout: the "
                            "tiny model with long-tailed answer lengths.")
-    bench.add_argument("which", choices=["sync", "switch", "mismatch", "rollout", "soak", "train-memory"])
+    bench.add_argument("which", choices=["sync", "switch", "mismatch", "rollout", "soak", "train", "train-memory"])
     bench.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
     bench.add_argument("--repeats", type=int, default=5,
                        help="timed syncs per method / switch cycles / rollout steps per mode (default 5)")
@@ -313,8 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--name", default="", help="result file name without extension (default: the benchmark)")
     bench.add_argument("--max-tokens", type=int, default=120,
                        help="mismatch: longest sampled answer (default 120, as in the published measurement)")
-    bench.add_argument("--lengths", default="256,512,1024,2048",
-                       help="train-memory: sequence lengths in tokens, ascending (default 256,512,1024,2048)")
+    bench.add_argument("--lengths", default="",
+                       help="train: longest answer lengths, ascending (default 128,512,1024,2048,4096); "
+                       "train-memory: sequence lengths in tokens, ascending (default 256,512,1024,2048)")
     bench.set_defaults(func=cmd_bench, command="bench")
 
     plot = sub.add_parser("plot", help="draw a run's metrics (reward, mismatch, phase times, memory) as a PNG",

@@ -46,7 +46,7 @@ class TrainerConfig:
     micro_batch_size: int = 16
     """Sequences per forward/backward pass on each rank; gradients accumulate over micro-batches."""
     mixed_precision: bool = False
-    """FSDP2 mixed precision (bf16 compute, fp32 reduce); CUDA only."""
+    """FSDP2 mixed precision (bf16 compute, fp32 reduce, fp32 master weights and optimizer state): on CUDA, and on a CPU with native bf16 (AVX-512 BF16 or AMX)."""
     offload: str = "auto"
     """Move parameters and optimizer state out while the engine runs: true, false, or auto (only when the memory preflight finds the rollout would not fit beside them)."""
     offload_backend: str = "auto"

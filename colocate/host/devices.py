@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -79,3 +80,19 @@ def copy_seconds(destination: torch.Tensor, source: torch.Tensor, *, repeats: in
             torch.cuda.synchronize(destination.device)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+# The CPU instructions that compute bf16 natively (Linux /proc/cpuinfo flag names): AVX-512 BF16's dot products
+# and AMX's tile multiplies, which oneDNN (torch's CPU matmul for bf16) uses when present. Without them torch
+# still computes bf16, by converting to fp32 and back: slower than fp32 itself.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_bf16_features() -> list[str]:
+    """This CPU's native bf16 instruction sets among BF16_FLAGS; empty: none (bf16 would be emulated)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return [flag for flag in BF16_FLAGS if flag in flags]

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from colocate.config import JobConfig
 from colocate.errors import ConfigError, PlacementError
+from colocate.host.devices import cpu_bf16_features
 
 # Fractions of a slot's GPU (or CPU) asked for by each co-located actor; they must sum to <= 1.
 TRAINER_SHARE = 0.5
@@ -94,9 +95,10 @@ def plan_slots(cfg: JobConfig, *, device: str, num_devices: int, where: str = "t
         if cfg.engine.sleep_backend == "vllm":
             raise ConfigError("engine.sleep_backend='vllm' is invalid on a CPU run: vLLM's sleep mode needs CUDA; "
                               "valid: auto, portable")
-        if cfg.trainer.mixed_precision:
-            raise ConfigError("trainer.mixed_precision=True is invalid on a CPU run: bf16 mixed precision is for "
-                              "CUDA; valid: false")
+        if cfg.trainer.mixed_precision and not cpu_bf16_features():
+            raise ConfigError("trainer.mixed_precision=True is invalid on this CPU: it computes bf16 natively only "
+                              "with AVX-512 BF16 or AMX (flags avx512_bf16, amx_bf16), which it lacks, and emulated "
+                              "bf16 is slower than fp32; valid: false")
     elif cfg.sync.transport == "in_place":
         raise ConfigError("sync.transport='in_place' is invalid on a CUDA run: the engine's weights live in vLLM's "
                           "sleep-mode allocator, which CUDA IPC cannot share; valid: auto, gather")

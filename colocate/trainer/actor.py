@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 
 from colocate.config import AlgoConfig, RolloutConfig
-from colocate.host.devices import copy_seconds, device_memory, device_name, local_cuda_device
+from colocate.host.devices import copy_seconds, cpu_bf16_features, device_memory, device_name, local_cuda_device
 from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.sync.buckets import TensorSpec
 from colocate.sync.reshard import SyncPlan
@@ -136,7 +136,10 @@ class TrainerActor:
         return {"num_params": sum(p.numel() for p in model.parameters()),
                 "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
                 "reference_local_bytes": self.reference.local_bytes if self.reference else 0,
-                "attention": self.attention}
+                "attention": self.attention,
+                # which path ran: bf16 compute (FSDP2 mixed precision) or fp32, and on the CPU its native bf16
+                "compute_dtype": "bfloat16" if self.cfg.mixed_precision else "float32",
+                **({"cpu_bf16_features": cpu_bf16_features()} if self.device.type == "cpu" else {})}
 
     def shutdown(self) -> None:
         import torch.distributed as dist

@@ -119,6 +119,23 @@ def test_packed_and_token_budget_micro_batches_give_the_padded_update(tmp_path):
             torch.testing.assert_close(other["grads"][param], grad, rtol=1e-5, atol=1e-6, msg=f"{name}: {param}")
 
 
+def test_bf16_compute_on_the_cpu_keeps_fp32_master_state_and_gradients(tmp_path):
+    # FSDP2 mixed precision on gloo: bf16 gathers and compute, fp32 reduce-scatter into the fp32 shards. The job
+    # refuses it on a CPU without native bf16 (job/placement.py: emulated, it is slower than fp32), but the
+    # path is the same on any CPU, so its numbers are checked here on whatever runs the tests.
+    path = ensure_model(ModelConfig(preset="tiny", cache_dir=str(tmp_path / "models")))
+    for name, layout in {"fp32": {}, "bf16": {"mixed_precision": True}}.items():
+        run_distributed(_train, path, str(tmp_path / f"{name}.pt"), AlgoConfig(), RolloutConfig(), 1024, False,
+                        layout, world_size=2, init=False)
+    fp32, bf16 = torch.load(tmp_path / "fp32.pt"), torch.load(tmp_path / "bf16.pt")
+    assert bf16["loss"] == pytest.approx(fp32["loss"], rel=2e-2)
+    for param, grad in fp32["grads"].items():
+        assert bf16["grads"][param].dtype == torch.float32 and bf16["state"][param].dtype == torch.float32
+        # bf16 keeps 8 bits of mantissa: within a few percent of the parameter's largest gradient
+        assert (bf16["grads"][param] - grad).abs().max() <= 0.05 * grad.abs().max(), param
+        assert not torch.equal(bf16["grads"][param], grad), f"{param}: the same as fp32, bf16 did not run"
+
+
 def _offload_round_trip(rank: int, world_size: int, port: int, model_path: str):
     from colocate.host.memory import process_rss_bytes
     from colocate.trainer.actor import TrainerActor

@@ -9,6 +9,7 @@ import pytest
 from colocate.cli import main
 from colocate.config import config_docs_markdown, load_config
 from colocate.errors import ConfigError
+from colocate.host.devices import cpu_bf16_features
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT = str(ROOT / "configs" / "default.yaml")
@@ -55,7 +56,8 @@ def test_defaults_without_a_file():
         pytest.param(["model.path=/no/such/model"], "model.path", id="missing_model_path"),
         pytest.param(["model.preset=huge"], "model.preset", id="unknown_preset"),
         pytest.param(["engine.sleep_backend=vllm"], "engine.sleep_backend", id="cuda_only_sleep_on_cpu"),
-        pytest.param(["trainer.mixed_precision=true"], "trainer.mixed_precision", id="cuda_only_mp_on_cpu"),
+        pytest.param(["trainer.mixed_precision=true"], "trainer.mixed_precision", id="mp_on_a_cpu_without_bf16",
+                     marks=pytest.mark.skipif(bool(cpu_bf16_features()), reason="this CPU computes bf16")),
         pytest.param(["placement.device=cuda"], "placement.device", id="cuda_without_cuda"),
         pytest.param(["engine.dtype=int8"], "engine.dtype", id="bad_dtype"),
         pytest.param(["rollout.max_tokens=500"], "rollout.max_tokens", id="response_longer_than_context"),
