@@ -31,8 +31,25 @@ class Terminated(BaseException):
     releases every actor and shared segment before the process exits."""
 
 
+# The stop signals received since catch_stop_signals, whatever became of their exceptions: one raised while C
+# code ran can come back wrapped (CPython's "SystemError: ... returned a result with an exception set"), and a
+# library may wrap that again (Ray's errors keep theirs in `.cause`); the job still reports a stop, not an error.
+_received: list[BaseException] = []
+
+
 def _raise_terminated(signum, frame):
-    raise Terminated()
+    _received.append(Terminated())
+    raise _received[-1]
+
+
+def _raise_interrupt(signum, frame):
+    _received.append(KeyboardInterrupt())
+    raise _received[-1]
+
+
+def stop_received() -> BaseException | None:
+    """The exception of the first stop signal since catch_stop_signals, or None."""
+    return _received[0] if _received else None
 
 
 def catch_stop_signals():
@@ -41,8 +58,10 @@ def catch_stop_signals():
     in /dev/shm."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
+    _received.clear()
     previous = (signal.signal(signal.SIGTERM, _raise_terminated), signal.getsignal(signal.SIGINT))
     mask = take_ctrl_c()
+    signal.signal(signal.SIGINT, _raise_interrupt)
 
     def restore():
         signal.signal(signal.SIGTERM, previous[0])

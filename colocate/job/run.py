@@ -15,7 +15,7 @@ from pathlib import Path
 from colocate.checkpoint.layout import checkpoint_root, complete_checkpoints, resume_point
 from colocate.config import JobConfig, to_dict
 from colocate.errors import EXIT_FAILED, JobFault, UserError
-from colocate.host.signals import Terminated, catch_stop_signals
+from colocate.host.signals import Terminated, catch_stop_signals, stop_received
 from colocate.job.checks import CheckedJob, check_job, read_inputs
 from colocate.job.controller import Controller
 from colocate.job.preflight import SwitchPlan
@@ -72,7 +72,9 @@ def run_job(cfg: JobConfig, checked: CheckedJob | None = None) -> int:
     except (KeyboardInterrupt, Terminated) as e:
         return _stopped(e, _num_steps(started[-1] if started else None), metrics.path)
     except Exception as e:
-        if not isinstance(e, JobFault) and (signal_exc := _signal_in_chain(e)) is not None:
+        # a stop signal was received (or is in the chain) while this error came about: the user stopped the job
+        signal_exc = stop_received() or (None if isinstance(e, JobFault) else _signal_in_chain(e))
+        if signal_exc is not None:
             return _stopped(signal_exc, _num_steps(started[-1] if started else None), metrics.path)
         num_done = _num_steps(started[-1] if started else None)
         metrics.write({"event": "error", "step": num_done, "error": one_line(e)})

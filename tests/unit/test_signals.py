@@ -36,6 +36,31 @@ def test_a_signal_wrapped_by_c_code_is_found_in_the_chain(signal_exc):
     assert _signal_in_chain(ValueError("a real error")) is None
 
 
+def test_a_stop_signal_is_remembered_whatever_became_of_its_exception():
+    # seen under `colocate stop`: SIGTERM inside a C call, the SystemError re-wrapped on the way out with no
+    # chain left to follow; the job must still report a stop (exit 143), not an error
+    from colocate.host.signals import stop_received
+
+    restore = catch_stop_signals()
+    try:
+        assert stop_received() is None
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        except Terminated:
+            pass  # swallowed, as a library's `except BaseException` around a C call would
+        assert isinstance(stop_received(), Terminated)
+    finally:
+        restore()
+    restore = catch_stop_signals()  # a new job: nothing received yet
+    try:
+        assert stop_received() is None
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert isinstance(stop_received(), KeyboardInterrupt)
+    finally:
+        restore()
+
+
 def test_sigint_raises_keyboard_interrupt_even_when_inherited_ignored_and_blocked():
     # what a job started by `cmd &` from a script (SIG_IGN) or under a Ray daemon (blocked) inherits
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
