@@ -27,6 +27,7 @@ import dataclasses
 import gc
 import json
 import multiprocessing as mp
+import os
 import socket
 import time
 from pathlib import Path
@@ -90,7 +91,9 @@ def _measure(cfg: JobConfig, keys: dict, model_path: str, lengths: list[int], po
     from colocate.trainer.batching import group_micro_batches
 
     torch.manual_seed(0)
-    trainer_cfg = dataclasses.replace(cfg.trainer, **_trainer_keys(keys, lengths[-1]))
+    # both cores: one rank alone on the machine (the default, one intra-op thread, is for ranks sharing it)
+    trainer_cfg = dataclasses.replace(cfg.trainer, num_threads=len(os.sched_getaffinity(0)),
+                                      **_trainer_keys(keys, lengths[-1]))
     trainer = TrainerActor(0, 1, trainer_cfg, model_path, device="cpu", pad_id=0, algo=cfg.algo,
                            sampling=cfg.rollout)
     info = trainer.setup("127.0.0.1", port)

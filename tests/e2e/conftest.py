@@ -134,9 +134,10 @@ def sigint_ignored() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def launch(tmp_path: Path, *overrides: str, timeout_s: float = 420) -> subprocess.CompletedProcess:
-    """`colocate launch` as a user runs it, with the small job's overrides."""
+def launch(tmp_path: Path, *overrides: str, timeout_s: float = 420,
+           config: str = "configs/default.yaml") -> subprocess.CompletedProcess:
+    """`colocate launch CONFIG` as a user runs it, with the small job's overrides."""
     args = ["rollout.num_prompts=4", "rollout.num_samples=4", "rollout.max_tokens=4", "engine.kv_cache_gib=0.125",
             f"logging.output_dir={tmp_path / 'out'}", f"model.cache_dir={ROOT / '.cache' / 'models'}", *overrides]
-    return subprocess.run([str(Path(os.sys.executable).parent / "colocate"), "launch", "configs/default.yaml", *args],
+    return subprocess.run([str(Path(os.sys.executable).parent / "colocate"), "launch", config, *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, preexec_fn=sigint_ignored)

@@ -1,5 +1,6 @@
 """Bad runtime input and interruptions, as a user meets them through `colocate launch`: one clear line, the
-finished steps kept, and nothing left behind (no Ray process, vLLM worker or /dev/shm segment)."""
+finished steps kept, and nothing left behind (no Ray process, vLLM worker or /dev/shm segment). The full run is
+the shipped prompt-file job (configs/math.yaml), so every named reward's mean is checked in its records too."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def error_lines(stderr: str) -> list[str]:
 
 
 def test_a_full_run_ends_clean_and_writes_metrics(tmp_path, baseline):
-    result = launch(tmp_path, "algo.num_steps=2")
+    # the shipped prompt-file job (configs/math.yaml: the arithmetic set, math + char rewards), shrunk
+    result = launch(tmp_path, "algo.num_steps=2", config="configs/math.yaml")
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["event"] == "startup" and records[0]["sync_mode"] == "sliced"
@@ -41,6 +43,9 @@ def test_a_full_run_ends_clean_and_writes_metrics(tmp_path, baseline):
         assert monitor["token"]["count"] == record["num_response_tokens"] > 0
         assert monitor["sequence"]["count"] == 4 * 4  # prompts x samples
         assert 0 < monitor["token"]["ratio_quantiles"]["p50"] < 2 and record["correction"]["mode"] == "none"
+        # each named reward's mean, and the total as the config weighs them
+        assert 0 <= record["reward_math_mean"] <= 1 and 0 <= record["reward_char_mean"] <= 1
+        assert record["reward_mean"] == pytest.approx(record["reward_math_mean"] + 0.5 * record["reward_char_mean"])
     assert "Traceback" not in result.stderr
     plotted = subprocess.run([os.path.join(os.path.dirname(os.sys.executable), "colocate"), "plot",
                               str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
@@ -80,7 +85,9 @@ def test_engine_that_fails_to_start(tmp_path, baseline):
 
 
 def test_reward_function_that_raises_keeps_finished_steps(tmp_path, baseline):
-    result = launch(tmp_path, "rollout.reward_fn=tests.e2e.rewards:explode_in_second_step", "algo.num_steps=4")
+    # one slot (a trainer rank, a TP=1 engine): the reward's failure is the driver's, whatever the layout
+    result = launch(tmp_path, "rollout.reward_fn=tests.e2e.rewards:explode_in_second_step", "algo.num_steps=4",
+                    "placement.num_slots=1", "engine.tp=1")
     assert result.returncode == 1
     lines = error_lines(result.stderr)
     assert "user reward bug" in lines[0] and "on prompt '" in lines[0], result.stderr[-2000:]
