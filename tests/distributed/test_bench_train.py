@@ -1,0 +1,30 @@
+"""`colocate bench train` as a user runs it, on the tiny model at one length: every variant measured in a rank of
+its own, each row beside its prediction and today's path, the JSON and the PNG written. (The recorded run, on the
+bench preset at 128 .. 4096 tokens, is benchmarks/results/train.json.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_train_measures_every_variant_and_writes_json_and_png(tmp_path):
+    done = subprocess.run([str(Path(sys.executable).parent / "colocate"), "bench", "train", "model.preset=tiny",
+                           f"model.cache_dir={ROOT / '.cache' / 'models'}", "--lengths", "128", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "train.json").read_text())
+    variants = {"today", "chunked", "checkpointed", "packed", "all"} | ({"bf16"} if result["cpu_bf16_features"] else set())
+    assert {row["variant"] for row in result["rows"]} == variants and result["lengths"] == [128]
+    for row in result["rows"]:
+        assert row["tokens_per_s"] > 0 and row["measured_step_bytes"] > 0 and row["predicted_step_bytes"] > 0
+        assert row["attention"] == "sdpa"
+    packed = next(row for row in result["rows"] if row["variant"] == "packed")
+    today = next(row for row in result["rows"] if row["variant"] == "today")
+    assert packed["num_micro_batches"] < today["num_micro_batches"] == 4  # the short answers share a row
+    assert (tmp_path / "train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "less step memory" in done.stdout
