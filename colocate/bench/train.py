@@ -88,7 +88,7 @@ def _measure(cfg: JobConfig, keys: dict, model_path: str, lengths: list[int], po
     import torch
 
     from colocate.trainer.actor import TrainerActor
-    from colocate.trainer.batching import group_micro_batches
+    from colocate.trainer.batching import trainer_micro_batches
 
     torch.manual_seed(0)
     # both cores: one rank alone on the machine (the default, one intra-op thread, is for ranks sharing it)
@@ -104,9 +104,7 @@ def _measure(cfg: JobConfig, keys: dict, model_path: str, lengths: list[int], po
         # the budget follows the length measured: a variant's micro-batches as a job of these answers has them
         trainer.cfg = dataclasses.replace(trainer_cfg, **_trainer_keys(keys, length))
         seqs = _sequences(length, vocab)
-        groups = group_micro_batches(seqs, max_seqs=trainer.cfg.micro_batch_size,
-                                     max_tokens=trainer.cfg.max_tokens_per_micro_batch,
-                                     packed=trainer.cfg.pack_sequences)
+        groups = trainer_micro_batches(seqs, trainer.cfg)
         trainer.release_grads()
         gc.collect()
         return_free_memory_to_os()

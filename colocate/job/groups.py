@@ -14,7 +14,7 @@ import ray
 
 from colocate.config import TrainerConfig
 from colocate.rl.samples import Sequence
-from colocate.trainer.batching import deal, group_micro_batches
+from colocate.trainer.batching import deal, trainer_micro_batches
 from colocate.trainer.stats import TrainStats
 
 
@@ -32,9 +32,7 @@ class TrainerGroup(ActorGroup):
         the micro-batch count of the rank with the most (a collective each), grouped as each rank groups its
         own, and the loss is normalised by the response tokens of all ranks."""
         shares = deal(sequences, len(self))
-        num_micro_batches = max(len(group_micro_batches(
-            share, max_seqs=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch,
-            packed=cfg.pack_sequences)) for share in shares)
+        num_micro_batches = max(len(trainer_micro_batches(share, cfg)) for share in shares)
         num_tokens = sum(len(s.response_ids) for s in sequences)
         results = ray.get([t.train_step.remote(share, num_tokens_all_ranks=num_tokens,
                                                num_micro_batches=num_micro_batches)

@@ -24,7 +24,7 @@ from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.sync.buckets import TensorSpec
 from colocate.sync.reshard import SyncPlan
 from colocate.sync.shards import bucket_copies, local_shards, run_copies
-from colocate.trainer.batching import MicroBatch, attention_implementation, collate, group_micro_batches
+from colocate.trainer.batching import MicroBatch, attention_implementation, collate, trainer_micro_batches
 from colocate.trainer.finite import check_weights, clip_checked
 from colocate.trainer.fsdp import checkpoint_layers, shard_by_layer
 from colocate.trainer.logprobs import install_chunked_head, sequence_logprobs
@@ -161,8 +161,9 @@ class TrainerActor:
 
         Hazard: every rank must run the same number of forward/backward passes (each is a set of FSDP
         collectives), so the caller passes the count of the rank with the most micro-batches (the same grouping,
-        job/groups.py) and a rank with fewer runs zero-weighted passes instead of skipping. So does the reference (KL): it scores every micro-batch
-        first, in one onload/offload, never resident beside the policy's activations or gradients."""
+        job/groups.py) and a rank with fewer runs zero-weighted passes instead of skipping. So does the reference
+        (KL): it scores every micro-batch first, in one onload/offload, never resident beside the policy's
+        activations or gradients."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         scale = self.world_size / max(num_tokens_all_ranks, 1)
@@ -224,8 +225,7 @@ class TrainerActor:
 
     def _micro_batches(self, seqs: list[Sequence], num_micro_batches: int) -> list[list[Sequence]]:
         """This rank's micro-batches (trainer/batching.py), then empty ones up to the count every rank runs."""
-        groups = group_micro_batches(list(seqs), max_seqs=self.cfg.micro_batch_size,
-                                     max_tokens=self.cfg.max_tokens_per_micro_batch, packed=self.cfg.pack_sequences)
+        groups = trainer_micro_batches(seqs, self.cfg)
         assert len(groups) <= num_micro_batches, (len(groups), num_micro_batches)
         return groups + [[] for _ in range(num_micro_batches - len(groups))]
 

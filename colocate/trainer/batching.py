@@ -112,6 +112,13 @@ def deal(sequences: list[Sequence], num_ranks: int) -> list[list[Sequence]]:
     return shares
 
 
+def trainer_micro_batches(seqs: list[Sequence], cfg) -> list[list[Sequence]]:
+    """One rank's micro-batches as the trainer config groups them: the rank itself, the driver counting every
+    rank's (job/groups.py) and the bench all call this, so their counts cannot drift apart."""
+    return group_micro_batches(list(seqs), max_seqs=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch,
+                               packed=cfg.pack_sequences)
+
+
 def group_micro_batches(seqs: list[Sequence], *, max_seqs: int, max_tokens: int | None,
                         packed: bool) -> list[list[Sequence]]:
     """One rank's micro-batches. Without a budget: `max_seqs` sequences each, in order. With one: first-fit

@@ -23,7 +23,7 @@ SEQS = [
 def _train(rank: int, world_size: int, port: int, model_path: str, out_path: str, algo, sampling,
            chunk_tokens: int | None = 1024, checkpointed: bool = False, layout: dict | None = None):
     from colocate.trainer.actor import TrainerActor
-    from colocate.trainer.batching import group_micro_batches
+    from colocate.trainer.batching import trainer_micro_batches
 
     cfg = TrainerConfig(lr=1e-2, micro_batch_size=2, grad_clip=0.0, logprob_chunk_tokens=chunk_tokens,
                         activation_checkpointing=checkpointed, **(layout or {}))
@@ -33,9 +33,7 @@ def _train(rank: int, world_size: int, port: int, model_path: str, out_path: str
     assert (trainer.reference is not None) == (algo.kl_coef > 0)  # no reference policy unless the KL is on
     num_tokens = sum(len(s.response_ids) for s in SEQS)
     # as the driver counts them (job/groups.py): the most micro-batches of any rank's share
-    num_micro_batches = max(len(group_micro_batches(SEQS[r::world_size], max_seqs=cfg.micro_batch_size,
-                                                    max_tokens=cfg.max_tokens_per_micro_batch,
-                                                    packed=cfg.pack_sequences)) for r in range(world_size))
+    num_micro_batches = max(len(trainer_micro_batches(SEQS[r::world_size], cfg)) for r in range(world_size))
     stats = trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens,
                                num_micro_batches=num_micro_batches)
     assert stats.tokens == sum(len(s.response_ids) for s in SEQS[rank::world_size])
