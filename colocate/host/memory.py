@@ -49,6 +49,26 @@ def advise_huge_pages(address: int, num_bytes: int) -> None:
     libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
 
 
+M_MMAP_THRESHOLD = -3  # glibc malloc.h
+LARGE_BLOCK_BYTES = 1 << 20
+
+
+def map_large_blocks(threshold: int = LARGE_BLOCK_BYTES) -> None:
+    """Give every host allocation of at least `threshold` bytes its own mapping, unmapped when it is freed
+    (glibc `mallopt(M_MMAP_THRESHOLD)`, which also switches the dynamic threshold off).
+
+    Why, for a CPU trainer: by default glibc raises its threshold each time a large mmapped block is freed (up to
+    32 MiB), so a train step's activations soon come from the heap. A block freed below a live one stays resident,
+    and the step's peak RSS grows by what the backward has already freed: measured on the bench preset (8 layers,
+    one 4,160-token sequence, fwd+bwd), 3.1 GiB instead of 2.4 with every activation kept, 1.1 GiB instead of 0.5
+    with checkpointing, whose recompute frees and reallocates a layer's activations 24 times a step. With it the
+    peak is what the live tensors need, which is what the preflight predicts. Cost: the kernel zero-fills each
+    new mapping; 2-10% of a step on that bench, less at 1 MiB than at 64 KiB. glibc only; elsewhere nothing."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(M_MMAP_THRESHOLD, threshold)
+
+
 def return_free_memory_to_os() -> None:
     """Hand the allocator's free memory back to the OS (glibc `malloc_trim`).
 

@@ -20,7 +20,7 @@ import torch
 
 from colocate.config import AlgoConfig, RolloutConfig
 from colocate.host.devices import copy_seconds, cpu_bf16_features, device_memory, device_name, local_cuda_device
-from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
+from colocate.host.memory import map_large_blocks, process_rss_bytes, return_free_memory_to_os
 from colocate.sync.buckets import TensorSpec
 from colocate.sync.reshard import SyncPlan
 from colocate.sync.shards import bucket_copies, local_shards, run_copies
@@ -45,6 +45,8 @@ class TrainerActor:
         self.algo, self.sampling = algo or AlgoConfig(), sampling or RolloutConfig()
         self.pad_id = pad_id
         self.device = local_cuda_device() if device == "cuda" else torch.device("cpu")
+        if self.device.type == "cpu":
+            map_large_blocks()  # the step's peak RSS is then its live tensors (host/memory.py)
         self._rings = {}
         self._gather_writers: dict = {}  # sync key -> GatherWriter (the gather protocol)
         self._copies: dict = {}
