@@ -26,7 +26,7 @@ from colocate.errors import ConfigError
 from colocate.host.node_checks import host_needs
 from colocate.job.placement import sync_in_place, sync_transport
 from colocate.trainer.batching import attention_implementation
-from colocate.trainer.step_memory import micro_batch_parts, unsharded_group_bytes
+from colocate.trainer.step_memory import kept_group_params, micro_batch_parts, unsharded_group_bytes
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -188,10 +188,13 @@ def train_micro_batch_shape(cfg: JobConfig, device: str = "cpu") -> tuple[int, i
     return rows, longest, rows > 1
 
 
-def micro_batch_bytes(cfg: JobConfig, dims: ModelDims, device: str = "cpu") -> dict[str, int]:
-    """One rank's activations, log-prob pass and FSDP2 unsharded groups while it trains (trainer/step_memory.py)."""
+def micro_batch_bytes(cfg: JobConfig, dims: ModelDims, device: str = "cpu",
+                      shape: tuple[int, int, bool] | None = None) -> dict[str, int]:
+    """One rank's activations, log-prob pass and FSDP2 unsharded groups while it trains (trainer/step_memory.py),
+    for a micro-batch of `shape` (rows, tokens per row, mask materialised; default: the largest the config
+    allows, train_micro_batch_shape)."""
     compute = 2 if cfg.trainer.mixed_precision else 4
-    rows, length, masked = train_micro_batch_shape(cfg, device)
+    rows, length, masked = shape or train_micro_batch_shape(cfg, device)
     return {**micro_batch_parts(dims, num_tokens=rows * length, micro_batch_size=rows, compute_bytes=compute,
                                 top_p=cfg.rollout.top_p, chunk_tokens=cfg.trainer.logprob_chunk_tokens,
                                 checkpointed=cfg.trainer.activation_checkpointing, masked=masked),
@@ -243,7 +246,7 @@ def _cuda_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan, gpu_bytes: i
     ring = {"sync ring": cfg.sync.num_bucket_slots * slot}
     # FSDP2 moves each group to the device whole, then shards it: the largest group is a transient, which the
     # caching allocator keeps reserved until the trainer empties its cache (it does, before the engines start)
-    transient = 4 * max(dims.layer_params, dims.root_params)
+    transient = 4 * max(dims.layer_params, kept_group_params(dims))  # trainer/fsdp.py's groups
     residue = {"engine outside its sleep pool (est.)": ENGINE_ASLEEP_BYTES}
     if cfg.engine.enforce_eager != "true":  # CUDA graphs ("auto" captures them on CUDA)
         residue["cuda graph pool, kept asleep (est.)"] = CUDA_GRAPH_POOL_BYTES

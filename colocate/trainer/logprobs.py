@@ -10,10 +10,12 @@ keeps only the chunk's hidden states (its input) and two floats per token, and t
 logits. The full [tokens, vocab] fp32 logits (4 bytes x 152k vocabulary = 0.6 MB a token for Qwen2.5: 2.4 GB at
 4k tokens, x2 or x3 with top-p's sorted copies and log-softmax's output) never exist; one chunk's do.
 
-The head runs *inside* the model's forward, as lm_head did: FSDP2's root group (embeddings, norm, lm_head) is
-unsharded by the root's pre-forward hook and, as the root, stays unsharded until its post-backward at the end of
-the backward (torch/distributed/fsdp/_fully_shard/_fsdp_state.py: the root is not resharded after forward), so
-the checkpoint's recompute reads the same full weight and its gradient reaches the reduce-scatter like any other.
+The head runs *inside* the model's forward, as lm_head did, so FSDP2's hooks see it: untied, lm_head is a group of
+its own (trainer/fsdp.py), unsharded by its pre-forward hook and kept so (reshard_after_forward=False) into its
+backward, whose recompute reads the full weight before the post-backward hook reduce-scatters the gradient; tied,
+it is the root's, unsharded from the forward to the end of the backward (torch/distributed/fsdp/_fully_shard/
+_fsdp_state.py: the root is not resharded after forward). The recompute of a chunk runs inside the head's
+backward, after its pre-backward hook, as a checkpointed decoder layer's does (trainer/fsdp.py checkpoint_layers).
 Calling lm_head from outside the forward would read a sharded DTensor.
 
 Both paths apply `processed_logprobs` to the same rows: chunked values equal the full pass's up to the matmul's

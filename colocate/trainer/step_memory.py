@@ -64,6 +64,7 @@ class Dims(Protocol):
     vocab_size: int
     layer_params: int
     root_params: int
+    tie_word_embeddings: bool
 
 
 def _norm_and_projection(dims: Dims, c: int) -> int:
@@ -112,13 +113,19 @@ def attention_mask_bytes(dims: Dims, *, rows: int, length: int, compute_bytes: i
     return rows * length * length * (1 + (dims.num_layers if num_layers is None else num_layers) * compute_bytes)
 
 
+def kept_group_params(dims: Dims) -> int:
+    """The FSDP2 group alive, unsharded, from the end of the forward into the backward (trainer/fsdp.py
+    shard_by_layer): untied, lm_head's own group; tied, the root (embeddings = lm_head, final norm)."""
+    return dims.root_params if dims.tie_word_embeddings else dims.vocab_size * dims.hidden_size
+
+
 def unsharded_group_bytes(dims: Dims, *, compute_bytes: int) -> int:
-    """FSDP2 keeps the root group (embeddings, final norm, lm_head) unsharded from the forward to the end of the
-    backward, with its full gradients until the root's reduce-scatter; of the decoder layers, the current one,
-    the prefetched one and one layer's unsharded gradients; and the reduce-scatter's flat fp32 input of the
-    largest group."""
-    return compute_bytes * (2 * dims.root_params + 3 * dims.layer_params) + \
-        FP32 * max(dims.root_params, dims.layer_params)
+    """At the backward's start: the kept group (above) unsharded with its full gradients until its
+    reduce-scatter; of the decoder layers, the current one, the prefetched one and one layer's unsharded
+    gradients; and the reduce-scatter's flat fp32 input of the larger group. The untied embeddings are resharded
+    after their forward, and gathered again only at the end of the backward, when the activations are gone."""
+    kept = kept_group_params(dims)
+    return compute_bytes * (2 * kept + 3 * dims.layer_params) + FP32 * max(kept, dims.layer_params)
 
 
 def logprob_pass_bytes(dims: Dims, *, num_tokens: int, compute_bytes: int, top_p: float,
