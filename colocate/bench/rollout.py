@@ -63,12 +63,11 @@ def run_rollout_bench(cfg: JobConfig, *, num_steps: int, out_dir: str, name: str
     rows, pictures = {}, {}
     with Runtime(cfg) as rt:
         for mode, settings in MODES.items():
-            job = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **settings))
+            job = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **settings, ignore_eos=True))
             job.check()
             task = make_task(job.rollout.task, length=job.rollout.task_length)
             rollouts = Rollouts(job, rt.engines, rt.tokenizer, PromptStream(task, seed=job.rollout.seed),
-                                budgets=lognormal_budgets(job.rollout.max_tokens, seed=job.rollout.seed),
-                                ignore_eos=True)
+                                budgets=lognormal_budgets(job.rollout.max_tokens, seed=job.rollout.seed))
             controller = Controller(job, rt, rollouts=rollouts)
             records, timelines = [], []
             for step in range(num_steps + 1):  # the first step warms up (and fills the pool of a carrying mode)

@@ -162,6 +162,8 @@ class RolloutConfig:
     """Sampling temperature."""
     top_p: float = 1.0
     """Nucleus sampling probability mass."""
+    ignore_eos: bool = False
+    """Answers run to rollout.max_tokens (or the context) whatever they sample, EOS included: for benchmarks and for stress tests of long answers (verl's rollout.ignore_eos)."""
     task_length: int = 3
     """Operand length (characters) of the toy tasks."""
     seed: int = 0

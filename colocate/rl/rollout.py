@@ -30,12 +30,12 @@ BudgetFn = Callable[[Sample, int], list[int]]
 
 class Rollouts:
     def __init__(self, cfg: JobConfig, engines: list, tokenizer, prompts: PromptStream, *,
-                 budgets: BudgetFn | None = None, ignore_eos: bool = False):
+                 budgets: BudgetFn | None = None):
         r = cfg.rollout
         self.engines, self.tokenizer, self.prompts = engines, tokenizer, prompts
         self.pool = RolloutPool(r, max_model_len=cfg.engine.max_model_len, seed=cfg.engine.seed)
         self.budgets = budgets or (lambda sample, n: [r.max_tokens] * n)
-        self.sampling = {"temperature": r.temperature, "top_p": r.top_p, "ignore_eos": ignore_eos}
+        self.sampling = {"temperature": r.temperature, "top_p": r.top_p, "ignore_eos": r.ignore_eos}
         self.timelines: list[list[list[tuple[float, int]]]] = []  # last collect: per pass, per engine
 
     def collect(self, version: int) -> tuple[list[Rollout], dict]:
