@@ -8,13 +8,14 @@ Face model directory: `transformers`, vLLM and colocate's trainer all load it by
     >>> tokenizer = load_tokenizer(path)
 
 Presets:
-- ``tiny``: 2 layers, hidden 128; for tests and the default CPU job (seconds to build, learns in minutes).
+- ``tiny``: 2 layers, hidden 128, 4,096 positions; for tests and the default CPU job (seconds to build, learns in minutes).
 - ``bench``: 24 layers, hidden 1024, vocab 32768; >= 0.4 GB of bf16 weights, for the sync/switch benchmarks.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -58,6 +59,7 @@ PRESETS: dict[str, Preset] = {
         num_key_value_heads=2,
         vocab_size=len(VOCAB),
         tie_word_embeddings=False,
+        max_position_embeddings=4096,  # room for reasoning-length answers (the long-answer e2e job: 2,048)
     ),
     "bench": Preset(
         num_layers=24,
@@ -75,8 +77,10 @@ PRESETS["tiny-tied"] = replace(PRESETS["tiny"], tie_word_embeddings=True)
 
 
 def preset_dir(config: ModelConfig) -> Path:
-    """Where a preset is cached: one directory per preset and seed, so presets never overwrite each other."""
-    return Path(config.cache_dir).expanduser() / f"qwen2-{config.preset}-seed{config.seed}"
+    """Where a preset is cached: one directory per preset, its dimensions and seed, so presets never overwrite
+    each other and a preset whose dimensions change (a newer colocate) is built anew, not read stale."""
+    fingerprint = hashlib.sha1(json.dumps(asdict(PRESETS[config.preset]), sort_keys=True).encode()).hexdigest()[:8]
+    return Path(config.cache_dir).expanduser() / f"qwen2-{config.preset}-{fingerprint}-seed{config.seed}"
 
 
 def ensure_model(config: ModelConfig) -> str:
