@@ -134,6 +134,19 @@ def sigint_ignored() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def checkpoint_tensors(checkpoint: Path) -> dict:
+    """Every tensor of a checkpoint's trainer state (model and optimizer), assembled from the ranks' shards."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(checkpoint / "trainer")).read_metadata()
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+             for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
+    dcp.load(state, checkpoint_id=str(checkpoint / "trainer"), no_dist=True)
+    return state
+
+
 def launch(tmp_path: Path, *overrides: str, timeout_s: float = 420,
            config: str = "configs/default.yaml") -> subprocess.CompletedProcess:
     """`colocate launch CONFIG` as a user runs it, with the small job's overrides."""

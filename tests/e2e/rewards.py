@@ -10,3 +10,9 @@ def explode_in_second_step(prompt: str, response: str, answer: str) -> float:
     if _calls > 16:
         raise ZeroDivisionError("user reward bug")
     return 0.5
+
+
+def share_of_a(prompt: str, response: str, answer: str) -> float:
+    """The share of the response that is the letter a: differs between an untrained model's samples, so every
+    group has advantages to train on, whatever the answers' length."""
+    return response.count("a") / max(len(response), 1)

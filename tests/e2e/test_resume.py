@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e.conftest import ROOT, launch
+from tests.e2e.conftest import ROOT, checkpoint_tensors, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -32,18 +32,6 @@ JOB = ["algo.num_steps=4", "engine.dtype=float32", "checkpoint.keep_last=0", "lo
 def _steps(run: Path) -> dict[int, dict]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in records if "event" not in r}  # a resumed step's last record counts
-
-
-def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint's trainer state (model and optimizer), assembled from the ranks' shards."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(str(checkpoint / "trainer")).read_metadata()
-    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-             for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
-    dcp.load(state, checkpoint_id=str(checkpoint / "trainer"), no_dist=True)
-    return state
 
 
 def test_resume_is_exact_and_the_export_loads(tmp_path):
@@ -62,7 +50,7 @@ def test_resume_is_exact_and_the_export_loads(tmp_path):
     assert any(e.get("event") == "resume" and e["step"] == 1 for e in events)
 
     # the same training: weights and optimizer state bit-equal, the data at the same place, the same metrics
-    whole_state, resumed_state = _tensors(a / "step_00000003"), _tensors(b / "step_00000003")
+    whole_state, resumed_state = checkpoint_tensors(a / "step_00000003"), checkpoint_tensors(b / "step_00000003")
     assert whole_state.keys() == resumed_state.keys() and any(k.startswith("optimizer.") for k in whole_state)
     for key, value in whole_state.items():
         assert torch.equal(value, resumed_state[key]), key
