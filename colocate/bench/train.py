@@ -8,11 +8,12 @@ Each variant runs in a process of its own: one real trainer rank (TrainerActor, 
 GRPO loss), set up with the variant's keys. A first step creates AdamW's state; then for each length one step
 trains a long-tailed group of answers (L, L/4, L/4 and L/8 tokens after 64-token prompts, the shape a reasoning
 model's answers have) and is measured as train-memory measures (bench/train_memory.py): the step's own memory is
-its peak RSS over the RSS before it, beside the preflight's prediction for that variant (the gradients plus
-`preflight.micro_batch_bytes`). Tokens/s counts real tokens, not padding.
+its peak RSS over the RSS before it, beside the prediction for the micro-batches that step runs (the largest of
+`preflight.micro_batch_bytes` over them, with the gradients from the second on) and the preflight's bound for the
+variant's config (the gradients plus its largest possible micro-batch). Tokens/s counts real tokens, not padding.
 
     today         padded rows of one (the only size that fits long answers today), full logits, every activation
-    chunked       trainer.logprob_chunk_tokens=1024
+    chunked       trainer.logprob_chunk_tokens=512
     checkpointed  trainer.activation_checkpointing=true
     packed        trainer.pack_sequences=true under a budget of the longest sequence (short answers share a pass)
     bf16          trainer.mixed_precision=true, only where the CPU computes bf16 natively (AVX-512 BF16 or AMX)
@@ -41,6 +42,7 @@ from colocate.rl.samples import Sequence
 
 PROMPT = 64
 DEFAULT_LENGTHS = (128, 512, 1024, 2048, 4096)
+CHUNK_TOKENS = 512  # 512 x 32,768 vocabulary x 16 bytes: 0.25 GiB at the peak
 MEMORY_TARGET = 4.0  # all features at the longest answers: at least 4x less step memory than today's path
 
 
@@ -49,13 +51,13 @@ def variants(bf16: bool) -> dict[str, dict]:
     today = {"micro_batch_size": 1, "logprob_chunk_tokens": None, "activation_checkpointing": False,
              "pack_sequences": False, "max_tokens_per_micro_batch": None, "mixed_precision": False}
     out = {"today": today,
-           "chunked": {**today, "logprob_chunk_tokens": 1024},
+           "chunked": {**today, "logprob_chunk_tokens": CHUNK_TOKENS},
            "checkpointed": {**today, "activation_checkpointing": True},
            "packed": {**today, "pack_sequences": True, "max_tokens_per_micro_batch": "longest"}}
     if bf16:
         out["bf16"] = {**today, "mixed_precision": True}
-    out["all"] = {**today, "logprob_chunk_tokens": 1024, "activation_checkpointing": True, "pack_sequences": True,
-                  "max_tokens_per_micro_batch": "longest", "mixed_precision": bf16}
+    out["all"] = {**today, "logprob_chunk_tokens": CHUNK_TOKENS, "activation_checkpointing": True,
+                  "pack_sequences": True, "max_tokens_per_micro_batch": "longest", "mixed_precision": bf16}
     return out
 
 
@@ -81,6 +83,21 @@ def _sequences(length: int, vocab: int) -> list[Sequence]:
     return [Sequence([5 + (i + k) % (vocab - 5) for i in range(PROMPT)],
                      [6 + (i * 7 + k) % (vocab - 6) for i in range(n)], [-2.0] * n, 1.0 if k % 2 == 0 else -1.0)
             for k, n in enumerate(answer_lengths(length))]
+
+
+def step_shapes(job: JobConfig, vocab: int, length: int) -> list[tuple[int, int, bool]]:
+    """(rows, tokens per row, mask materialised) of each micro-batch the measured step runs, in the order it
+    runs them (the longest first): the prediction is the largest of these, where the preflight's bound (train_micro_batch_shape) assumes the worst the config
+    allows, e.g. a packed row of several sequences filling the budget, where this step's longest is alone."""
+    from colocate.trainer.batching import sequence_tokens, trainer_micro_batches
+
+    shapes = []
+    for group in trainer_micro_batches(_sequences(length, vocab), job.trainer):
+        lengths = [sequence_tokens(s) for s in group]
+        several = len(group) > 1  # packed: the sequences' boundaries; padded: the padding (batching.py)
+        shapes.append((1, sum(lengths), several) if job.trainer.pack_sequences else
+                      (len(group), max(lengths), several))
+    return shapes
 
 
 def _measure(cfg: JobConfig, keys: dict, model_path: str, lengths: list[int], port: int, queue) -> None:
@@ -150,11 +167,18 @@ def run_train_bench(cfg: JobConfig, *, lengths: list[int], out_dir: str, name: s
     for variant, keys in variants(bf16=bool(features)).items():
         for reading in _run_variant(cfg, keys, model_path, lengths):
             job = _job_for(cfg, keys, reading["length"])
-            parts = {"gradients (fp32 shard)": 4 * dims.num_params, **micro_batch_bytes(job, dims)}
+            # train_step sets the gradients to None first: the first micro-batch's backward allocates them while
+            # it frees its activations, so only the micro-batches after it carry them whole
+            grads = {"gradients (fp32 shard)": 4 * dims.num_params}
+            steps = [{**(grads if i else {}), **micro_batch_bytes(job, dims, shape=shape)}
+                     for i, shape in enumerate(step_shapes(job, dims.vocab_size, reading["length"]))]
+            parts = max(steps, key=lambda p: sum(p.values()))
+            bound = sum(grads.values()) + sum(micro_batch_bytes(job, dims).values())
             measured = reading["peak_rss_bytes"] - reading["rss_before_bytes"]
             predicted = sum(parts.values())
             row = {"variant": variant, **reading, "tokens_per_s": reading["tokens"] / reading["step_s"],
                    "measured_step_bytes": measured, "predicted_step_bytes": predicted, "predicted_parts": parts,
+                   "preflight_bound_bytes": bound,
                    "prediction_ratio": measured / predicted,
                    "within_tolerance": abs(measured / predicted - 1) <= TOLERANCE}
             rows.append(row)

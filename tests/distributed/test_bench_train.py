@@ -22,6 +22,7 @@ def test_bench_train_measures_every_variant_and_writes_json_and_png(tmp_path):
     assert {row["variant"] for row in result["rows"]} == variants and result["lengths"] == [128]
     for row in result["rows"]:
         assert row["tokens_per_s"] > 0 and row["measured_step_bytes"] > 0 and row["predicted_step_bytes"] > 0
+        assert row["preflight_bound_bytes"] >= row["predicted_step_bytes"]  # the bound is the worst the config allows
         assert row["attention"] == "sdpa"
     packed = next(row for row in result["rows"] if row["variant"] == "packed")
     today = next(row for row in result["rows"] if row["variant"] == "today")
