@@ -182,8 +182,8 @@ def test_16k_token_answers_on_7b_fit_8x80gb_with_ten_percent_headroom(capsys):
 
 
 def test_8k_token_answers_on_32b_fit_8x141gb(capsys):
-    # Qwen2.5-32B (its public config.json in tests/data) on H200s: 4 engines of TP=4 would not share the
-    # GPUs with 8 ranks' state and 8k answers awake, so the preflight sleeps the engine in training
+    # Qwen2.5-32B (its public config.json in tests/data) on H200s: 2 engines of TP=4 beside 8 ranks' state and
+    # 8k answers (the preflight sleeps the engine in training where that is needed to fit)
     argv = [str(RECIPES / "qwen2.5-7b-long-answers-8gpu.yaml"), f"model.path={MODEL_CONFIGS / 'Qwen2.5-32B-Instruct'}",
             "--gpus", "8", "--gpu-memory-gib", "141", "engine.tp=4", "engine.gpu_memory_utilization=0.35",
             "rollout.max_tokens=8192", "eval.max_tokens=8192", "engine.max_model_len=8256",
