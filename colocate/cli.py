@@ -179,6 +179,10 @@ def cmd_bench(args) -> int:
         check_job(cfg)
         run_soak_bench(cfg, out_dir=args.out, name=args.name or "soak")
         return 0
+    # the bench's own arguments first: a bad one is named before the job's checks (and its memory preflight,
+    # which depends on what the machine has free) can speak
+    only = _variants(args.variants) if args.which == "train" and args.variants else None
+    lengths = _lengths(args.lengths) if args.which in ("train", "train-memory") and args.lengths else None
     defaults = ROLLOUT_DEFAULTS if args.which == "rollout" else BENCH_DEFAULTS
     cfg = load_config(path, (defaults if path is None else []) + overrides)
     check_job(cfg)
@@ -194,13 +198,12 @@ def cmd_bench(args) -> int:
     elif args.which == "train":
         from colocate.bench.train import DEFAULT_LENGTHS, run_train_bench
 
-        lengths = _lengths(args.lengths) if args.lengths else list(DEFAULT_LENGTHS)
-        run_train_bench(cfg, lengths=lengths, out_dir=args.out, name=args.name or "train")
+        run_train_bench(cfg, lengths=lengths or list(DEFAULT_LENGTHS), out_dir=args.out, name=args.name or "train",
+                        only=only)
     elif args.which == "train-memory":
         from colocate.bench.train_memory import DEFAULT_LENGTHS, run_train_memory_bench
 
-        lengths = _lengths(args.lengths) if args.lengths else list(DEFAULT_LENGTHS)
-        run_train_memory_bench(cfg, lengths=lengths, out_dir=args.out, name=args.name or "train_memory")
+        run_train_memory_bench(cfg, lengths=lengths or list(DEFAULT_LENGTHS), out_dir=args.out, name=args.name or "train_memory")
     elif args.which == "rollout":
         from colocate.bench.rollout import run_rollout_bench
 
@@ -211,6 +214,16 @@ def cmd_bench(args) -> int:
         run_mismatch_bench(cfg, num_prompts=cfg.rollout.num_prompts, num_samples=cfg.rollout.num_samples,
                            max_tokens=args.max_tokens, out_dir=args.out, name=args.name or "mismatch")
     return 0
+
+
+def _variants(text: str) -> list[str]:
+    from colocate.bench.train import variants
+
+    known, asked = list(variants(bf16=True)), [v.strip() for v in text.split(",") if v.strip()]
+    if "today" not in asked or any(v not in known for v in asked):
+        raise ConfigError(f"--variants {text!r} is invalid: expected a comma-separated subset of {', '.join(known)} "
+                          "that includes today (every ratio is taken against it)")
+    return asked
 
 
 def _lengths(text: str) -> list[int]:
@@ -320,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--name", default="", help="result file name without extension (default: the benchmark)")
     bench.add_argument("--max-tokens", type=int, default=120,
                        help="mismatch: longest sampled answer (default 120, as in the published measurement)")
+    bench.add_argument("--variants", default="",
+                       help="train: the variants to run, a subset including today (default: every one)")
     bench.add_argument("--lengths", default="",
                        help="train: longest answer lengths, ascending (default 128,512,1024,2048,4096); "
                        "train-memory: sequence lengths in tokens, ascending (default 256,512,1024,2048)")

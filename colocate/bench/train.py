@@ -155,7 +155,8 @@ def _run_variant(cfg: JobConfig, keys: dict, model_path: str, lengths: list[int]
     return readings
 
 
-def run_train_bench(cfg: JobConfig, *, lengths: list[int], out_dir: str, name: str) -> dict:
+def run_train_bench(cfg: JobConfig, *, lengths: list[int], out_dir: str, name: str,
+                    only: list[str] | None = None) -> dict:
     from colocate.job.preflight import micro_batch_bytes, model_dims
     from colocate.models.sources import ensure_model
 
@@ -164,7 +165,8 @@ def run_train_bench(cfg: JobConfig, *, lengths: list[int], out_dir: str, name: s
     dims = model_dims(cfg)
     features = cpu_bf16_features()
     rows = []
-    for variant, keys in variants(bf16=bool(features)).items():
+    chosen = {v: keys for v, keys in variants(bf16=bool(features)).items() if only is None or v in only}
+    for variant, keys in chosen.items():
         for reading in _run_variant(cfg, keys, model_path, lengths):
             job = _job_for(cfg, keys, reading["length"])
             # train_step sets the gradients to None first: the first micro-batch's backward allocates them while
@@ -190,22 +192,24 @@ def run_train_bench(cfg: JobConfig, *, lengths: list[int], out_dir: str, name: s
         base = today[row["length"]]
         row["speed_vs_today"] = row["tokens_per_s"] / base["tokens_per_s"]
         row["memory_vs_today"] = base["measured_step_bytes"] / max(row["measured_step_bytes"], 1)
-    longest = [r for r in rows if r["variant"] == "all" and r["length"] == lengths[-1]][0]
+    longest = next((r for r in rows if r["variant"] == "all" and r["length"] == lengths[-1]), None)
     result = {"bench": "train", "model": dataclasses.asdict(dims), "lengths": lengths, "prompt_tokens": PROMPT,
               "answers_per_step": "L, L/4, L/4, L/8", "cpu_bf16_features": features,
-              "variants": variants(bool(features)), "tolerance": TOLERANCE, "rows": rows,
-              "all_memory_vs_today_at_longest": longest["memory_vs_today"],
-              "memory_target_met": longest["memory_vs_today"] >= MEMORY_TARGET,
+              "variants": chosen, "tolerance": TOLERANCE, "rows": rows,
               "all_within_tolerance": all(r["within_tolerance"] for r in rows)}
+    if longest is not None:  # "all" was run (--variants may leave it out)
+        result.update(all_memory_vs_today_at_longest=longest["memory_vs_today"],
+                      memory_target_met=longest["memory_vs_today"] >= MEMORY_TARGET)
     if not features:
         result["bf16_note"] = ("this CPU has neither AVX-512 BF16 nor AMX: bf16 would be emulated, and "
                                "trainer.mixed_precision is refused on it; every figure here is fp32")
     path = write_result(result, out_dir, name)
     plot(result, path.with_suffix(".png"))
-    print(f"all features at {lengths[-1]}-token answers: {longest['memory_vs_today']:.1f}x less step memory, "
-          f"{longest['speed_vs_today']:.2f}x the tokens/s of today's path; "
-          f"{sum(r['within_tolerance'] for r in rows)}/{len(rows)} predictions within {TOLERANCE:.0%}; {path}")
-    print(json.dumps({"memory_target_met": result["memory_target_met"],
+    if longest is not None:
+        print(f"all features at {lengths[-1]}-token answers: {longest['memory_vs_today']:.1f}x less step memory, "
+              f"{longest['speed_vs_today']:.2f}x the tokens/s of today's path")
+    print(f"{sum(r['within_tolerance'] for r in rows)}/{len(rows)} predictions within {TOLERANCE:.0%}; {path}")
+    print(json.dumps({"memory_target_met": result.get("memory_target_met"),
                       "all_within_tolerance": result["all_within_tolerance"]}))
     return result
 
@@ -232,8 +236,9 @@ def plot(result: dict, path: Path) -> None:
     memory.set_yscale("log")
     speed.legend(fontsize=8)
     host = machine()
-    fig.suptitle(f"colocate bench train: {host['cpu']}, {host['cores']} cores; "
-                 f"all features at {result['lengths'][-1]}: {result['all_memory_vs_today_at_longest']:.1f}x less memory")
+    ratio = result.get("all_memory_vs_today_at_longest")
+    fig.suptitle(f"colocate bench train: {host['cpu']}, {host['cores']} cores"
+                 + (f"; all features at {result['lengths'][-1]}: {ratio:.1f}x less memory" if ratio else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -362,6 +362,13 @@ def test_bench_lengths_are_checked(lengths, capsys):
     assert f"--lengths {lengths!r} is invalid: expected ascending token counts above 64" in line
 
 
+@pytest.mark.parametrize("variants", ["all", "today,bogus", ","])
+def test_bench_train_variants_are_checked(variants, capsys):
+    code = main(["bench", "train", "--variants", variants])
+    line = one_error_line(capsys, code)
+    assert f"--variants {variants!r} is invalid: expected a comma-separated subset of today, chunked" in line
+
+
 # --------------------------------------------------------------------------------- the catalogue's own checks
 
 
