@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 import time
 
 from colocate.config import engine_extra_args
@@ -43,6 +45,7 @@ class EngineActor:
         self.eos_token_id = eos_token_id
         self.llm = None
         self._prepared = False
+        self._rpc_dir: str | None = None  # vLLM's IPC sockets (prepare)
         self._shared_rings: dict = {}  # sync key -> the segment a full-tensor plan's workers share (CPU)
         self._asleep: set[str] = set()  # the tags still asleep: nothing may generate before both woke
         self._deaths: list[tuple[int, int, int | None]] = []  # worker exits, in order (_watch_workers)
@@ -63,6 +66,11 @@ class EngineActor:
         # connect; 0700 with this. Its /dev/shm segments are 0600 whatever the umask (sync/transport.py). This
         # process is the engine's own Ray worker and writes nothing a user reads.
         os.umask(0o077)
+        # vLLM binds those sockets under $VLLM_RPC_BASE_PATH and never unlinks them: a few files per engine
+        # start, thousands left in /tmp on a CI machine. A directory of this engine's own (0700), removed with
+        # the engine in shutdown(); its TP workers inherit the variable.
+        self._rpc_dir = tempfile.mkdtemp(prefix="colocate-vllm-rpc-")
+        os.environ["VLLM_RPC_BASE_PATH"] = self._rpc_dir
         import vllm  # noqa: F401 -- the import is the work
 
         self._prepared = True
@@ -113,6 +121,9 @@ class EngineActor:
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+        if self._rpc_dir is not None:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
+            self._rpc_dir = None
 
     # ----------------------------------------------------------------------------------------- generation
 
