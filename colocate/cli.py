@@ -203,7 +203,8 @@ def cmd_bench(args) -> int:
     elif args.which == "train-memory":
         from colocate.bench.train_memory import DEFAULT_LENGTHS, run_train_memory_bench
 
-        run_train_memory_bench(cfg, lengths=lengths or list(DEFAULT_LENGTHS), out_dir=args.out, name=args.name or "train_memory")
+        run_train_memory_bench(cfg, lengths=lengths or list(DEFAULT_LENGTHS), out_dir=args.out,
+                               name=args.name or "train_memory")
     elif args.which == "rollout":
         from colocate.bench.rollout import run_rollout_bench
 

@@ -87,8 +87,9 @@ def _sequences(length: int, vocab: int) -> list[Sequence]:
 
 def step_shapes(job: JobConfig, vocab: int, length: int) -> list[tuple[int, int, bool]]:
     """(rows, tokens per row, mask materialised) of each micro-batch the measured step runs, in the order it
-    runs them (the longest first): the prediction is the largest of these, where the preflight's bound (train_micro_batch_shape) assumes the worst the config
-    allows, e.g. a packed row of several sequences filling the budget, where this step's longest is alone."""
+    runs them (the longest first). The prediction is the largest of these; the preflight's bound
+    (train_micro_batch_shape) assumes the worst the config allows, e.g. a packed row of several sequences filling
+    the budget, where this step's longest answer is alone in its row."""
     from colocate.trainer.batching import sequence_tokens, trainer_micro_batches
 
     shapes = []

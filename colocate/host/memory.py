@@ -61,7 +61,7 @@ def map_large_blocks(threshold: int = LARGE_BLOCK_BYTES) -> None:
     32 MiB), so a train step's activations soon come from the heap. A block freed below a live one stays resident,
     and the step's peak RSS grows by what the backward has already freed: measured on the bench preset (8 layers,
     one 4,160-token sequence, fwd+bwd), 3.1 GiB instead of 2.4 with every activation kept, 1.1 GiB instead of 0.5
-    with checkpointing, whose recompute frees and reallocates a layer's activations 24 times a step. With it the
+    with checkpointing, whose recompute frees and reallocates a layer's activations once per layer. With it the
     peak is what the live tensors need, which is what the preflight predicts. Cost: the kernel zero-fills each
     new mapping; 2-10% of a step on that bench, less at 1 MiB than at 64 KiB. glibc only; elsewhere nothing."""
     libc = _libc()

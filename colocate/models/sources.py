@@ -8,7 +8,8 @@ Face model directory: `transformers`, vLLM and colocate's trainer all load it by
     >>> tokenizer = load_tokenizer(path)
 
 Presets:
-- ``tiny``: 2 layers, hidden 128, 4,096 positions; for tests and the default CPU job (seconds to build, learns in minutes).
+- ``tiny``: 2 layers, hidden 128, 4,096 positions; for tests and the default CPU job (seconds to build, learns
+  in minutes).
 - ``bench``: 24 layers, hidden 1024, vocab 32768; >= 0.4 GB of bf16 weights, for the sync/switch benchmarks.
 """
 

@@ -2,8 +2,8 @@
 (rollout.ignore_eos: an untrained model would stop at a random EOS) trained with every long-answer feature on
 (activation checkpointing, chunked log-probs, packed sequences under a token budget), on one slot: a trainer rank
 and a TP=1 engine (decoding 2,048 tokens at TP=2 took 140 s a step beside the rest of the suite, 50 alone; the
-features across ranks and TP=2 are the gloo tests' and the other e2e jobs'). It trains (finite loss and gradients, weights that move) and every sync is checked in full against
-the trainer's weights (sync.verify=full)."""
+features across ranks and TP=2 are the gloo tests' and the other e2e jobs'). It trains (finite loss and gradients,
+weights that move) and every sync is checked in full against the trainer's weights (sync.verify=full)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from colocate.config import load_config
+from colocate.config import ModelConfig
 from colocate.models.sources import ensure_model
 from tests.e2e.conftest import ROOT, checkpoint_tensors, launch
 
@@ -44,8 +44,7 @@ def test_2048_token_answers_train_with_every_long_answer_feature(tmp_path):
         # behaviour logprobs from the engine against the trainer's, over all 8,192 tokens: the synced weights
         assert record["mismatch_monitor"]["token"]["count"] == 4 * ANSWER and record["mismatch"] < 0.05
     # the weights moved: the final checkpoint against the model the job started from
-    cfg = load_config(None, [f"model.cache_dir={ROOT / '.cache' / 'models'}"])
-    start = load_file(f"{ensure_model(cfg.model)}/model.safetensors")
+    start = load_file(f"{ensure_model(ModelConfig(cache_dir=str(ROOT / '.cache' / 'models')))}/model.safetensors")
     [final] = (tmp_path / "out" / "checkpoints").iterdir()
     trained = {k: v for k, v in checkpoint_tensors(final).items() if not k.startswith("optimizer.")}
     moved = [name for name, before in start.items()
