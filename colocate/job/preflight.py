@@ -196,7 +196,8 @@ def micro_batch_bytes(cfg: JobConfig, dims: ModelDims, device: str = "cpu",
     compute = 2 if cfg.trainer.mixed_precision else 4
     rows, length, masked = shape or train_micro_batch_shape(cfg, device)
     return {**micro_batch_parts(dims, num_tokens=rows * length, micro_batch_size=rows, compute_bytes=compute,
-                                top_p=cfg.rollout.top_p, chunk_tokens=cfg.trainer.logprob_chunk_tokens,
+                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                chunk_tokens=cfg.trainer.logprob_chunk_tokens,
                                 checkpointed=cfg.trainer.activation_checkpointing, masked=masked),
             "fsdp unsharded groups": unsharded_group_bytes(dims, compute_bytes=compute)}
 

@@ -3,7 +3,8 @@ loss's log-prob pass over the vocabulary, and FSDP2's unsharded groups. Pure ari
 dimensions, for the preflight (before any actor starts) and for `colocate bench train-memory`, which checks it
 against a real train step's measured peak.
 
-    parts = micro_batch_parts(dims, num_tokens=2 * 1088, micro_batch_size=2, compute_bytes=2, top_p=1.0)
+    parts = micro_batch_parts(dims, num_tokens=2 * 1088, micro_batch_size=2, compute_bytes=2, temperature=1.0,
+                              top_p=1.0)
     parts["activations kept for backward"], parts["logits and log-softmax"], ...
 
 Activations, per token (h hidden, q = heads x head_dim, kv = kv heads x head_dim, i intermediate, c the compute
@@ -24,9 +25,10 @@ input add `4h + 4 + 2c h`, the rotary cos/sin `2 c head_dim`, the input ids 8. t
 walks a real Qwen2's autograd graph and finds exactly these bytes in fp32 and bf16.
 
 The log-prob pass (trainer/logprobs.py) over V vocabulary entries per token: the model's logits
-(c V, alive through the backward: the train step holds them), an fp32 copy or the temperature's quotient (4V),
-log-softmax's output (4V, kept for backward), and in the backward the gather's and log-softmax's gradients
-(4V each): `(c + 12) V` at the peak, whichever of forward and backward it falls in. A nucleus (top_p < 1) adds
+(c V, alive through the backward: the train step holds them), an fp32 copy or the temperature's quotient (4V;
+neither in fp32 at temperature 1, where `logits.float()` returns the logits themselves), log-softmax's output
+(4V, kept for backward), and in the backward the gather's and log-softmax's gradients (4V each): `(c + 12) V` at
+the peak, `(c + 8) V` in fp32 at temperature 1, whichever of forward and backward it falls in. A nucleus (top_p < 1) adds
 the sort's values and int64 indices, the softmax, the cumulative sum, the mask and two [tokens, V] results:
 `17 V` more. Chunked (`trainer.logprob_chunk_tokens`, trainer/logprobs.py), that peak is one chunk's: each chunk's
 forward frees its logits, and its recompute in the backward holds the same again; every token keeps 16 bytes of
@@ -48,8 +50,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from colocate.trainer.logprobs import GREEDY_TEMPERATURE
+
 FP32 = 4
-LOGITS_BYTES_PER_VOCAB = 12  # beyond the model's own logits: fp32 copy, log-softmax, two gradients
+LOGITS_BYTES_PER_VOCAB = 8  # beyond the model's own logits: log-softmax's output, then two gradients of it
+COPY_BYTES_PER_VOCAB = 4  # an fp32 copy (bf16 logits) or the temperature's quotient; fp32 at T=1 makes neither
 NUCLEUS_BYTES_PER_VOCAB = 17  # top_p < 1: sort values + int64 indices, softmax, mask, masked and scattered copies
 CHUNKED_OUTPUT_BYTES = 16  # chunked head: (logprob, entropy) in fp32 per token, in the chunks and concatenated
 
@@ -102,8 +107,11 @@ def rotary_bytes(dims: Dims, *, num_tokens: int, compute_bytes: int) -> int:
     return 2 * compute_bytes * dims.head_dim * num_tokens  # cos and sin, shared by every layer
 
 
-def logits_bytes_per_token(dims: Dims, *, compute_bytes: int, top_p: float) -> int:
-    per_vocab = compute_bytes + LOGITS_BYTES_PER_VOCAB + (NUCLEUS_BYTES_PER_VOCAB if top_p < 1.0 else 0)
+def logits_bytes_per_token(dims: Dims, *, compute_bytes: int, temperature: float, top_p: float) -> int:
+    if temperature < GREEDY_TEMPERATURE:  # scored as the plain distribution (trainer/logprobs.py)
+        temperature, top_p = 1.0, 1.0
+    copy = COPY_BYTES_PER_VOCAB if compute_bytes != FP32 or temperature != 1.0 else 0
+    per_vocab = compute_bytes + copy + LOGITS_BYTES_PER_VOCAB + (NUCLEUS_BYTES_PER_VOCAB if top_p < 1.0 else 0)
     return per_vocab * dims.vocab_size
 
 
@@ -128,35 +136,42 @@ def unsharded_group_bytes(dims: Dims, *, compute_bytes: int) -> int:
     return compute_bytes * (2 * kept + 3 * dims.layer_params) + FP32 * max(kept, dims.layer_params)
 
 
-def logprob_pass_bytes(dims: Dims, *, num_tokens: int, compute_bytes: int, top_p: float,
+def logprob_pass_bytes(dims: Dims, *, num_tokens: int, compute_bytes: int, temperature: float, top_p: float,
                        chunk_tokens: int | None) -> int:
     """The log-prob pass's peak: all tokens' logits at once, or one chunk's (trainer.logprob_chunk_tokens; its
     forward and its recompute in the backward hold the same) plus every token's two fp32 outputs (logprob and
     entropy), in the chunks and in their concatenation."""
-    per_token = logits_bytes_per_token(dims, compute_bytes=compute_bytes, top_p=top_p)
+    per_token = logits_bytes_per_token(dims, compute_bytes=compute_bytes, temperature=temperature, top_p=top_p)
     if chunk_tokens is None:
         return num_tokens * per_token
     return min(num_tokens, chunk_tokens) * per_token + num_tokens * CHUNKED_OUTPUT_BYTES
 
 
 def micro_batch_parts(dims: Dims, *, num_tokens: int, micro_batch_size: int, compute_bytes: int,
-                      top_p: float, chunk_tokens: int | None = None, checkpointed: bool = False,
-                      masked: bool | None = None) -> dict[str, int]:
+                      temperature: float, top_p: float, chunk_tokens: int | None = None,
+                      checkpointed: bool = False, masked: bool | None = None) -> dict[str, int]:
     """What one micro-batch of `num_tokens` (`micro_batch_size` rows x padded length) adds on a rank while it
     trains. `masked`: whether attention takes a materialised mask; None: when rows are padded (more than one).
-    A packed row (one row of several sequences) has one under sdpa and eager, none under flash-attention varlen."""
+    A packed row (one row of several sequences) has one under sdpa and eager, none under flash-attention varlen.
+
+    Checkpointed, the backward meets the log-prob pass first and recomputes the layers after it: the pass's
+    temporaries are freed by then, and what stays is the logits (unchunked) or the chunks' outputs. The peak is
+    the larger of the two moments, so the recompute counts only what it adds beyond the pass."""
     length, c = num_tokens // micro_batch_size, compute_bytes
     masked = micro_batch_size > 1 if masked is None else masked
     rotary = rotary_bytes(dims, num_tokens=length, compute_bytes=c)
+    logprob_pass = logprob_pass_bytes(dims, num_tokens=num_tokens, compute_bytes=c, temperature=temperature,
+                                      top_p=top_p, chunk_tokens=chunk_tokens)
     if checkpointed:
+        recompute = num_tokens * layer_bytes_per_token(dims, compute_bytes=c, masked=masked)
+        left = num_tokens * (CHUNKED_OUTPUT_BYTES if chunk_tokens is not None else c * dims.vocab_size)
         parts = {"activations kept for backward": num_tokens * checkpointed_bytes_per_token(dims, compute_bytes=c)
                  + rotary,
-                 "one layer recomputed": num_tokens * layer_bytes_per_token(dims, compute_bytes=c, masked=masked)}
+                 "one layer recomputed": max(0, left + recompute - logprob_pass)}
     else:
         parts = {"activations kept for backward": num_tokens * saved_bytes_per_token(dims, compute_bytes=c,
                                                                                    masked=masked) + rotary}
-    parts["logits and log-softmax"] = logprob_pass_bytes(dims, num_tokens=num_tokens, compute_bytes=c, top_p=top_p,
-                                                         chunk_tokens=chunk_tokens)
+    parts["logits and log-softmax"] = logprob_pass
     if masked:
         # checkpointed: only the layer being recomputed makes its additive copy of the mask
         parts["attention masks"] = attention_mask_bytes(dims, rows=micro_batch_size, length=length,

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from colocate.job.preflight import ModelDims
-from colocate.trainer.step_memory import attention_mask_bytes, micro_batch_parts, rotary_bytes, saved_bytes_per_token
+from colocate.trainer.step_memory import (
+    attention_mask_bytes,
+    layer_bytes_per_token,
+    micro_batch_parts,
+    rotary_bytes,
+    saved_bytes_per_token,
+)
 
 CONFIGS = {
     "qwen2-gqa": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4,
@@ -84,22 +90,47 @@ def test_a_padded_micro_batch_keeps_a_mask_per_layer(dtype):
 
 def test_micro_batch_parts_scale_with_tokens_and_count_the_nucleus_and_the_mask():
     dims = ModelDims.from_config_dict({**CONFIGS["qwen2-gqa"]})
-    one = micro_batch_parts(dims, num_tokens=1000, micro_batch_size=1, compute_bytes=4, top_p=1.0)
-    two = micro_batch_parts(dims, num_tokens=2000, micro_batch_size=2, compute_bytes=4, top_p=1.0)
+    one = micro_batch_parts(dims, num_tokens=1000, micro_batch_size=1, compute_bytes=4, temperature=0.9, top_p=1.0)
+    two = micro_batch_parts(dims, num_tokens=2000, micro_batch_size=2, compute_bytes=4, temperature=0.9, top_p=1.0)
     assert "attention masks" not in one and two["attention masks"] == 2 * 1000 * 1000 * (1 + 2 * 4)
     assert two["logits and log-softmax"] == 2 * one["logits and log-softmax"] == 2 * 1000 * 16 * 1000
-    nucleus = micro_batch_parts(dims, num_tokens=1000, micro_batch_size=1, compute_bytes=4, top_p=0.9)
+    nucleus = micro_batch_parts(dims, num_tokens=1000, micro_batch_size=1, compute_bytes=4, temperature=0.9, top_p=0.9)
     assert nucleus["logits and log-softmax"] == 1000 * (16 + 17) * 1000
 
 
 def test_the_chunked_log_prob_pass_holds_one_chunk_of_logits():
     dims = ModelDims.from_config_dict({**CONFIGS["qwen2-gqa"]})
-    full = micro_batch_parts(dims, num_tokens=4000, micro_batch_size=1, compute_bytes=4, top_p=0.9)
-    chunked = micro_batch_parts(dims, num_tokens=4000, micro_batch_size=1, compute_bytes=4, top_p=0.9,
+    full = micro_batch_parts(dims, num_tokens=4000, micro_batch_size=1, compute_bytes=4, temperature=0.9, top_p=0.9)
+    chunked = micro_batch_parts(dims, num_tokens=4000, micro_batch_size=1, compute_bytes=4, temperature=0.9, top_p=0.9,
                                 chunk_tokens=1000)
     per_token = (4 + 12 + 17) * dims.vocab_size
     assert full["logits and log-softmax"] == 4000 * per_token
     assert chunked["logits and log-softmax"] == 1000 * per_token + 4000 * 16
     assert chunked["activations kept for backward"] == full["activations kept for backward"]
-    short = micro_batch_parts(dims, num_tokens=500, micro_batch_size=1, compute_bytes=4, top_p=0.9, chunk_tokens=1000)
+    short = micro_batch_parts(dims, num_tokens=500, micro_batch_size=1, compute_bytes=4, temperature=0.9, top_p=0.9, chunk_tokens=1000)
     assert short["logits and log-softmax"] == 500 * per_token + 500 * 16
+
+
+def test_fp32_logits_at_temperature_1_are_not_copied_and_the_recompute_follows_the_log_prob_pass():
+    dims = ModelDims.from_config_dict({**CONFIGS["qwen2-gqa"]})
+    tokens, vocab = 1000, dims.vocab_size
+
+    def logits(c, t):
+        return micro_batch_parts(dims, num_tokens=tokens, micro_batch_size=1, compute_bytes=c, temperature=t,
+                                 top_p=1.0)["logits and log-softmax"]
+
+    # logits.float() of fp32 logits is the logits themselves; a temperature or bf16 logits make a copy
+    assert logits(4, 1.0) == tokens * (4 + 8) * vocab
+    assert logits(4, 0.7) == logits(4, 1e-6) + tokens * 4 * vocab == tokens * (4 + 12) * vocab
+    assert logits(4, 1e-6) == logits(4, 1.0)  # greedy: scored as the plain distribution
+    assert logits(2, 1.0) == tokens * (2 + 12) * vocab
+    # checkpointed: the peak is the larger of the log-prob pass and what the layers' recompute holds after it
+    plain = micro_batch_parts(dims, num_tokens=tokens, micro_batch_size=1, compute_bytes=4, temperature=1.0,
+                              top_p=1.0, checkpointed=True)
+    recompute = tokens * layer_bytes_per_token(dims, compute_bytes=4, masked=False)
+    after = tokens * 4 * vocab + recompute  # the logits stay, the pass's temporaries are gone
+    assert plain["one layer recomputed"] == max(0, after - plain["logits and log-softmax"])
+    chunked = micro_batch_parts(dims, num_tokens=tokens, micro_batch_size=1, compute_bytes=4, temperature=1.0,
+                                top_p=1.0, checkpointed=True, chunk_tokens=100)
+    assert sum(chunked.values()) == chunked["activations kept for backward"] + max(
+        chunked["logits and log-softmax"], tokens * 16 + recompute)
