@@ -14,11 +14,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
 import time
 
 from colocate.config import engine_extra_args
 from colocate.errors import EngineStartError, SyncVerificationError
+from colocate.host.rpc_dirs import create_rpc_dir
 
 EXTENSION = "colocate.engine.extension.ColocateWorkerExtension"
 
@@ -66,10 +66,9 @@ class EngineActor:
         # connect; 0700 with this. Its /dev/shm segments are 0600 whatever the umask (sync/transport.py). This
         # process is the engine's own Ray worker and writes nothing a user reads.
         os.umask(0o077)
-        # vLLM binds those sockets under $VLLM_RPC_BASE_PATH and never unlinks them: a few files per engine
-        # start, thousands left in /tmp on a CI machine. A directory of this engine's own (0700), removed with
-        # the engine in shutdown(); its TP workers inherit the variable.
-        self._rpc_dir = tempfile.mkdtemp(prefix="colocate-vllm-rpc-")
+        # vLLM binds those sockets under $VLLM_RPC_BASE_PATH and never unlinks them: a directory of this
+        # engine's own (host/rpc_dirs.py), removed with the engine in shutdown(); its TP workers inherit it.
+        self._rpc_dir = create_rpc_dir()
         os.environ["VLLM_RPC_BASE_PATH"] = self._rpc_dir
         import vllm  # noqa: F401 -- the import is the work
 

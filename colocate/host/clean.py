@@ -19,7 +19,7 @@ when no living process maps them, processes by the record or by the job's own Ra
 Fact (Ray 2.60, Linux): a local Ray that ray.init started shares fate with its driver. SIGKILL the controller
 and gcs_server, the raylet, the dashboard and the monitors (its children) die at once; the workers (the
 raylet's) exit once they notice, seconds later, vLLM's TP workers after their engine actor. Run right after the
-kill, `clean` stops those stragglers (tests/e2e/test_isolation.py: 8 processes) and removes vLLM's segments,
+kill, `clean` stops those stragglers (tests/e2e/test_faults.py (d): 8 processes) and removes vLLM's segments,
 which nobody unlinks when its processes die that way. multiprocessing's resource trackers are stopped last and
 given time to exit by themselves: each unlinks the named semaphores its process left (stop_processes).
 """
@@ -45,6 +45,7 @@ from colocate.host.procfs import (
     stop_processes,
     tcp_clients,
 )
+from colocate.host.rpc_dirs import remove_stale_rpc_dirs
 from colocate.sync.transport import SEGMENT_PREFIX, SHM_DIR, is_ours, job_segments, mapped_by, segment_pid
 
 RECORD = "job.json"
@@ -132,6 +133,9 @@ def clean(run_dir: str | Path, *, dry_run: bool = False, say=print) -> tuple[int
             path.unlink(missing_ok=True)
         say(f"{'would remove' if dry_run else 'removed'} segment {path}")
     if not dry_run:
+        # a killed engine's socket directory (host/rpc_dirs.py): any whose engine is gone, not this job's alone
+        for path in remove_stale_rpc_dirs():
+            say(f"removed vLLM socket directory {path}")
         JobRecord(run_dir, record["job"]).update(**{**record, "cleaned_at": time.time()})
     return len(stopped), len(segments)
 

@@ -31,6 +31,7 @@ from colocate.config import JobConfig
 from colocate.engine.actor import EngineActor, engine_env
 from colocate.host.clean import JobRecord
 from colocate.host.procfs import actor_processes, process_tree, stop_processes
+from colocate.host.rpc_dirs import remove_stale_rpc_dirs
 from colocate.job.groups import EngineGroup, TrainerGroup
 from colocate.job.placement import (
     ENGINE_SHARE,
@@ -102,6 +103,7 @@ class Runtime:
     def start(self) -> None:
         cfg = self.cfg
         remove_stale_segments()
+        remove_stale_rpc_dirs()
         self.record.update()  # before anything that could leave something behind
         self._recorded = True
         self.model_path = ensure_model(cfg.model)
@@ -304,6 +306,7 @@ class Runtime:
         stop_processes(self._job_processes, grace_s=2.0)
         self._job_processes = []
         remove_stale_segments()
+        remove_stale_rpc_dirs()
         self._remove_orphaned_segments()
         if self._recorded:  # every actor and segment of the job is gone: `colocate clean` has nothing to do
             self.record.update(state="closed", closed_at=time.time())
