@@ -18,6 +18,7 @@ variant's config (the gradients plus its largest possible micro-batch). Tokens/s
     packed        trainer.pack_sequences=true under a budget of the longest sequence (short answers share a pass)
     bf16          trainer.mixed_precision=true, only where the CPU computes bf16 natively (AVX-512 BF16 or AMX)
     all           every one of the above together
+    all_fp32      all of them but bf16, where the CPU has bf16: the fp32-only figures beside
 
 Ratios are taken within the run: each variant's tokens/s and step memory over today's at the same length.
 """
@@ -58,6 +59,8 @@ def variants(bf16: bool) -> dict[str, dict]:
         out["bf16"] = {**today, "mixed_precision": True}
     out["all"] = {**today, "logprob_chunk_tokens": CHUNK_TOKENS, "activation_checkpointing": True,
                   "pack_sequences": True, "max_tokens_per_micro_batch": "longest", "mixed_precision": bf16}
+    if bf16:
+        out["all_fp32"] = {**out["all"], "mixed_precision": False}
     return out
 
 

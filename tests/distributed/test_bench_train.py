@@ -18,7 +18,9 @@ def test_bench_train_measures_every_variant_and_writes_json_and_png(tmp_path):
                            str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "train.json").read_text())
-    variants = {"today", "chunked", "checkpointed", "packed", "all"} | ({"bf16"} if result["cpu_bf16_features"] else set())
+    variants = {"today", "chunked", "checkpointed", "packed", "all"}
+    if result["cpu_bf16_features"]:  # bf16 alone, and every feature but bf16 beside all of them
+        variants |= {"bf16", "all_fp32"}
     assert {row["variant"] for row in result["rows"]} == variants and result["lengths"] == [128]
     for row in result["rows"]:
         assert row["tokens_per_s"] > 0 and row["measured_step_bytes"] > 0 and row["predicted_step_bytes"] > 0
