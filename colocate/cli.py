@@ -21,8 +21,8 @@ import os
 import sys
 
 from colocate.config import JobConfig, config_docs_markdown, load_config, to_dict
-from colocate.errors import EXIT_INTERRUPTED, ColocateError, ConfigError
-from colocate.host.signals import take_ctrl_c
+from colocate.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, ColocateError, ConfigError
+from colocate.host.signals import Terminated, catch_stop_signals, take_ctrl_c
 
 
 def _split(items: list[str]) -> tuple[str | None, list[str]]:
@@ -186,6 +186,23 @@ def cmd_bench(args) -> int:
     defaults = ROLLOUT_DEFAULTS if args.which == "rollout" else BENCH_DEFAULTS
     cfg = load_config(path, (defaults if path is None else []) + overrides)
     check_job(cfg)
+    # SIGTERM unwinds as Ctrl-C does: a bench's runtime closes, and the processes that measure (bench train and
+    # train-memory run each variant in a daemon process) go with it. Python's default for SIGTERM ends the
+    # process on the spot, and a measuring process would run on alone, taking the memory and cores it measures.
+    restore = catch_stop_signals()
+    try:
+        _run_bench(args, cfg, only=only, lengths=lengths)
+    except (KeyboardInterrupt, Terminated) as e:
+        said, code = ("interrupted", EXIT_INTERRUPTED) if isinstance(e, KeyboardInterrupt) else \
+            ("stopped (SIGTERM)", EXIT_TERMINATED)
+        print(f"colocate: bench {args.which} {said}", file=sys.stderr)
+        return code
+    finally:
+        restore()
+    return 0
+
+
+def _run_bench(args, cfg: JobConfig, *, only: list[str] | None, lengths: list[int] | None) -> None:
     if args.which == "sync":
         from colocate.bench.sync import run_sync_bench
 
@@ -214,7 +231,6 @@ def cmd_bench(args) -> int:
 
         run_mismatch_bench(cfg, num_prompts=cfg.rollout.num_prompts, num_samples=cfg.rollout.num_samples,
                            max_tokens=args.max_tokens, out_dir=args.out, name=args.name or "mismatch")
-    return 0
 
 
 def _variants(text: str) -> list[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from colocate.checkpoint.layout import checkpoint_root, complete_checkpoints, resume_point
 from colocate.config import JobConfig, to_dict
-from colocate.errors import EXIT_FAILED, JobFault, UserError
+from colocate.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED, JobFault, UserError
 from colocate.host.signals import Terminated, catch_stop_signals, stop_received
 from colocate.job.checks import CheckedJob, check_job, read_inputs
 from colocate.job.controller import Controller
@@ -117,7 +117,8 @@ def _resume_hint(cfg: JobConfig) -> str:
 
 
 def _stopped(e: BaseException, num_steps: int, path: Path) -> int:
-    what, code = ("interrupted", 130) if isinstance(e, KeyboardInterrupt) else ("stopped (SIGTERM)", 143)
+    what, code = ("interrupted", EXIT_INTERRUPTED) if isinstance(e, KeyboardInterrupt) else \
+        ("stopped (SIGTERM)", EXIT_TERMINATED)
     print(f"colocate: {what}; {num_steps} finished step(s) kept in {path}", file=sys.stderr)
     return code
 
