@@ -17,6 +17,10 @@ pytestmark = pytest.mark.e2e
 BIN = Path(sys.executable).parent
 SMALL = ["algo.num_steps=1", "rollout.num_prompts=4", "rollout.num_samples=4", "engine.kv_cache_gib=0.125",
          f"model.cache_dir={ROOT / '.cache' / 'models'}", "logging.progress=false"]
+# The submitted and the local job run on one slot (a rank, a TP=1 engine): what they show (the Job API, a Ray of
+# the job's own) has nothing to do with the layout, and each engine worker and rank fewer is seconds of CPU a job
+# start. The joined job keeps two slots and TP=2: the one TP=2 job placed on a cluster that `ray start` made.
+ONE_SLOT = ["placement.num_slots=1", "engine.tp=1"]
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +37,13 @@ def joining(head) -> dict[str, str]:
     return {**head.env, "RAY_ADDRESS": head.gcs_address}
 
 
+def ray_of(out: Path) -> dict:
+    """Which Ray the job ran on, from its record (job.json): one it started, or the cluster's (by its GCS port:
+    Ray reports the address as the node's, not the loopback one the head was given)."""
+    ray = json.loads((out / "job.json").read_text())["ray"]
+    return {"started": ray["started"], "gcs_port": ray["gcs_address"].rsplit(":", 1)[1]}
+
+
 def steps(path: Path) -> list[int]:
     records = [json.loads(line) for line in path.read_text().splitlines()]
     return [r["step"] for r in records if "event" not in r]
@@ -44,8 +55,9 @@ def test_launch_joins_submit_runs_and_a_local_job_stays_local(head, tmp_path):
                             cwd=ROOT, env=joining(head), capture_output=True, text=True, timeout=420)
     assert joined.returncode == 0, joined.stderr[-2000:]
     assert steps(tmp_path / "joined" / "metrics.jsonl") == [0]
+    assert ray_of(tmp_path / "joined") == {"started": False, "gcs_port": head.gcs_address.rsplit(":", 1)[1]}
 
-    submitted = subprocess.run([str(BIN / "colocate"), "submit", "--address", head.url, *SMALL,
+    submitted = subprocess.run([str(BIN / "colocate"), "submit", "--address", head.url, *SMALL, *ONE_SLOT,
                                 f"logging.output_dir={tmp_path / 'submitted'}"],
                                cwd=ROOT, env=head.env, capture_output=True, text=True, timeout=420)
     assert submitted.returncode == 0, submitted.stderr[-2000:]
@@ -53,11 +65,14 @@ def test_launch_joins_submit_runs_and_a_local_job_stays_local(head, tmp_path):
     assert steps(tmp_path / "submitted" / "metrics.jsonl") == [0]
 
     # Without an address the job starts a Ray of its own, even with this head running on the machine.
-    local = subprocess.run([str(BIN / "colocate"), "launch", *SMALL, f"logging.output_dir={tmp_path / 'local'}"],
+    local = subprocess.run([str(BIN / "colocate"), "launch", *SMALL, *ONE_SLOT,
+                            f"logging.output_dir={tmp_path / 'local'}"],
                            cwd=ROOT, env=head.env,
                            capture_output=True, text=True, timeout=420)
     assert local.returncode == 0, local.stderr[-2000:]
     assert steps(tmp_path / "local" / "metrics.jsonl") == [0]
+    local_ray = ray_of(tmp_path / "local")
+    assert local_ray["started"] and local_ray["gcs_port"] != head.gcs_address.rsplit(":", 1)[1]
 
 
 def test_cluster_without_enough_slots_is_refused_before_any_actor(head, tmp_path):

@@ -75,8 +75,10 @@ def test_kv_cache_larger_than_the_machine_is_stopped_by_the_preflight(tmp_path, 
 
 
 def test_engine_that_fails_to_start(tmp_path, baseline):
-    # the tiny model has 4,096 positions: vLLM refuses a longer context when the engine starts
-    result = launch(tmp_path, "engine.max_model_len=100000", "algo.num_steps=1")
+    # the tiny model has 4,096 positions: vLLM refuses a longer context when the engine starts. One slot: the
+    # refusal is the engine actor's own, before it starts a worker, whatever the layout
+    result = launch(tmp_path, "engine.max_model_len=100000", "algo.num_steps=1", "placement.num_slots=1",
+                    "engine.tp=1")
     assert result.returncode == 1
     lines = error_lines(result.stderr)
     assert lines and "engine failed to start" in lines[0] and "max_model_len" in lines[0], result.stderr[-2000:]

@@ -5,12 +5,14 @@ released, the exit code is non-zero, and resume=auto (or fault.max_restarts) con
 (a) an engine worker killed during rollout, restarted by the job itself (fault.max_restarts=1);
 (b) a trainer rank killed during training: the job stops naming it and says how to resume;
 (c) an engine worker that stops answering during a sync (SIGSTOP: alive, never answers);
-(d) the controller itself SIGKILLed: `colocate clean`, then resume=auto.
+(d) the controller itself SIGKILLed: `colocate clean` removes all its job record names (segments, processes,
+    its Ray session's daemons), a second clean finds nothing, then resume=auto.
 A worker node lost on a multi-node cluster is tests/e2e/test_multinode.py's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from colocate.host.procfs import same_process, session_processes
+from colocate.sync.transport import SHM_DIR, segment_job
 from colocate.telemetry.metrics import read_records
 from tests.e2e.conftest import ROOT, assert_nothing_left, colocate_processes, launch, shm_segments
 
@@ -92,11 +96,20 @@ def test_a_killed_controller_is_cleaned_and_resumed(tmp_path):
     while not (out / "checkpoints" / "step_00000001").is_dir():
         assert job.poll() is None and time.monotonic() < deadline, "the job ended or never reached step 1"
         time.sleep(0.2)
+    record = json.loads((out / "job.json").read_text())
+    assert record["controller"]["pid"] == job.pid and record["state"] == "running"
     job.send_signal(signal.SIGKILL)
     job.wait()
     result = subprocess.run([str(cli), "clean", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1].startswith(f"colocate: cleaned {out}:")
     assert_nothing_left(procs, shm)
+    # everything the job's record named is gone: its segments, its processes, every daemon of its Ray session
+    assert [p.name for p in SHM_DIR.iterdir() if segment_job(p.name) == record["job"] or p.name in record["shm"]] == []
+    assert [e for e in record["processes"] if same_process(e)] == []
+    assert session_processes(record["ray"]["session_dir"]) == []
+    again = subprocess.run([str(cli), "clean", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert again.stdout.splitlines()[-1] == f"colocate: cleaned {out}: stopped 0 process(es), removed 0 segment(s)"
     done = _steps(out)
     assert len(done) >= 2
     result = launch(tmp_path, *JOB, "algo.num_steps=4", "resume=auto")
