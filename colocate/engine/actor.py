@@ -18,7 +18,6 @@ import time
 
 from colocate.config import engine_extra_args
 from colocate.errors import EngineStartError, SyncVerificationError
-from colocate.host.rpc_dirs import create_rpc_dir
 
 EXTENSION = "colocate.engine.extension.ColocateWorkerExtension"
 
@@ -68,6 +67,8 @@ class EngineActor:
         os.umask(0o077)
         # vLLM binds those sockets under $VLLM_RPC_BASE_PATH and never unlinks them: a directory of this
         # engine's own (host/rpc_dirs.py), removed with the engine in shutdown(); its TP workers inherit it.
+        from colocate.host.rpc_dirs import create_rpc_dir  # here: the module imports torch
+
         self._rpc_dir = create_rpc_dir()
         os.environ["VLLM_RPC_BASE_PATH"] = self._rpc_dir
         import vllm  # noqa: F401 -- the import is the work

@@ -19,6 +19,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from colocate.sync.transport import pid_alive
+
 PREFIX = "colocate-vllm-rpc-"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-")
 
@@ -36,17 +38,8 @@ def remove_stale_rpc_dirs(root: str | None = None) -> list[str]:
             ours = path.is_dir() and path.lstat().st_uid == os.getuid()
         except OSError:  # removed meanwhile by its engine
             continue
-        if match and ours and not _alive(int(match.group(1))):
+        if match and ours and not pid_alive(int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(str(path))
     return removed
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -199,7 +199,7 @@ def remove_stale_segments() -> list[str]:
     removed = []
     for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*"):
         pid = segment_pid(path.name)
-        if pid is not None and not _pid_alive(pid) and is_ours(path):
+        if pid is not None and not pid_alive(pid) and is_ours(path):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
@@ -260,7 +260,9 @@ def mapped_by(names: set[str], pids: list[int] | None = None) -> set[str]:
     return mapped
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid exists (another user's counts: it exists, our signals are refused).
+    host/rpc_dirs.py judges vLLM's socket directories by it too."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
