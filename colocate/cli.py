@@ -21,8 +21,8 @@ import os
 import sys
 
 from colocate.config import JobConfig, config_docs_markdown, load_config, to_dict
-from colocate.errors import EXIT_INTERRUPTED, EXIT_TERMINATED, ColocateError, ConfigError
-from colocate.host.signals import Terminated, catch_stop_signals, take_ctrl_c
+from colocate.errors import EXIT_INTERRUPTED, ColocateError, ConfigError
+from colocate.host.signals import Terminated, catch_stop_signals, stop_outcome, take_ctrl_c
 
 
 def _split(items: list[str]) -> tuple[str | None, list[str]]:
@@ -193,8 +193,7 @@ def cmd_bench(args) -> int:
     try:
         _run_bench(args, cfg, only=only, lengths=lengths)
     except (KeyboardInterrupt, Terminated) as e:
-        said, code = ("interrupted", EXIT_INTERRUPTED) if isinstance(e, KeyboardInterrupt) else \
-            ("stopped (SIGTERM)", EXIT_TERMINATED)
+        said, code = stop_outcome(e)
         print(f"colocate: bench {args.which} {said}", file=sys.stderr)
         return code
     finally:

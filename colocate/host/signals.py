@@ -16,6 +16,8 @@ from __future__ import annotations
 import signal
 import threading
 
+from colocate.errors import EXIT_INTERRUPTED, EXIT_TERMINATED
+
 
 def take_ctrl_c() -> set:
     """SIGINT raises KeyboardInterrupt in the main thread from now on (ignored or blocked before); returns the
@@ -50,6 +52,14 @@ def _raise_interrupt(signum, frame):
 def stop_received() -> BaseException | None:
     """The exception of the first stop signal since catch_stop_signals, or None."""
     return _received[0] if _received else None
+
+
+def stop_outcome(stop: BaseException) -> tuple[str, int]:
+    """What a stop by Ctrl-C or SIGTERM is called in colocate's last line, and the exit code it ends with."""
+    if isinstance(stop, KeyboardInterrupt):
+        return "interrupted", EXIT_INTERRUPTED
+    assert isinstance(stop, Terminated), stop
+    return "stopped (SIGTERM)", EXIT_TERMINATED
 
 
 def catch_stop_signals():

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from colocate.checkpoint.layout import checkpoint_root, complete_checkpoints, resume_point
 from colocate.config import JobConfig, to_dict
-from colocate.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_TERMINATED, JobFault, UserError
-from colocate.host.signals import Terminated, catch_stop_signals, stop_received
+from colocate.errors import EXIT_FAILED, JobFault, UserError
+from colocate.host.signals import Terminated, catch_stop_signals, stop_outcome, stop_received
 from colocate.job.checks import CheckedJob, check_job, read_inputs
 from colocate.job.controller import Controller
 from colocate.job.preflight import SwitchPlan
@@ -117,8 +117,7 @@ def _resume_hint(cfg: JobConfig) -> str:
 
 
 def _stopped(e: BaseException, num_steps: int, path: Path) -> int:
-    what, code = ("interrupted", EXIT_INTERRUPTED) if isinstance(e, KeyboardInterrupt) else \
-        ("stopped (SIGTERM)", EXIT_TERMINATED)
+    what, code = stop_outcome(e)
     print(f"colocate: {what}; {num_steps} finished step(s) kept in {path}", file=sys.stderr)
     return code
 

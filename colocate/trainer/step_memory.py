@@ -24,15 +24,15 @@ A layer has two norm+projection pairs, so `2 (4h + 4 + 2c h) + c (2q + 2kv) + 4 
 input add `4h + 4 + 2c h`, the rotary cos/sin `2 c head_dim`, the input ids 8. tests/unit/test_step_memory.py
 walks a real Qwen2's autograd graph and finds exactly these bytes in fp32 and bf16.
 
-The log-prob pass (trainer/logprobs.py) over V vocabulary entries per token: the model's logits
-(c V, alive through the backward: the train step holds them), an fp32 copy or the temperature's quotient (4V;
-neither in fp32 at temperature 1, where `logits.float()` returns the logits themselves), log-softmax's output
-(4V, kept for backward), and in the backward the gather's and log-softmax's gradients (4V each): `(c + 12) V` at
-the peak, `(c + 8) V` in fp32 at temperature 1, whichever of forward and backward it falls in. A nucleus (top_p < 1) adds
-the sort's values and int64 indices, the softmax, the cumulative sum, the mask and two [tokens, V] results:
-`17 V` more. Chunked (`trainer.logprob_chunk_tokens`, trainer/logprobs.py), that peak is one chunk's: each chunk's
-forward frees its logits, and its recompute in the backward holds the same again; every token keeps 16 bytes of
-output. The entropy (a metric, no gradient) is taken 256 positions at a time, beside no peak of its own.
+The log-prob pass (trainer/logprobs.py) over V vocabulary entries per token: the model's logits (c V, alive through
+the backward: the train step holds them), an fp32 copy or the temperature's quotient (4V; neither in fp32 at
+temperature 1, where `logits.float()` returns the logits themselves), log-softmax's output (4V, kept for backward),
+and in the backward the gather's and log-softmax's gradients (4V each): `(c + 12) V` at the peak, `(c + 8) V` in
+fp32 at temperature 1, whichever of forward and backward it falls in. A nucleus (top_p < 1) adds the sort's values
+and int64 indices, the softmax, the cumulative sum, the mask and two [tokens, V] results: `17 V` more. Chunked
+(`trainer.logprob_chunk_tokens`, trainer/logprobs.py), that peak is one chunk's: each chunk's forward frees its
+logits, and its recompute in the backward holds the same again; every token keeps 16 bytes of output. The entropy (a
+metric, no gradient) is taken 256 positions at a time, beside no peak of its own.
 
 Padding: a micro-batch of rows of unequal length carries transformers' [rows, 1, T, T] boolean sdpa mask, and
 every layer's attention keeps its own copy converted to the compute dtype for its backward (aten's

@@ -107,7 +107,8 @@ def test_the_chunked_log_prob_pass_holds_one_chunk_of_logits():
     assert full["logits and log-softmax"] == 4000 * per_token
     assert chunked["logits and log-softmax"] == 1000 * per_token + 4000 * 16
     assert chunked["activations kept for backward"] == full["activations kept for backward"]
-    short = micro_batch_parts(dims, num_tokens=500, micro_batch_size=1, compute_bytes=4, temperature=0.9, top_p=0.9, chunk_tokens=1000)
+    short = micro_batch_parts(dims, num_tokens=500, micro_batch_size=1, compute_bytes=4, temperature=0.9, top_p=0.9,
+                              chunk_tokens=1000)
     assert short["logits and log-softmax"] == 500 * per_token + 500 * 16
 
 
