@@ -25,21 +25,19 @@ from colocate.errors import EXIT_INTERRUPTED, ColocateError, ConfigError
 from colocate.host.signals import Terminated, catch_stop_signals, stop_outcome, take_ctrl_c
 
 
-def _split(items: list[str]) -> tuple[str | None, list[str]]:
-    """`[CONFIG] [key=value ...]`: the config file is the one argument without '='."""
-    paths = [i for i in items if "=" not in i]
-    if len(paths) > 1:
-        raise ConfigError(f"expected at most one config file, got {paths}; overrides are key=value")
-    return (paths[0] if paths else None), [i for i in items if "=" in i]
+def _split(items: list[str]) -> tuple[list[str], list[str]]:
+    """`[CONFIG ...] [key=value ...]`: config files are the arguments without '=', merged in order (a job config,
+    then presets such as configs/algos/dapo.yaml); the rest are overrides."""
+    return [i for i in items if "=" not in i], [i for i in items if "=" in i]
 
 
 def job_config(args) -> JobConfig:
-    path, overrides = _split(args.items)
+    paths, overrides = _split(args.items)
     if getattr(args, "address", None):
         overrides.append(f"placement.ray_address={args.address}")
     elif os.environ.get("RAY_ADDRESS") and not any(o.startswith("placement.ray_address=") for o in overrides):
         overrides.append(f"placement.ray_address={os.environ['RAY_ADDRESS']}")
-    return load_config(path, overrides)
+    return load_config(paths, overrides)
 
 
 def cmd_validate(args) -> int:
@@ -109,8 +107,8 @@ def cmd_submit(args) -> int:
 
     # Not resolve(): the job joins the cluster from inside it (`--address auto`), so neither the job server's URL
     # nor this shell's RAY_ADDRESS belongs in its config.
-    path, overrides = _split(args.items)
-    cfg = load_config(path, overrides)
+    paths, overrides = _split(args.items)
+    cfg = load_config(paths, overrides)
     # its devices and directories are the cluster's: checked by its own launch there, before any actor
     check_sources(cfg, writes_here=False)
     return _job_command(lambda: submit_job(cfg, args.items, address=args.job_server, token_file=args.token_file,
@@ -171,11 +169,11 @@ def cmd_bench(args) -> int:
     from colocate.bench.rollout import ROLLOUT_DEFAULTS
     from colocate.job.checks import check_job
 
-    path, overrides = _split(args.items)
+    paths, overrides = _split(args.items)
     if args.which == "soak":  # the default job (or CONFIG) with the full switch forced, with or without CONFIG
         from colocate.bench.soak import SOAK_DEFAULTS, run_soak_bench
 
-        cfg = load_config(path, SOAK_DEFAULTS + overrides)
+        cfg = load_config(paths, SOAK_DEFAULTS + overrides)
         check_job(cfg)
         run_soak_bench(cfg, out_dir=args.out, name=args.name or "soak")
         return 0
@@ -184,7 +182,7 @@ def cmd_bench(args) -> int:
     only = _variants(args.variants) if args.which == "train" and args.variants else None
     lengths = _lengths(args.lengths) if args.which in ("train", "train-memory") and args.lengths else None
     defaults = ROLLOUT_DEFAULTS if args.which == "rollout" else BENCH_DEFAULTS
-    cfg = load_config(path, (defaults if path is None else []) + overrides)
+    cfg = load_config(paths, ([] if paths else defaults) + overrides)
     check_job(cfg)
     # SIGTERM unwinds as Ctrl-C does: a bench's runtime closes, and the processes that measure (bench train and
     # train-memory run each variant in a daemon process) go with it. Python's default for SIGTERM ends the

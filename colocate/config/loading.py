@@ -11,24 +11,20 @@ import dataclasses
 import typing
 from pathlib import Path
 
-from colocate.config.schema import JobConfig, _bad
+from colocate.config.fields import bad
+from colocate.config.schema import JobConfig
 from colocate.errors import ConfigError
 
 
-def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
-    """Merge the YAML file (if any) and `key=value` overrides onto the defaults; checked as `JobConfig.check`."""
+def load_config(paths: str | list[str] | tuple[str, ...] | None = None,
+                overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Merge the YAML files (if any, in order: a later file's keys win, e.g. a job config then an algorithm
+    preset) and `key=value` overrides onto the defaults; checked as `JobConfig.check`."""
     from omegaconf import OmegaConf
 
     merged = OmegaConf.create({})
-    if path is not None:
-        if not Path(path).is_file():
-            raise ConfigError(f"config file {path!r} does not exist")
-        try:
-            merged = OmegaConf.load(path)
-        except Exception as e:  # yaml.YAMLError and OmegaConf's own errors
-            raise ConfigError(f"config file {path!r} is not valid YAML: {_first_line(e)}") from None
-        if not isinstance(merged, typing.Mapping):
-            raise ConfigError(f"config file {path!r} must hold a mapping of sections (model:, engine:, ...)")
+    for path in [paths] if isinstance(paths, str) else list(paths or []):
+        merged = OmegaConf.merge(merged, _load_yaml(path))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is invalid: expected key=value, e.g. engine.tp=2")
@@ -44,6 +40,20 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     return cfg
 
 
+def _load_yaml(path: str):
+    from omegaconf import OmegaConf
+
+    if not Path(path).is_file():
+        raise ConfigError(f"config file {path!r} does not exist")
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as e:  # yaml.YAMLError and OmegaConf's own errors
+        raise ConfigError(f"config file {path!r} is not valid YAML: {_first_line(e)}") from None
+    if not isinstance(loaded, typing.Mapping):
+        raise ConfigError(f"config file {path!r} must hold a mapping of sections (model:, engine:, ...)")
+    return loaded
+
+
 def from_dict(data: dict) -> JobConfig:
     """Build a JobConfig from plain nested dicts, rejecting unknown keys and values of the wrong type."""
     return _build(JobConfig, data, prefix="")
@@ -51,12 +61,14 @@ def from_dict(data: dict) -> JobConfig:
 
 def _build(cls, data, *, prefix: str):
     if not isinstance(data, dict):
-        raise _bad(prefix.rstrip(".") or "config", data, "expected a mapping")
+        raise bad(prefix.rstrip(".") or "config", data, "expected a mapping")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}{name}"
+        if key in _REPLACED:
+            raise ConfigError(f"{key!r} is no longer a key: {_REPLACED[key]}")
         if name not in fields:
             raise ConfigError(f"unknown key {key!r}; valid keys here: {', '.join(fields)}")
         hint = hints[name]
@@ -67,6 +79,9 @@ def _build(cls, data, *, prefix: str):
     return cls(**kwargs)
 
 
+# keys of earlier releases, and what took their place
+_REPLACED = {"algo.normalize_advantages": "algo.advantage=grpo divides by the group's std (true), "
+             "algo.advantage=dr_grpo does not (false)"}
 # short forms accepted on the command line: `colocate launch ... resume=auto`
 _ALIASES = {"resume": "checkpoint.resume"}
 # str keys that hold JSON: a YAML mapping given for them (engine.extra_args: {block_size: 32}) is kept as JSON text
@@ -86,20 +101,20 @@ def _coerce(key: str, value, hint):
         return json.dumps(value)
     if key in _LIST_KEYS and isinstance(value, list):
         if not all(isinstance(v, str) and "," not in v for v in value):
-            raise _bad(key, value, "expected a list of file paths (without commas)")
+            raise bad(key, value, "expected a list of file paths (without commas)")
         return ",".join(value)
     if hint is bool:
         if isinstance(value, bool):
             return value
-        raise _bad(key, value, "expected true or false")
+        raise bad(key, value, "expected true or false")
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise _bad(key, value, "expected an integer")
+        raise bad(key, value, "expected an integer")
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        raise _bad(key, value, "expected a number")
+        raise bad(key, value, "expected a number")
     if hint is str:
         if value is None:
             return ""
@@ -107,7 +122,7 @@ def _coerce(key: str, value, hint):
             return str(value).lower()
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        raise _bad(key, value, "expected a string")
+        raise bad(key, value, "expected a string")
     raise AssertionError(f"unsupported config type {hint} for {key}")
 
 

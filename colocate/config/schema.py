@@ -16,11 +16,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from colocate.errors import ConfigError
-
-
-def _bad(key: str, value, valid: str) -> ConfigError:
-    return ConfigError(f"{key}={value!r} is invalid: {valid}")
+from colocate.config.algo import GREEDY_TEMPERATURE, GROUP_ADVANTAGES, AlgoConfig
+from colocate.config.fields import bad, non_negative, one_of, positive
 
 
 @dataclass
@@ -38,7 +35,13 @@ class ModelConfig:
 @dataclass
 class TrainerConfig:
     lr: float = 1e-3
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak, with a schedule)."""
+    lr_schedule: str = "constant"
+    """Learning rate over the run's algo.num_steps optimizer steps, after trainer.lr_warmup_steps of linear warmup from 0: constant, cosine or linear decay to trainer.lr_min_ratio x lr at the last step."""
+    lr_warmup_steps: int = 0
+    """Steps of linear warmup: step s (0-based) uses (s + 1) / (lr_warmup_steps + 1) x lr."""
+    lr_min_ratio: float = 0.0
+    """cosine and linear: the last step's learning rate as a fraction of trainer.lr."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -67,19 +70,22 @@ class TrainerConfig:
     """Token budget of a micro-batch (dynamic batch size): as many sequences as fit, packed tokens or rows x longest when padded, at most micro_batch_size rows padded; null: micro_batch_size sequences each. Must hold the longest sequence the engine can return."""
 
     def check(self) -> None:
-        _positive(self, "trainer", "lr", "micro_batch_size", "num_threads")
+        positive(self, "trainer", "lr", "micro_batch_size", "num_threads")
         if self.activation_offload and not self.activation_checkpointing:
-            raise _bad("trainer.activation_offload", True, "offloads the checkpointed layer inputs: needs "
+            raise bad("trainer.activation_offload", True, "offloads the checkpointed layer inputs: needs "
                        "trainer.activation_checkpointing=true")
         if self.logprob_chunk_tokens is not None and self.logprob_chunk_tokens <= 0:
-            raise _bad("trainer.logprob_chunk_tokens", self.logprob_chunk_tokens,
+            raise bad("trainer.logprob_chunk_tokens", self.logprob_chunk_tokens,
                        "must be > 0 (tokens per chunk), or null for all of a micro-batch's logits at once")
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch <= 0:
-            raise _bad("trainer.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch,
+            raise bad("trainer.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch,
                        "must be > 0 (tokens per micro-batch), or null for trainer.micro_batch_size sequences each")
-        _non_negative(self, "trainer", "weight_decay", "grad_clip")
-        _one_of(self, "trainer", "offload", ["auto", "true", "false"])
-        _one_of(self, "trainer", "offload_backend", ["auto", "pinned", "torch_memory_saver"])
+        non_negative(self, "trainer", "weight_decay", "grad_clip", "lr_warmup_steps")
+        one_of(self, "trainer", "lr_schedule", ["constant", "cosine", "linear"])
+        if not 0 <= self.lr_min_ratio <= 1:
+            raise bad("trainer.lr_min_ratio", self.lr_min_ratio, "must be in [0, 1] (a fraction of trainer.lr)")
+        one_of(self, "trainer", "offload", ["auto", "true", "false"])
+        one_of(self, "trainer", "offload_backend", ["auto", "pinned", "torch_memory_saver"])
 
 
 @dataclass
@@ -110,17 +116,17 @@ class EngineConfig:
     """Engine sampling seed."""
 
     def check(self) -> None:
-        _positive(self, "engine", "tp", "max_model_len")
-        _non_negative(self, "engine", "max_num_seqs")
-        _one_of(self, "engine", "dtype", ["bfloat16", "float16", "float32"])
-        _one_of(self, "engine", "sleep_level", ["auto", "0", "1", "2"])
-        _one_of(self, "engine", "sleep_backend", ["auto", "vllm", "portable"])
-        _one_of(self, "engine", "enforce_eager", ["auto", "true", "false"])
+        positive(self, "engine", "tp", "max_model_len")
+        non_negative(self, "engine", "max_num_seqs")
+        one_of(self, "engine", "dtype", ["bfloat16", "float16", "float32"])
+        one_of(self, "engine", "sleep_level", ["auto", "0", "1", "2"])
+        one_of(self, "engine", "sleep_backend", ["auto", "vllm", "portable"])
+        one_of(self, "engine", "enforce_eager", ["auto", "true", "false"])
         engine_extra_args(self)
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise _bad("engine.gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+            raise bad("engine.gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         if self.kv_cache_gib <= 0:
-            raise _bad("engine.kv_cache_gib", self.kv_cache_gib, "must be > 0")
+            raise bad("engine.kv_cache_gib", self.kv_cache_gib, "must be > 0")
 
 
 @dataclass
@@ -135,12 +141,12 @@ class SyncConfig:
     """gather: each layer is all-gathered over the trainers' process group and every rank hands the TP slice of the engine worker on its own device to that worker's ring (the CUDA protocol; runs on the CPU with gloo and shared memory); in_place (CPU): trainers write into the engine's parameters, kept in shared memory; ring (CPU): every rank writes its rows into every worker's ring; auto: in_place on CPU, gather on CUDA."""
 
     def check(self) -> None:
-        _positive(self, "sync", "num_bucket_slots")
-        _non_negative(self, "sync", "bucket_mb")
-        _one_of(self, "sync", "verify", ["checksum", "full", "none"])
-        _one_of(self, "sync", "transport", ["auto", "gather", "in_place", "ring"])
+        positive(self, "sync", "num_bucket_slots")
+        non_negative(self, "sync", "bucket_mb")
+        one_of(self, "sync", "verify", ["checksum", "full", "none"])
+        one_of(self, "sync", "transport", ["auto", "gather", "in_place", "ring"])
         if self.num_bucket_slots < 2:
-            raise _bad("sync.num_bucket_slots", self.num_bucket_slots,
+            raise bad("sync.num_bucket_slots", self.num_bucket_slots,
                        "must be >= 2 (one slot is packed while the engine loads the other)")
 
 
@@ -176,27 +182,29 @@ class RolloutConfig:
     """Partial rollout: the most new tokens an answer gets in one pass (a step makes another pass only while none of its groups is complete); an answer still unfinished keeps its tokens and continues next step under the newer policy. 0: answers run to their end within the step."""
     max_lag: int = 1
     """An answer (finished or not) whose oldest token was sampled more than this many policy versions ago is restarted from its prompt; tokens within the lag are trained, corrected by the loss's ratio to their behaviour logprobs."""
+    max_refill_passes: int = 4
+    """algo.dynamic_sampling: the most extra rollouts a step makes to replace the groups it dropped (each samples as many new groups as are missing); a step still short after them trains the informative groups it has, and says so in its metrics."""
 
     def check(self) -> None:
-        _positive(self, "rollout", "num_prompts", "num_samples", "max_tokens", "task_length", "top_p")
-        _non_negative(self, "rollout", "temperature", "partial_tokens", "max_lag")
+        positive(self, "rollout", "num_prompts", "num_samples", "max_tokens", "task_length", "top_p")
+        non_negative(self, "rollout", "temperature", "partial_tokens", "max_lag")
         if self.top_p > 1:
-            raise _bad("rollout.top_p", self.top_p, "must be in (0, 1]")
+            raise bad("rollout.top_p", self.top_p, "must be in (0, 1]")
         if self.oversample < 1:
-            raise _bad("rollout.oversample", self.oversample,
+            raise bad("rollout.oversample", self.oversample,
                        "must be >= 1 (a multiple of rollout.num_prompts groups in flight)")
-        _one_of(self, "rollout", "leftover", ["carry", "drop"])
+        one_of(self, "rollout", "leftover", ["carry", "drop"])
         if self.partial_tokens and self.leftover == "drop":
-            raise _bad("rollout.leftover", "drop", "partial rollout (rollout.partial_tokens > 0) carries unfinished "
+            raise bad("rollout.leftover", "drop", "partial rollout (rollout.partial_tokens > 0) carries unfinished "
                        "answers over; valid with it: carry")
         partial, lag = self.partial_tokens, self.max_lag
         if partial and self.max_tokens > (lag + 1) * partial:
-            raise _bad("rollout.partial_tokens", partial,
+            raise bad("rollout.partial_tokens", partial,
                        f"an answer of rollout.max_tokens={self.max_tokens} needs more than rollout.max_lag + 1 = "
                        f"{lag + 1} passes and would be restarted forever; valid: partial_tokens >= "
                        f"{-(-self.max_tokens // (lag + 1))}, or a larger rollout.max_lag")
         if self.rewards and self.reward_fn:
-            raise _bad("rollout.rewards", self.rewards, "rollout.reward_fn is set too; give one of them "
+            raise bad("rollout.rewards", self.rewards, "rollout.reward_fn is set too; give one of them "
                        "(a module:function can be a component of rollout.rewards)")
 
 
@@ -220,10 +228,10 @@ class DataConfig:
     """Seed of the data order."""
 
     def check(self) -> None:
-        _one_of(self, "data", "too_long", ["filter", "error"])
-        _non_negative(self, "data", "max_prompt_tokens")
+        one_of(self, "data", "too_long", ["filter", "error"])
+        non_negative(self, "data", "max_prompt_tokens")
         if (self.train_files or self.val_files) and not self.prompt_key:
-            raise _bad("data.prompt_key", "", "name the column holding the prompts, e.g. prompt")
+            raise bad("data.prompt_key", "", "name the column holding the prompts, e.g. prompt")
 
 
 @dataclass
@@ -246,10 +254,10 @@ class EvalConfig:
     """Sampling seed of the evaluation (the same every time, so evaluations differ only by the policy); toy tasks also draw their prompts with it."""
 
     def check(self) -> None:
-        _non_negative(self, "eval", "every_steps", "temperature", "max_tokens", "max_prompts")
-        _positive(self, "eval", "num_samples")
+        non_negative(self, "eval", "every_steps", "temperature", "max_tokens", "max_prompts")
+        positive(self, "eval", "num_samples")
         if self.temperature == 0 and self.num_samples > 1:
-            raise _bad("eval.num_samples", self.num_samples, "greedy decoding (eval.temperature=0) gives one "
+            raise bad("eval.num_samples", self.num_samples, "greedy decoding (eval.temperature=0) gives one "
                        "answer per prompt; valid: 1, or set eval.temperature > 0 for pass@k")
 
 
@@ -269,7 +277,7 @@ class CheckpointConfig:
     """Also write a Hugging Face model (safetensors, config, tokenizer) into each checkpoint's hf/ folder."""
 
     def check(self) -> None:
-        _non_negative(self, "checkpoint", "every_steps", "keep_last")
+        non_negative(self, "checkpoint", "every_steps", "keep_last")
 
 
 @dataclass
@@ -290,49 +298,9 @@ class FaultConfig:
     """After a fault (a member died or hung), start the job again from its newest checkpoint (resume=auto) up to this many times; 0: stop with the fault."""
 
     def check(self) -> None:
-        _positive(self, "fault", "heartbeat_s")
-        _non_negative(self, "fault", "sync_timeout_s", "checkpoint_timeout_s", "rollout_timeout_s", "train_timeout_s",
+        positive(self, "fault", "heartbeat_s")
+        non_negative(self, "fault", "sync_timeout_s", "checkpoint_timeout_s", "rollout_timeout_s", "train_timeout_s",
                       "max_restarts")
-
-
-@dataclass
-class AlgoConfig:
-    num_steps: int = 150
-    """RL steps to run."""
-    clip_eps: float = 0.2
-    """PPO/GRPO ratio clip."""
-    normalize_advantages: bool = True
-    """Divide group-relative advantages by the group's standard deviation."""
-    correction: str = "none"
-    """Training/inference mismatch correction: none (PPO ratio against the engine's logprobs), tis (truncated importance weights), mis (masked importance weights)."""
-    correction_level: str = "token"
-    """Importance weight per token, or per sequence (the product over its tokens)."""
-    tis_cap: float = 2.0
-    """TIS: importance weights are truncated at this value."""
-    mis_low: float = 0.5
-    """MIS: weights below this are masked (the token or sequence is dropped)."""
-    mis_high: float = 2.0
-    """MIS: weights above this are masked."""
-    mismatch_band: float = 1.1
-    """Monitor: report the fraction of tokens and sequences whose ratio p_trainer / p_engine lies outside [1/band, band]."""
-    kl_coef: float = 0.0
-    """Weight of the KL penalty to the frozen reference policy (the initial weights); 0: no reference, no KL."""
-    kl_estimator: str = "k3"
-    """KL estimator per token, log r = logp_ref - logp: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r."""
-
-    def check(self) -> None:
-        _positive(self, "algo", "num_steps")
-        _non_negative(self, "algo", "clip_eps", "kl_coef")
-        _one_of(self, "algo", "correction", ["none", "tis", "mis"])
-        _one_of(self, "algo", "correction_level", ["token", "sequence"])
-        _one_of(self, "algo", "kl_estimator", ["k1", "k2", "k3"])
-        if self.tis_cap < 1:
-            raise _bad("algo.tis_cap", self.tis_cap, "must be >= 1 (weights are truncated at it)")
-        if not 0 <= self.mis_low <= 1 <= self.mis_high:
-            raise _bad("algo.mis_low", f"{self.mis_low}..{self.mis_high}",
-                       "need 0 <= algo.mis_low <= 1 <= algo.mis_high (the band must hold the ratio 1)")
-        if self.mismatch_band <= 1:
-            raise _bad("algo.mismatch_band", self.mismatch_band, "must be > 1 (the band is [1/band, band])")
 
 
 @dataclass
@@ -345,8 +313,8 @@ class PlacementConfig:
     """Existing Ray cluster to join ('auto', or host:port); empty starts a local Ray."""
 
     def check(self) -> None:
-        _positive(self, "placement", "num_slots")
-        _one_of(self, "placement", "device", ["auto", "cpu", "cuda"])
+        positive(self, "placement", "num_slots")
+        one_of(self, "placement", "device", ["auto", "cpu", "cuda"])
 
 
 @dataclass
@@ -369,10 +337,10 @@ class LoggingConfig:
     """Weights & Biases run name; empty: the name of logging.output_dir."""
 
     def check(self) -> None:
-        _one_of(self, "logging", "level", ["DEBUG", "INFO", "WARNING", "ERROR"])
-        _one_of(self, "logging", "wandb_mode", ["offline", "online"])
+        one_of(self, "logging", "level", ["DEBUG", "INFO", "WARNING", "ERROR"])
+        one_of(self, "logging", "wandb_mode", ["offline", "online"])
         if self.wandb and not self.wandb_project:
-            raise _bad("logging.wandb_project", "", "must name a project when logging.wandb=true")
+            raise bad("logging.wandb_project", "", "must name a project when logging.wandb=true")
 
 
 @dataclass
@@ -415,23 +383,44 @@ class JobConfig:
             if hasattr(getattr(self, section.name), "check"):
                 getattr(self, section.name).check()
         if self.placement.num_slots % self.engine.tp:
-            raise _bad("engine.tp", self.engine.tp, f"must divide placement.num_slots={self.placement.num_slots}")
+            raise bad("engine.tp", self.engine.tp, f"must divide placement.num_slots={self.placement.num_slots}")
         for key, value in (("rollout.max_tokens", self.rollout.max_tokens),
                            ("data.max_prompt_tokens", self.data.max_prompt_tokens),
                            ("eval.max_tokens", self.eval.max_tokens)):
             if value >= self.engine.max_model_len:
                 room = " (room to answer)" if key == "data.max_prompt_tokens" else ""
-                raise _bad(key, value, f"must be smaller than engine.max_model_len={self.engine.max_model_len}{room}")
+                raise bad(key, value, f"must be smaller than engine.max_model_len={self.engine.max_model_len}{room}")
         budget, longest = self.trainer.max_tokens_per_micro_batch, self.longest_sequence_tokens
         if budget is not None and budget < longest:
-            raise _bad("trainer.max_tokens_per_micro_batch", budget,
+            raise bad("trainer.max_tokens_per_micro_batch", budget,
                        f"the longest sequence this job can train is {longest} tokens ({self._longest_why()}); "
                        f"valid: >= {longest}, or a shorter longest sequence (engine.max_model_len, or "
                        "data.max_prompt_tokens + rollout.max_tokens)")
+        self._check_algo_against_sampling()
         if (self.eval.every_steps or self.eval.at_start or self.eval.at_end) and self.data.train_files \
                 and not self.data.val_files:
-            raise _bad("data.val_files", "", "evaluation (eval.every_steps, eval.at_start, eval.at_end) of a run on "
+            raise bad("data.val_files", "", "evaluation (eval.every_steps, eval.at_start, eval.at_end) of a run on "
                        "data.train_files needs validation prompts; give data.val_files or turn evaluation off")
+
+
+    def _check_algo_against_sampling(self) -> None:
+        """What makes every advantage 0, so that nothing can learn: one sample per group for a group baseline, or
+        greedy sampling (every sample of a group the same answer)."""
+        algo, rollout = self.algo, self.rollout
+        if algo.advantage in GROUP_ADVANTAGES and rollout.num_samples < 2:
+            raise bad("rollout.num_samples", rollout.num_samples, f"algo.advantage={algo.advantage} takes each "
+                      "sample's baseline from the other samples of its prompt: with one, every advantage is 0; "
+                      "valid: >= 2, or algo.advantage=reinforce_pp (a batch baseline)")
+        if algo.advantage in GROUP_ADVANTAGES and rollout.temperature < GREEDY_TEMPERATURE:
+            raise bad("rollout.temperature", rollout.temperature, "greedy sampling gives every sample of a prompt "
+                      f"the same answer, so algo.advantage={algo.advantage} makes every advantage 0; valid: > 0 "
+                      "(e.g. 1.0)")
+        if algo.mask_truncated and rollout.ignore_eos:
+            raise bad("algo.mask_truncated", True, "rollout.ignore_eos=true makes every answer run to its budget, "
+                      "so every one would be left out of the loss; valid with it: false")
+        if algo.overlong_buffer >= rollout.max_tokens:
+            raise bad("algo.overlong_buffer", algo.overlong_buffer, f"must be smaller than rollout.max_tokens="
+                      f"{rollout.max_tokens} (the punishment ramps over the last overlong_buffer tokens), or 0")
 
 
 # vLLM engine arguments colocate sets itself (from the key named), so a pass-through must not
@@ -454,14 +443,14 @@ def engine_extra_args(engine: EngineConfig) -> dict:
     try:
         extra = json.loads(engine.extra_args)
     except json.JSONDecodeError as e:
-        raise _bad("engine.extra_args", engine.extra_args, f"not a JSON object ({e.msg}); e.g. "
+        raise bad("engine.extra_args", engine.extra_args, f"not a JSON object ({e.msg}); e.g. "
                    '{"block_size": 32}') from None
     if not isinstance(extra, dict):
-        raise _bad("engine.extra_args", engine.extra_args, 'expected a JSON object, e.g. {"block_size": 32}')
+        raise bad("engine.extra_args", engine.extra_args, 'expected a JSON object, e.g. {"block_size": 32}')
     for name in extra:
         if name in _ENGINE_ARGS_OF_OURS:
             ours = _ENGINE_ARGS_OF_OURS[name]
-            raise _bad("engine.extra_args", name, f"colocate sets {name} itself" +
+            raise bad("engine.extra_args", name, f"colocate sets {name} itself" +
                        (f": use {ours}" if ours else " (the runtime depends on it)"))
     import difflib
 
@@ -471,23 +460,6 @@ def engine_extra_args(engine: EngineConfig) -> dict:
     for name in extra:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=3)
-            raise _bad("engine.extra_args", name, "not an argument of vLLM's engine" +
+            raise bad("engine.extra_args", name, "not an argument of vLLM's engine" +
                        (f"; did you mean {', '.join(close)}?" if close else ""))
     return extra
-
-
-def _positive(section, prefix: str, *names: str) -> None:
-    for name in names:
-        if not getattr(section, name) > 0:
-            raise _bad(f"{prefix}.{name}", getattr(section, name), "must be > 0")
-
-
-def _non_negative(section, prefix: str, *names: str) -> None:
-    for name in names:
-        if getattr(section, name) < 0:
-            raise _bad(f"{prefix}.{name}", getattr(section, name), "must be >= 0")
-
-
-def _one_of(section, prefix: str, name: str, valid: list) -> None:
-    if getattr(section, name) not in valid:
-        raise _bad(f"{prefix}.{name}", getattr(section, name), "valid: " + ", ".join(map(str, valid)))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from colocate.checkpoint.layout import checkpoint_root, resume_point
 from colocate.config import JobConfig
-from colocate.config.schema import _bad
+from colocate.config.fields import bad
 from colocate.errors import ConfigError
 from colocate.job.faults import parse_injection
 from colocate.job.placement import SlotPlan, local_device_count, plan_slots, resolve_device
@@ -46,7 +46,7 @@ def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> None:
     """What needs this machine's files and the user's code, but no device. `writes_here=False`: the job writes on
     another machine (`colocate submit`: the cluster's), whose directories its own launch checks there."""
     if not cfg.model.path and cfg.model.preset not in models.PRESETS:
-        raise _bad("model.preset", cfg.model.preset, "valid: " + ", ".join(sorted(models.PRESETS)))
+        raise bad("model.preset", cfg.model.preset, "valid: " + ", ".join(sorted(models.PRESETS)))
     _check_model_path(cfg.model.path)
     _check_chunked_head(cfg)
     _check_activation_checkpointing(cfg)
@@ -150,7 +150,7 @@ def check_writable(key: str, path: Path) -> None:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".colocate-write-check-"):
             pass
     except OSError as e:
-        raise _bad(key, str(path), f"cannot write there ({e.strerror or e}); valid: a directory this user can "
+        raise bad(key, str(path), f"cannot write there ({e.strerror or e}); valid: a directory this user can "
                    "create and write") from None
     finally:
         for folder in missing:  # deepest first
@@ -178,7 +178,7 @@ def _check_chunked_head(cfg: JobConfig) -> None:
     for section in (config, config.get("text_config") or {}) if config else ():
         for key in _AFTER_LM_HEAD:
             if section.get(key) not in (None, 0, 1, 1.0):
-                raise _bad("trainer.logprob_chunk_tokens", cfg.trainer.logprob_chunk_tokens,
+                raise bad("trainer.logprob_chunk_tokens", cfg.trainer.logprob_chunk_tokens,
                            f"the model transforms its logits after lm_head ({key}={section[key]}), which the "
                            "chunked log-prob pass does not; set trainer.logprob_chunk_tokens=null")
 
@@ -193,7 +193,7 @@ def _check_activation_checkpointing(cfg: JobConfig) -> None:
     for name in config.get("architectures") or []:
         cls = getattr(transformers, name, None)
         if cls is not None and not getattr(cls, "supports_gradient_checkpointing", False):
-            raise _bad("trainer.activation_checkpointing", True, f"{name} cannot checkpoint its layers "
+            raise bad("trainer.activation_checkpointing", True, f"{name} cannot checkpoint its layers "
                        "(transformers' supports_gradient_checkpointing is False); set "
                        "trainer.activation_checkpointing=false")
 
@@ -203,10 +203,10 @@ def _check_model_path(path: str) -> None:
         return
     local = Path(path).expanduser()
     if local.is_dir() and not (local / "config.json").is_file():
-        raise _bad("model.path", path, "the directory has no config.json (not a Hugging Face model directory)")
+        raise bad("model.path", path, "the directory has no config.json (not a Hugging Face model directory)")
     if "/" in path and not local.exists() and (path.startswith((".", "/", "~")) or path.count("/") != 1):
         # "org/name" may be a hub id; anything path-like must exist.
-        raise _bad("model.path", path, "no such directory (give a Hugging Face model directory or hub id, or "
+        raise bad("model.path", path, "no such directory (give a Hugging Face model directory or hub id, or "
                    "leave empty for the embedded preset)")
 
 
@@ -214,7 +214,7 @@ def _check_bucket_size(cfg: JobConfig) -> None:
     if cfg.sync.bucket_mb > 0:
         largest = largest_tensor_bytes(cfg)
         if largest is not None and cfg.sync.bucket_mb * (1 << 20) < largest:
-            raise _bad("sync.bucket_mb", cfg.sync.bucket_mb,
+            raise bad("sync.bucket_mb", cfg.sync.bucket_mb,
                        f"must hold the largest tensor ({largest / (1 << 20):.2f} MiB in {cfg.engine.dtype}), "
                        "or 0 to size it automatically")
 

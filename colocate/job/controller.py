@@ -1,6 +1,7 @@
 """The controller: one RL step is rollout -> score -> train -> sync, with memory switched between phases.
 
-    prompts ──> rollout (engines, awake) ──> score (reward fn, group advantages)
+    prompts ──> rollout (engines, awake) ──> score (reward fn) ──> advantages (algo.advantage)
+                      └── dynamic sampling: drop uniform groups, roll out more ──┘
                                                   │
                  engine.sleep(level) ; trainer.onload
                                                   │
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from collections import deque
 from pathlib import Path
@@ -43,7 +45,7 @@ from colocate.rl.data import PromptSource, make_prompt_source
 from colocate.rl.evaluation import make_evaluator, should_evaluate
 from colocate.rl.rewards import make_reward
 from colocate.rl.rollout import Rollouts
-from colocate.rl.scoring import Rollout, Scored, score
+from colocate.rl.scoring import Rollout, Scored, ScoredGroup, keep_informative, reward_groups
 from colocate.rl.tasks import make_task
 from colocate.telemetry.metrics import MetricsWriter
 
@@ -112,7 +114,10 @@ class Controller:
         with self._phase(times, "rollout", step):
             groups, rollout_stats = self.rollout(step)
         with self._phase(times, "score", step):
-            scored = self.score(groups)
+            scored_groups = self.score(groups)
+        if self.cfg.algo.dynamic_sampling:
+            scored_groups = self.refill(step, scored_groups, rollout_stats, times)
+        scored = self.advantages(scored_groups)
         with self._phase(times, "switch", step):
             self.switch_to_train()
         with self._phase(times, "train", step):
@@ -149,11 +154,49 @@ class Controller:
         self.events.append("rollout")
         return groups, stats
 
-    def score(self, groups: list[Rollout]) -> Scored:
-        scored = score(groups, reward_fn=self.reward_fn, decode=self.rt.tokenizer.decode,
-                       eos_id=self.rt.tokenizer.eos_token_id, normalize=self.cfg.algo.normalize_advantages)
+    def score(self, groups: list[Rollout]) -> list[ScoredGroup]:
+        scored = reward_groups(groups, reward_fn=self.reward_fn, decode=self.rt.tokenizer.decode,
+                               eos_id=self.rt.tokenizer.eos_token_id, algo=self.cfg.algo,
+                               max_tokens=self.cfg.rollout.max_tokens)
         self.events.append("score")
         return scored
+
+    def refill(self, step: int, scored: list[ScoredGroup], rollout_stats: dict, times: dict) -> list[ScoredGroup]:
+        """DAPO's dynamic sampling: while fewer than rollout.num_prompts groups have rewards that differ, roll out
+        and score more prompts (at most rollout.max_refill_passes times). Each refill asks the pool for the
+        missing groups over the fraction informative so far (the groups in flight decode together, so asking for
+        more costs little time), at most the groups it keeps in flight. Returns every group sampled, the first
+        rollout.num_prompts informative ones marked to train (rl.scoring.keep_informative); informative groups
+        beyond them are surplus, reported and not trained. `rollout_stats["dynamic_sampling"]` says how it went;
+        a step still short after its refills trains what it has."""
+        wanted, pool = self.cfg.rollout.num_prompts, self.rollouts.pool
+        num_sampled, num_refills = len(scored), 0
+        while (num_kept := sum(g.informative for g in scored)) < wanted \
+                and num_refills < self.cfg.rollout.max_refill_passes:
+            num_refills += 1
+            rate = num_kept / num_sampled
+            ask = min(pool.num_in_flight, math.ceil((wanted - num_kept) / rate) if rate else pool.num_in_flight)
+            with self._phase(times, "rollout", step):
+                groups, stats = self.rollouts.collect(version=step, num_groups=ask, refill=True)
+            with self._phase(times, "score", step):
+                scored = scored + self.score(groups)
+            num_sampled = len(scored)
+            for key in ("num_passes", "seconds"):
+                rollout_stats[key] += stats[key]
+            # the pool's counters run on over a step's collects; what is carried is as the last one left it
+            rollout_stats.update({k: v for k, v in stats.items() if k.startswith("num_") and k not in
+                                  ("num_groups", "num_passes")})
+        num_uniform, num_surplus = keep_informative(scored, wanted)
+        num_kept = sum(g.trained for g in scored)
+        rollout_stats["num_groups"] = num_kept
+        rollout_stats["dynamic_sampling"] = {
+            "num_groups_sampled": num_sampled, "num_groups_kept": num_kept, "num_groups_uniform": num_uniform,
+            "filtered_fraction": num_uniform / num_sampled, "num_groups_surplus": num_surplus,
+            "num_refills": num_refills, "num_groups_short": wanted - num_kept}
+        return scored
+
+    def advantages(self, scored: list[ScoredGroup]) -> Scored:
+        return Scored.from_groups(scored, algo=self.cfg.algo)
 
     def switch_to_train(self) -> None:
         if self.rt.switch.engine_sleep_level:
@@ -169,6 +212,8 @@ class Controller:
         monitor = mismatch_stats(torch.from_numpy(total.token_log_w), torch.from_numpy(total.seq_log_w),
                                  band=self.cfg.algo.mismatch_band)
         return {"loss": total.per_token("loss_sum"),
+                "objective": total.objective,  # the loss as optimised: algo.loss_aggregation of every token's
+                "lr": total.lr,  # trainer/lr_schedule.py; None: the step trained nothing
                 "mismatch": total.per_token("mismatch_abs_sum"),
                 "kl": total.per_token("kl_sum"),  # 0.0 with algo.kl_coef = 0
                 "entropy": total.per_token("entropy_sum"),  # of the sampling distribution, per response token

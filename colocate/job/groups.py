@@ -30,12 +30,16 @@ class TrainerGroup(ActorGroup):
     def train_step(self, sequences: list[Sequence], cfg: TrainerConfig) -> TrainStats:
         """One optimizer step on `sequences`, dealt to the ranks by tokens (trainer/batching.py); every rank runs
         the micro-batch count of the rank with the most (a collective each), grouped as each rank groups its
-        own, and the loss is normalised by the response tokens of all ranks."""
+        own, and the loss aggregates the response tokens of all ranks. No sequences (dynamic sampling kept no
+        group): no step at all, not an optimizer step on zero gradients (AdamW's moments would still move)."""
+        if not sequences:
+            return TrainStats()
         shares = deal(sequences, len(self))
         num_micro_batches = max(len(trainer_micro_batches(share, cfg)) for share in shares)
         num_tokens = sum(len(s.response_ids) for s in sequences)
         results = ray.get([t.train_step.remote(share, num_tokens_all_ranks=num_tokens,
-                                               num_micro_batches=num_micro_batches)
+                                               num_micro_batches=num_micro_batches,
+                                               num_seqs_all_ranks=len(sequences))
                            for share, t in zip(shares, self)])
         return sum(results, TrainStats())
 

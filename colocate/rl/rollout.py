@@ -2,6 +2,7 @@
 
     rollouts = Rollouts(cfg, engines, tokenizer, prompts)
     groups, stats = rollouts.collect(version=step)      # exactly rollout.num_prompts complete groups
+    more, stats = rollouts.collect(version=step, num_groups=3, refill=True)   # dynamic sampling's refill
 
 Each pass sends every unfinished answer's next segment to the engine that holds its group (EngineActor.run_pass)
 with the number of complete groups that engine must reach; an engine stops there and aborts the rest, which
@@ -38,21 +39,26 @@ class Rollouts:
         self.sampling = {"temperature": r.temperature, "top_p": r.top_p, "ignore_eos": r.ignore_eos}
         self.timelines: list[list[list[tuple[float, int]]]] = []  # last collect: per pass, per engine
 
-    def collect(self, version: int) -> tuple[list[Rollout], dict]:
-        """The step's complete groups (answers sampled by policy `version` or, carried over, older ones)."""
+    def collect(self, version: int, *, num_groups: int | None = None, refill: bool = False) -> tuple[list[Rollout], dict]:
+        """The step's complete groups (answers sampled by policy `version` or, carried over, older ones): exactly
+        `num_groups` (default rollout.num_prompts) without partial rollout. `refill`: a second collect of the same
+        step (dynamic sampling), whose pool counters add to the first's."""
         pool = self.pool
-        pool.stats.reset()
+        wanted = num_groups or pool.rollout.num_prompts
+        if not refill:
+            pool.stats.reset()
         samples = self.prompts.next_batch(pool.num_missing)
         prompt_ids = [self.tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples]
         pool.top_up([(s, p, self.budgets(s, pool.rollout.num_samples)) for s, p in zip(samples, prompt_ids)])
-        pool.expire(version)
+        if not refill:
+            pool.expire(version)
         self.timelines = []
         started = time.perf_counter()
-        while pool.num_complete() < pool.rollout.num_prompts:
-            self.timelines.append(self._pass(version))
+        while pool.num_complete() < wanted:
+            self.timelines.append(self._pass(version, wanted))
             if pool.rollout.partial_tokens and pool.num_complete():
                 break  # partial rollout: the step ends with what is complete; the rest goes on next step
-        groups = pool.take()
+        groups = pool.take(wanted)
         return [_as_rollout(g) for g in groups], self._stats(groups, version, time.perf_counter() - started)
 
     def state(self) -> dict:
@@ -63,10 +69,10 @@ class Rollouts:
         self.prompts.load_state(state["prompts"])
         self.pool.load_state(state["pool"])
 
-    def _pass(self, version: int) -> list[list[tuple[float, int]]]:
+    def _pass(self, version: int, num_groups: int) -> list[list[tuple[float, int]]]:
         num_engines = len(self.engines)
         requests = self.pool.requests(version)
-        quotas = self.pool.quotas(num_engines)
+        quotas = self.pool.quotas(num_engines, num_groups)
         per_engine = [[r for r in requests if r.group % num_engines == e] for e in range(num_engines)]
         busy = [e for e in range(num_engines) if quotas[e] and per_engine[e]]
         assert busy, "a pass with nothing to do: the pool cannot complete the groups the step lacks"

@@ -140,11 +140,11 @@ class RolloutPool:
     def num_complete(self) -> int:
         return sum(g.complete for g in self.groups)
 
-    def quotas(self, num_engines: int) -> list[int]:
+    def quotas(self, num_engines: int, num_groups: int | None = None) -> list[int]:
         """Complete groups each engine must reach in the next pass (groups go to engine group_id % num_engines,
-        so a continuation finds its engine's prefix cache): together what the step still lacks, none more than
-        an engine has unfinished."""
-        wanted = max(0, self.rollout.num_prompts - self.num_complete())
+        so a continuation finds its engine's prefix cache): together what the step still lacks of `num_groups`
+        (default rollout.num_prompts), none more than an engine has unfinished."""
+        wanted = max(0, (num_groups or self.rollout.num_prompts) - self.num_complete())
         unfinished = [0] * num_engines
         for g in self.groups:
             unfinished[g.group_id % num_engines] += not g.complete
@@ -156,9 +156,10 @@ class RolloutPool:
 
     # ------------------------------------------------------------------------------------------ taking
 
-    def take(self) -> list[Group]:
-        """Up to `num_groups` complete groups, oldest first. The rest stay for the next step (carry) or go."""
-        complete = [g for g in self.groups if g.complete][:self.rollout.num_prompts]
+    def take(self, num_groups: int | None = None) -> list[Group]:
+        """Up to `num_groups` (default rollout.num_prompts) complete groups, oldest first. The rest stay for the
+        next step (carry) or go."""
+        complete = [g for g in self.groups if g.complete][:num_groups or self.rollout.num_prompts]
         taken = {g.group_id for g in complete}
         self.groups = [g for g in self.groups if g.group_id not in taken]
         if self.rollout.leftover == "drop":

@@ -1,7 +1,10 @@
-"""Score rollouts and turn rewards into group-relative (GRPO) advantages.
+"""Score rollouts: each answer's reward (user code, checked), DAPO's overlong punishment, then the advantages
+(rl/advantages.py) of the groups a step trains.
 
     groups = [Rollout(sample, prompt_ids, answers), ...]          # rl/samples.py, from the rollout pool
-    scored = score(groups, reward_fn=task.reward, decode=tokenizer.decode, eos_id=2, normalize=True)
+    scored_groups = reward_groups(groups, reward_fn=task.reward, decode=tokenizer.decode, eos_id=2)
+    keep_informative(scored_groups, num_groups=16)                # algo.dynamic_sampling: the rest not trained
+    scored = Scored.from_groups(scored_groups, algo=cfg.algo)     # advantages; truncated answers left out if asked
     scored.sequences   # rl.samples.Sequence: prompt_ids, response_ids, logprobs, advantage
 
 A reward function is user code: when it raises, or returns something that is not a finite number, `RewardError`
@@ -21,7 +24,9 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from colocate.config import AlgoConfig
 from colocate.errors import RewardError
+from colocate.rl.advantages import estimate_advantages
 from colocate.rl.samples import Rollout
 from colocate.rl.samples import Sequence as TrainSequence
 
@@ -38,14 +43,74 @@ Reward = Callable  # per-sample (prompt, response, answer) -> float, or batched 
 
 
 @dataclass
+class ScoredGroup:
+    """One prompt's answers with their rewards: the unit dynamic sampling keeps or drops."""
+
+    rollout: Rollout
+    rewards: list[float]
+    """Each answer's reward as trained: the reward function's, plus the overlong punishment when it is on."""
+    responses: list[str]
+    components: dict[str, list[float]] = field(default_factory=dict)
+    trained: bool = True
+    """False: scored and reported, not trained (dynamic sampling: a uniform group, or one beyond those wanted)."""
+
+    @property
+    def informative(self) -> bool:
+        """Rewards that differ: a group baseline leaves each answer some advantage (DAPO's dynamic sampling)."""
+        return max(self.rewards) > min(self.rewards)
+
+
+def keep_informative(groups: list[ScoredGroup], num_groups: int) -> tuple[int, int]:
+    """DAPO's dynamic sampling: train the first `num_groups` informative groups, and none of the others (they are
+    still reported: the step's rewards are the policy's, not those of the groups kept). Returns the number of
+    uniform groups and of informative ones beyond those wanted."""
+    num_kept = num_uniform = num_surplus = 0
+    for g in groups:
+        g.trained = g.informative and num_kept < num_groups
+        num_kept += g.trained
+        num_uniform += not g.informative
+        num_surplus += g.informative and not g.trained
+    return num_uniform, num_surplus
+
+
+@dataclass
 class Scored:
     sequences: list[TrainSequence]
     rewards: list[float]
     responses: list[str] = field(default_factory=list)
     components: dict[str, list[float]] = field(default_factory=dict)  # per named reward, when it has parts
+    response_lengths: list[int] = field(default_factory=list)
+    """Every answer's tokens, trained or not."""
+    num_truncated: int = 0
+    """Answers cut off at their token budget (finish reason length)."""
+    num_masked: int = 0
+    """Of them, those left out of the loss (algo.mask_truncated)."""
+
+    @classmethod
+    def from_groups(cls, groups: list[ScoredGroup], *, algo: AlgoConfig) -> Scored:
+        """The step's training sequences: each answer of the groups to train (ScoredGroup.trained) with its
+        advantage (algo.advantage), less the truncated answers when algo.mask_truncated (they still count in
+        their group's baseline, as in DAPO's overlong filter). The rewards are those of every group given."""
+        trained = [g for g in groups if g.trained]
+        advantages = estimate_advantages(
+            [g.rewards for g in trained], estimator=algo.advantage, kl_in_reward=algo.kl_in_reward,
+            num_tokens=[[len(a.token_ids) for a in g.rollout.completions] for g in trained])
+        sequences, num_masked = [], 0
+        for group, group_advantages in zip(trained, advantages):
+            for answer, advantage in zip(group.rollout.completions, group_advantages):
+                if answer.finish_reason == "length" and algo.mask_truncated:
+                    num_masked += 1
+                    continue
+                sequences.append(TrainSequence(group.rollout.prompt_ids, answer.token_ids, answer.logprobs, advantage))
+        names = {name for g in groups for name in g.components}
+        return cls(sequences, [r for g in groups for r in g.rewards], [t for g in groups for t in g.responses],
+                   {name: [v for g in groups for v in g.components[name]] for name in names},
+                   response_lengths=[len(a.token_ids) for g in groups for a in g.rollout.completions],
+                   num_truncated=sum(a.finish_reason == "length" for g in groups for a in g.rollout.completions),
+                   num_masked=num_masked)
 
     def stats(self) -> dict:
-        num_tokens = [len(s.response_ids) for s in self.sequences]
+        num_tokens = self.response_lengths or [len(s.response_ids) for s in self.sequences]
         return {
             "reward_mean": statistics.fmean(self.rewards),
             "reward_std": statistics.pstdev(self.rewards),
@@ -54,6 +119,10 @@ class Scored:
             **{f"reward_{name}_mean": statistics.fmean(values) for name, values in self.components.items()},
             "response_len_mean": statistics.fmean(num_tokens),
             "num_response_tokens": sum(num_tokens),
+            "num_trained_sequences": len(self.sequences),
+            "num_trained_tokens": sum(len(s.response_ids) for s in self.sequences),
+            "truncated_fraction": self.num_truncated / len(self.rewards),
+            "num_masked_truncated": self.num_masked,
         }
 
 
@@ -109,17 +178,18 @@ def _finite(value, name: str, prompt: str, response: str) -> float:
     return number
 
 
-def group_advantages(rewards: list[float], *, normalize: bool) -> list[float]:
-    """reward - group mean, divided by the group's std when `normalize` (GRPO); a uniform group gives zeros."""
-    mean = statistics.fmean(rewards)
-    std = statistics.pstdev(rewards)
-    if normalize:
-        return [(r - mean) / (std + 1e-6) for r in rewards]
-    return [r - mean for r in rewards]
+def overlong_punishment(num_tokens: int, *, max_tokens: int, buffer: int, penalty: float) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 up to max_tokens - buffer tokens, then falling
+    linearly to -penalty at max_tokens."""
+    excess = num_tokens - (max_tokens - buffer)
+    return -penalty * min(excess, buffer) / buffer if buffer and excess > 0 else 0.0
 
 
-def score(groups: list[Rollout], *, reward_fn: Reward, decode, eos_id: int | None, normalize: bool) -> Scored:
-    responses, prompts, answers = [], [], []
+def reward_groups(groups: list[Rollout], *, reward_fn: Reward, decode, eos_id: int | None,
+                  algo: AlgoConfig | None = None, max_tokens: int = 0) -> list[ScoredGroup]:
+    """Every answer's reward, one call for the whole step (a batched reward sees every sample at once), split back
+    into groups; with algo.overlong_buffer, DAPO's overlong punishment (against `max_tokens`) added to each."""
+    responses, prompts, answers, lengths = [], [], [], []
     for group in groups:
         for completion in group.completions:
             tokens = completion.token_ids
@@ -128,12 +198,25 @@ def score(groups: list[Rollout], *, reward_fn: Reward, decode, eos_id: int | Non
             responses.append(decode(text_tokens))
             prompts.append(group.sample.prompt)
             answers.append(group.sample.answer)
-    # One call for the whole step (a batched reward sees every sample at once), then split back into groups.
+            lengths.append(len(tokens))
     rewards, components = apply_reward(reward_fn, prompts, responses, answers)
-    sequences, start = [], 0
+    if algo is not None and algo.overlong_buffer:
+        shaping = [overlong_punishment(n, max_tokens=max_tokens, buffer=algo.overlong_buffer,
+                                       penalty=algo.overlong_penalty) for n in lengths]
+        rewards = [r + p for r, p in zip(rewards, shaping)]
+        components = {**components, "overlong": shaping}
+    out, start = [], 0
     for group in groups:
-        group_rewards = rewards[start:start + len(group.completions)]
-        start += len(group.completions)
-        for completion, advantage in zip(group.completions, group_advantages(group_rewards, normalize=normalize)):
-            sequences.append(TrainSequence(group.prompt_ids, completion.token_ids, completion.logprobs, advantage))
-    return Scored(sequences, rewards, responses, components)
+        end = start + len(group.completions)
+        out.append(ScoredGroup(group, rewards[start:end], responses[start:end],
+                               {name: values[start:end] for name, values in components.items()}))
+        start = end
+    return out
+
+
+def score(groups: list[Rollout], *, reward_fn: Reward, decode, eos_id: int | None,
+          algo: AlgoConfig | None = None, max_tokens: int = 0) -> Scored:
+    """reward_groups, then the advantages of every group (no dynamic sampling): the step's Scored."""
+    algo = algo or AlgoConfig()
+    return Scored.from_groups(reward_groups(groups, reward_fn=reward_fn, decode=decode, eos_id=eos_id, algo=algo,
+                                            max_tokens=max_tokens), algo=algo)

@@ -28,9 +28,11 @@ from colocate.trainer.batching import MicroBatch, attention_implementation, coll
 from colocate.trainer.finite import check_weights, clip_checked
 from colocate.trainer.fsdp import checkpoint_layers, shard_by_layer
 from colocate.trainer.logprobs import install_chunked_head, sequence_logprobs
-from colocate.trainer.loss import Sequence, policy_loss
+from colocate.trainer.loss import Sequence, policy_loss, token_scale
+from colocate.trainer.lr_schedule import learning_rate
 from colocate.trainer.offload import make_offloader
 from colocate.trainer.stats import TrainStats
+from colocate.trainer.token_returns import kl_returns, whiten_over_ranks
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -157,9 +159,11 @@ class TrainerActor:
 
     # ------------------------------------------------------------------------------------------- training
 
-    def train_step(self, seqs: list[Sequence], *, num_tokens_all_ranks: int, num_micro_batches: int) -> TrainStats:
-        """One optimizer step over this rank's sequences, micro-batched; the loss is the mean over all ranks'
-        response tokens (FSDP averages gradients over ranks, hence the world-size factor).
+    def train_step(self, seqs: list[Sequence], *, num_tokens_all_ranks: int, num_micro_batches: int,
+                   num_seqs_all_ranks: int) -> TrainStats:
+        """One optimizer step over this rank's sequences, micro-batched; the loss aggregates all ranks' response
+        tokens (`num_tokens_all_ranks` in `num_seqs_all_ranks` sequences) as algo.loss_aggregation says, times
+        the world size (FSDP averages gradients over ranks).
 
         Hazard: every rank must run the same number of forward/backward passes (each is a set of FSDP
         collectives), so the caller passes the count of the rank with the most micro-batches (the same grouping,
@@ -168,18 +172,22 @@ class TrainerActor:
         activations or gradients."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        scale = self.world_size / max(num_tokens_all_ranks, 1)
         totals = TrainStats()
         chunks = self._micro_batches(seqs, num_micro_batches)
         batches = [self._collate(chunk or list(seqs[:1]) or [_dummy_sequence(self.pad_id)]) for chunk in chunks]
         ref_logprobs = self.reference.score(batches, temperature=self.sampling.temperature, top_p=self.sampling.top_p) \
             if self.reference is not None else [None] * len(batches)
-        for chunk, batch, ref in zip(chunks, batches, ref_logprobs):
+        advantages = self._token_advantages(chunks, batches, ref_logprobs)
+        entropy_grad = self.algo.entropy_coef > 0
+        for chunk, batch, ref, adv in zip(chunks, batches, ref_logprobs, advantages):
             empty = not chunk
             logprobs, entropy = sequence_logprobs(self.model, batch, temperature=self.sampling.temperature,
-                                                  top_p=self.sampling.top_p)
-            loss, stats = policy_loss(logprobs, batch, algo=self.algo, ref_logprobs=ref, entropy=entropy)
-            (loss * (0.0 if empty else scale)).backward()
+                                                  top_p=self.sampling.top_p, entropy_grad=entropy_grad)
+            scale = token_scale(batch, aggregation=self.algo.loss_aggregation, num_tokens=num_tokens_all_ranks,
+                                num_seqs=num_seqs_all_ranks, max_tokens=self.sampling.max_tokens)
+            loss, stats = policy_loss(logprobs, batch, algo=self.algo, ref_logprobs=ref, entropy=entropy,
+                                      scale=scale, advantages=adv)
+            (loss * (0.0 if empty else self.world_size)).backward()
             if not empty:
                 totals += stats
         # NaN/Inf guards (trainer/finite.py): every rank raises together, naming the parameter, before a bad
@@ -188,9 +196,24 @@ class TrainerActor:
         totals.grad_norm = clip_checked(self.params, self.cfg.grad_clip, step=step, rank=self.rank)
         if not self.optimizer.state:
             self._create_optimizer_state()
+        totals.lr = learning_rate(step, self.cfg, num_steps=self.algo.num_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = totals.lr
         self.optimizer.step()
         check_weights(self.params, step=step, rank=self.rank)
         return totals
+
+    def _token_advantages(self, chunks: list[list[Sequence]], batches: list[MicroBatch],
+                          ref_logprobs: list) -> list[torch.Tensor | None]:
+        """Per-token advantages where they are not the sequence's: REINFORCE++ with the KL in its returns
+        (trainer/token_returns.py; a collective over the ranks). None: each micro-batch's own."""
+        if not self.algo.kl_in_reward:
+            return [None] * len(batches)
+        returns = [kl_returns(b, ref, kl_coef=self.algo.kl_coef, estimator=self.algo.kl_estimator)
+                   for b, ref in zip(batches, ref_logprobs)]
+        # the zero-weighted passes of a rank with fewer micro-batches count no token
+        masks = [b.target_mask if chunk else torch.zeros_like(b.target_mask) for chunk, b in zip(chunks, batches)]
+        return whiten_over_ranks(returns, masks)
 
     def _num_optimizer_steps(self) -> int:
         """Steps taken so far (AdamW's count, restored with a checkpoint): the 0-based index of the next step, as

@@ -30,15 +30,16 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS: below it a request is sampled greedily
+from colocate.config.algo import GREEDY_TEMPERATURE
+
 LOGPROB_FLOOR = -100.0  # a token outside the nucleus: probability e^-100, as good as impossible, and finite
 ENTROPY_ROWS = 256  # positions per slice of the entropy (a metric, no gradient)
 
 
 def processed_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                       top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                       top_p: float = 1.0, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """For logits [..., V] and target ids [...]: the target's logprob under the distribution the engine samples
-    from, and that distribution's entropy (no gradient: a metric). The logits divided by the temperature, then
+    from, and that distribution's entropy (a metric, without gradient, unless `entropy_grad`: the entropy bonus). The logits divided by the temperature, then
     restricted to the nucleus of mass `top_p` and renormalised (vLLM's `apply_top_k_top_p`: drop the smallest
     tokens whose cumulative probability stays <= 1 - top_p, keep at least one). Greedy sampling (temperature below
     vLLM's 1e-5) is scored as vLLM reports it: the plain distribution, no temperature, no nucleus
@@ -57,7 +58,7 @@ def processed_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperatu
         logits = logits.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
     logprobs = torch.log_softmax(logits, dim=-1)
     chosen = torch.gather(logprobs, -1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = _entropy(logprobs)
+    entropy = _entropy_with_grad(logprobs) if entropy_grad else _entropy(logprobs)
     # Hazard: outside the nucleus a token's logprob is -inf (a padding target, or a sampled token the trainer
     # ranks just outside it): -inf * 0 in a mask is NaN. A floor keeps it finite and its gradient zero.
     return (chosen.clamp(min=LOGPROB_FLOOR) if top_p < 1.0 else chosen), entropy
@@ -76,6 +77,13 @@ def _entropy(logprobs: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).reshape(logprobs.shape[:-1]) if parts else logprobs.new_zeros(logprobs.shape[:-1])
 
 
+def _entropy_with_grad(logprobs: torch.Tensor) -> torch.Tensor:
+    """-sum p log p with its gradient, in one piece. Hazard (memory): autograd keeps p and the masked log p for
+    the backward, ~8 bytes per vocabulary entry a position; with the chunked head (the default) that is one
+    chunk's, recomputed in the backward."""
+    return -(logprobs.exp() * logprobs.masked_fill(torch.isinf(logprobs), 0.0)).sum(dim=-1)
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, *, temperature: float = 1.0,
                    top_p: float = 1.0) -> torch.Tensor:
     """[B, T-1] logprob of each next token of `input_ids` from the model's full logits [B, T, V]."""
@@ -91,12 +99,12 @@ class ChunkedLogprobHead(torch.nn.Module):
         assert linear.bias is None, "no bias in the causal LM heads this replaces"
         self.weight = linear.weight  # the same Parameter: an embedding tied to it stays tied
         self.chunk_tokens = chunk_tokens
-        self._scoring: tuple[torch.Tensor, float, float] | None = None
+        self._scoring: tuple[torch.Tensor, float, float, bool] | None = None
 
     @contextlib.contextmanager
-    def scoring(self, targets: torch.Tensor, *, temperature: float, top_p: float):
+    def scoring(self, targets: torch.Tensor, *, temperature: float, top_p: float, entropy_grad: bool = False):
         """targets [B, T]: the token each position predicts (the last position's is never read)."""
-        self._scoring = (targets, temperature, top_p)
+        self._scoring = (targets, temperature, top_p, entropy_grad)
         try:
             yield
         finally:
@@ -105,16 +113,17 @@ class ChunkedLogprobHead(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._scoring is None:
             return F.linear(hidden, self.weight)
-        targets, temperature, top_p = self._scoring
+        targets, temperature, top_p, entropy_grad = self._scoring
         flat, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         parts = [checkpoint(self._chunk, flat[i:i + self.chunk_tokens], flat_targets[i:i + self.chunk_tokens],
-                            temperature, top_p, use_reentrant=False)
+                            temperature, top_p, entropy_grad, use_reentrant=False)
                  for i in range(0, flat.shape[0], self.chunk_tokens)]
         return torch.cat(parts).reshape(*hidden.shape[:-1], 2)
 
-    def _chunk(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    def _chunk(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: float,
+               entropy_grad: bool) -> torch.Tensor:
         chosen, entropy = processed_logprobs(F.linear(hidden, self.weight), targets, temperature=temperature,
-                                             top_p=top_p)
+                                             top_p=top_p, entropy_grad=entropy_grad)
         return torch.stack([chosen, entropy], dim=-1)
 
 
@@ -127,15 +136,16 @@ def install_chunked_head(model: torch.nn.Module, chunk_tokens: int) -> None:
     model.lm_head = ChunkedLogprobHead(head, chunk_tokens)
 
 
-def sequence_logprobs(model: torch.nn.Module, batch, *, temperature: float,
-                      top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, T-1] logprob of each next token of `batch` and [B, T-1] entropy of the distribution it came from,
-    through the chunked head if the model has one, else from the full logits."""
+def sequence_logprobs(model: torch.nn.Module, batch, *, temperature: float, top_p: float,
+                      entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T-1] logprob of each next token of `batch` and [B, T-1] entropy of the distribution it came from (with
+    its gradient when `entropy_grad`), through the chunked head if the model has one, else from the full logits."""
     head = model.get_output_embeddings()
     if isinstance(head, ChunkedLogprobHead):
         targets = F.pad(batch.input_ids[:, 1:], (0, 1))  # the last position predicts nothing
-        with head.scoring(targets, temperature=temperature, top_p=top_p):
+        with head.scoring(targets, temperature=temperature, top_p=top_p, entropy_grad=entropy_grad):
             out = model(**batch.model_inputs()).logits[:, :-1]
         return out[..., 0], out[..., 1]
     logits = model(**batch.model_inputs()).logits
-    return processed_logprobs(logits[:, :-1], batch.input_ids[:, 1:], temperature=temperature, top_p=top_p)
+    return processed_logprobs(logits[:, :-1], batch.input_ids[:, 1:], temperature=temperature, top_p=top_p,
+                              entropy_grad=entropy_grad)

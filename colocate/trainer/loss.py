@@ -1,10 +1,16 @@
-"""The GRPO policy loss on sampled sequences, with the engine's sampling logprobs as the behaviour policy.
+"""The policy loss on sampled sequences, with the engine's sampling logprobs as the behaviour policy.
 
 Every tensor is per target position of a micro-batch (trainer/batching.py: padded or packed, the same here).
+docs/algorithms.md gives each choice's formula and paper. Per response token t of sequence i, with
+r_t = exp(logp_trainer - logp_engine) and the advantage A_i (rl/advantages.py):
 
-Loss per response token (PPO-clip with group-relative advantages):
-    ratio = exp(logp_trainer - logp_engine)
-    loss  = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)
+    ppo    -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)        (+ dual clip: at most -c A where A < 0)
+    gspo   the same with one ratio per sequence, s_i = exp(mean_t log r_t) (its token form sg(s_i) pi_t/sg(pi_t))
+    cispo  -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A logp_t         (every token keeps its gradient)
+
+then weighted by the TIS/MIS correction, plus kl_coef x the KL estimate (unless folded into the reward), minus
+entropy_coef x the entropy; and summed with `token_scale`, the aggregation (algo.loss_aggregation) of every rank's
+tokens into one number.
 
 Taking the engine's logprobs as the old policy makes the ratio carry the training/inference mismatch (bf16
 engine vs fp32 trainer, different kernels); rl/corrections.py measures it every step and, with
@@ -55,14 +61,56 @@ def kl_estimator(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: 
     return torch.exp(log_r) - 1 - log_r
 
 
-def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, algo: AlgoConfig,
-                ref_logprobs: torch.Tensor | None = None,
-                entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, TrainStats]:
-    """Sum over response tokens of the clipped surrogate loss plus, when algo.kl_coef > 0, kl_coef times the
-    KL estimate against `ref_logprobs` (the caller normalises by the token count: the KL term becomes kl_coef *
-    its per-token mean); and the step's mismatch: every response token's log w = logp_trainer - logp_engine and
-    every sequence's sum."""
+def token_scale(batch: MicroBatch, *, aggregation: str, num_tokens: int, num_seqs: int,
+                max_tokens: int) -> torch.Tensor:
+    """[rows, T-1] the weight of each token's loss in the step's one number, over every rank's `num_tokens`
+    response tokens in `num_seqs` sequences: what the per-token losses are summed with (zero off the mask).
+        token_mean               1 / num_tokens                     (DAPO)
+        seq_mean_token_mean      1 / (num_seqs x the sequence's length)   (GRPO)
+        seq_mean_token_sum_norm  1 / (num_seqs x max_tokens)        (Dr. GRPO: a constant, no length bias)"""
     mask = batch.target_mask
+    if aggregation == "token_mean":
+        return mask / max(num_tokens, 1)
+    if aggregation == "seq_mean_token_sum_norm":
+        return mask / (max(num_seqs, 1) * max_tokens)
+    assert aggregation == "seq_mean_token_mean", aggregation
+    lengths = batch.per_sequence(torch.ones_like(mask))
+    return mask / (max(num_seqs, 1) * lengths.clamp(min=1)[batch.seq_ids])
+
+
+def surrogate(log_ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, batch: MicroBatch, *,
+              algo: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token policy-gradient loss of algo.policy_loss, and where its clip bit (1.0) — before any weights."""
+    low, high = 1 - algo.clip_low, 1 + algo.clip_high
+    if algo.policy_loss == "gspo":
+        lengths = batch.per_sequence(torch.ones_like(batch.target_mask)).clamp(min=1)
+        seq_log_ratio = (batch.per_sequence(log_ratio.detach()) / lengths)[batch.seq_ids]
+        # the value of the sequence ratio, the gradient of each token's own log-prob (GSPO-token, eq. 13)
+        log_ratio = seq_log_ratio + (log_ratio - log_ratio.detach())
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = torch.clamp(ratio, low, high)
+    bit = ((ratio < low) | (ratio > high)).float()
+    if algo.policy_loss == "cispo":
+        return -(clipped_ratio.detach() * advantages * logprobs), bit
+    unclipped, clipped = ratio * advantages, clipped_ratio * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    bit = (unclipped != clipped).float()
+    if algo.clip_ratio_c is not None:  # dual clip: a negative advantage's loss is at most c |A|
+        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * algo.clip_ratio_c), loss)
+    return loss, bit
+
+
+def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, algo: AlgoConfig,
+                ref_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None,
+                advantages: torch.Tensor | None = None) -> tuple[torch.Tensor, TrainStats]:
+    """The micro-batch's loss: each response token's (surrogate x correction weight + KL - entropy bonus) summed
+    with `scale` (token_scale; None: a plain sum), and the step's statistics, the mismatch among them: every
+    response token's log w = logp_trainer - logp_engine and every sequence's sum. `advantages`: per token (the
+    trainer's REINFORCE++ returns), else the batch's."""
+    mask = batch.target_mask
+    scale = mask if scale is None else scale
+    advantages = batch.advantages if advantages is None else advantages
     log_w = (logprobs.detach() - batch.old_logprobs) * mask
     if algo.correction == "none":
         log_ratio, weights, affected = (logprobs - batch.old_logprobs) * mask, mask, torch.zeros_like(mask)
@@ -71,22 +119,24 @@ def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, algo: AlgoConfig,
         weights, affected = importance_weights(log_w, mask, mode=algo.correction,
                                                level=algo.correction_level, cap=algo.tis_cap,
                                                low=algo.mis_low, high=algo.mis_high, seq_ids=batch.seq_ids)
-    ratio = torch.exp(log_ratio)
-    advantages = batch.advantages
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - algo.clip_eps, 1 + algo.clip_eps) * advantages
-    loss = -(torch.minimum(unclipped, clipped) * weights).sum()
+    per_token, clipped = surrogate(log_ratio, logprobs, advantages, batch, algo=algo)
+    per_token = per_token * weights
     kl_sum = torch.zeros(())
     if algo.kl_coef > 0:
         assert ref_logprobs is not None and ref_logprobs.shape == logprobs.shape, "kl_coef > 0 needs ref_logprobs"
         kl = kl_estimator(logprobs, ref_logprobs, algo.kl_estimator) * mask
-        loss = loss + algo.kl_coef * kl.sum()
+        if not algo.kl_in_reward:  # else it is in the returns (trainer/token_returns.py)
+            per_token = per_token + algo.kl_coef * kl
         kl_sum = kl.detach().sum()
+    if algo.entropy_coef > 0:
+        assert entropy is not None and entropy.requires_grad, "an entropy bonus needs the entropy's gradient"
+        per_token = per_token - algo.entropy_coef * entropy * mask
+    loss = (per_token * scale).sum()
     with torch.no_grad():
         on = mask.bool()
         stats = TrainStats(
-            tokens=float(mask.sum()), loss_sum=float(loss.detach()),
-            mismatch_abs_sum=float(log_w.abs().sum()), clipped_sum=float(((unclipped != clipped).float() * mask).sum()),
+            tokens=float(mask.sum()), loss_sum=float((per_token * mask).sum()), objective=float(loss),
+            mismatch_abs_sum=float(log_w.abs().sum()), clipped_sum=float((clipped * mask).sum()),
             corrected_sum=float(affected.sum()), weight_sum=float(weights.sum()), kl_sum=float(kl_sum),
             entropy_sum=float((entropy * mask).sum()) if entropy is not None else 0.0,
             token_log_w=log_w[on].cpu().numpy(),

@@ -26,6 +26,10 @@ class TrainStats:
     tokens: float = 0.0
     """Response tokens trained on."""
     loss_sum: float = 0.0
+    """Each response token's loss summed (the surrogate, KL and entropy terms)."""
+    objective: float = 0.0
+    """The loss as optimised: the token losses summed with the aggregation's weights (trainer/loss.py
+    token_scale), which add up over every rank to the step's one number."""
     mismatch_abs_sum: float = 0.0
     """|log p_trainer - log p_engine| summed over response tokens."""
     clipped_sum: float = 0.0
@@ -44,13 +48,15 @@ class TrainStats:
     """Every sequence's summed log ratio."""
     grad_norm: float | None = None
     """The total gradient norm before clipping (the same on every rank; None without clipping)."""
+    lr: float | None = None
+    """The step's learning rate (trainer/lr_schedule.py; the same on every rank)."""
 
     def __add__(self, other: TrainStats) -> TrainStats:
-        """Sums add, arrays concatenate, and grad_norm (one value for the whole step) is kept."""
+        """Sums add, arrays concatenate, and grad_norm and lr (one value for the whole step) are kept."""
         values = {}
         for f in dataclasses.fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if f.name == "grad_norm":
+            if f.name in ("grad_norm", "lr"):
                 values[f.name] = mine if mine is not None else theirs
             elif isinstance(mine, np.ndarray):
                 values[f.name] = np.concatenate([mine, theirs])

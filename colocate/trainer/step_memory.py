@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from colocate.trainer.logprobs import GREEDY_TEMPERATURE
+from colocate.config.algo import GREEDY_TEMPERATURE
 
 FP32 = 4
 LOGITS_BYTES_PER_VOCAB = 8  # beyond the model's own logits: log-softmax's output, then two gradients of it

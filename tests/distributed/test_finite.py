@@ -28,7 +28,8 @@ def _trainer(rank: int, world_size: int, port: int, model_path: str, grad_clip: 
 
 def _step(trainer, world_size: int, rank: int):
     num_tokens = sum(len(s.response_ids) for s in SEQS)
-    return trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens, num_micro_batches=2)
+    return trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens, num_micro_batches=2,
+                              num_seqs_all_ranks=len(SEQS))
 
 
 def _bad_gradient(rank: int, world_size: int, port: int, model_path: str, grad_clip: float, value: float,

@@ -35,7 +35,7 @@ def _train(rank: int, world_size: int, port: int, model_path: str, out_path: str
     # as the driver counts them (job/groups.py): the most micro-batches of any rank's share
     num_micro_batches = max(len(trainer_micro_batches(SEQS[r::world_size], cfg)) for r in range(world_size))
     stats = trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens,
-                               num_micro_batches=num_micro_batches)
+                               num_micro_batches=num_micro_batches, num_seqs_all_ranks=len(SEQS))
     assert stats.tokens == sum(len(s.response_ids) for s in SEQS[rank::world_size])
     assert len(stats.token_log_w) == stats.tokens and len(stats.seq_log_w) == len(SEQS[rank::world_size])
     grads = {n: p.grad.full_tensor() for n, p in trainer.model.named_parameters()}
@@ -57,6 +57,17 @@ def _train(rank: int, world_size: int, port: int, model_path: str, out_path: str
     # k1's gradient is 1 per token even where the policy is the reference: the KL term's normalisation over
     # ranks (and rank 1's dummy reference forward) is checked, not only its value 0
     pytest.param(AlgoConfig(kl_coef=0.5, kl_estimator="k1"), RolloutConfig(), id="kl_k1"),
+    # the algorithm family (docs/algorithms.md): each aggregation's normaliser counts every rank's tokens or
+    # sequences; GSPO's sequence ratio and CISPO's weight are per rank's own sequences. The clips are wide: the
+    # engine logprobs above are far from the tiny model's, and a clipped token has no gradient to compare.
+    pytest.param(AlgoConfig(policy_loss="gspo", clip_eps_low=0.9, clip_eps_high=50.0,
+                            loss_aggregation="seq_mean_token_mean"), RolloutConfig(), id="gspo_seq_mean"),
+    pytest.param(AlgoConfig(policy_loss="cispo", clip_eps_low=1.0, clip_eps_high=50.0, entropy_coef=0.1,
+                            loss_aggregation="seq_mean_token_sum_norm"), RolloutConfig(max_tokens=8),
+                 id="cispo_dr_grpo_norm_entropy"),
+    # REINFORCE++'s KL-shaped returns are whitened over both ranks' tokens (one all-reduce), and the dual clip
+    pytest.param(AlgoConfig(advantage="reinforce_pp", kl_in_reward=True, kl_coef=0.5, kl_estimator="k1",
+                            clip_eps=50.0, clip_ratio_c=60.0), RolloutConfig(), id="reinforce_pp_kl_in_reward"),
 ])
 def test_two_ranks_match_one_rank(tmp_path, algo, sampling):
     path = ensure_model(ModelConfig(preset="tiny", cache_dir=str(tmp_path / "models")))
@@ -142,7 +153,8 @@ def _offload_round_trip(rank: int, world_size: int, port: int, model_path: str):
     trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0)
     trainer.setup("127.0.0.1", port)
     num_tokens = sum(len(s.response_ids) for s in SEQS)
-    trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens, num_micro_batches=2)
+    trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens, num_micro_batches=2,
+                       num_seqs_all_ranks=len(SEQS))
     trainer.release_grads()
     before = {k: v.clone() for k, v in trainer.full_state_dict("float32").items()}
     adam = [v.to_local().clone() for s in trainer.optimizer.state.values() for v in s.values() if v.dim()]
@@ -157,7 +169,8 @@ def _offload_round_trip(rank: int, world_size: int, port: int, model_path: str):
     adam_after = [v.to_local() for s in trainer.optimizer.state.values() for v in s.values() if v.dim()]
     assert all(torch.equal(a, b) for a, b in zip(adam, adam_after))
     # training goes on from the restored state (FSDP2's shard views survived the release)
-    trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens, num_micro_batches=2)
+    trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens, num_micro_batches=2,
+                       num_seqs_all_ranks=len(SEQS))
     trainer.shutdown()
 
 
@@ -173,3 +186,26 @@ def test_offload_frees_the_trainer_state_and_restores_it_exactly(tmp_path):
     Qwen2ForCausalLM(config).save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     run_distributed(_offload_round_trip, str(path), world_size=2, init=False)
+
+
+def _whiten(rank: int, world_size: int, out_path: str):
+    from colocate.trainer.token_returns import whiten_over_ranks
+
+    returns = torch.tensor([[0.4, 0.5, 0.7, 0.0], [1.5, -2.0, 3.0, 9.0]])
+    masks = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
+    rows = [0, 1] if world_size == 1 else [rank]  # two ranks: a row each
+    out = whiten_over_ranks([returns[r:r + 1] for r in rows], [masks[r:r + 1] for r in rows])
+    gathered = [torch.zeros(1, 4) for _ in range(world_size)]
+    if world_size > 1:
+        torch.distributed.all_gather(gathered, out[0])
+        out = gathered
+    if rank == 0:
+        torch.save(torch.cat(out), out_path)
+
+
+def test_token_returns_are_whitened_over_every_ranks_tokens(tmp_path):
+    run_distributed(_whiten, str(tmp_path / "one.pt"), world_size=1)
+    run_distributed(_whiten, str(tmp_path / "two.pt"), world_size=2)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    torch.testing.assert_close(two, one)
+    assert one[1, 3] == 0 and one[0].abs().sum() > 0  # off the mask stays 0

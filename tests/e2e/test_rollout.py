@@ -74,7 +74,7 @@ def steps(controller: Controller, num_steps: int):
     """Controller.step's phases, keeping each step's groups."""
     for step in range(num_steps):
         groups, stats = controller.rollout(step)
-        scored = controller.score(groups)
+        scored = controller.advantages(controller.score(groups))
         controller.switch_to_train()
         controller.train(scored)
         controller.switch_to_sync()
@@ -85,7 +85,9 @@ def steps(controller: Controller, num_steps: int):
 
 def job(runtime, **rollout) -> Controller:
     cfg = runtime.cfg
-    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **rollout))
+    # one-answer groups have no group baseline: REINFORCE++'s batch baseline trains them
+    algo = dataclasses.replace(cfg.algo, advantage="reinforce_pp") if rollout.get("num_samples") == 1 else cfg.algo
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **rollout), algo=algo)
     cfg.check()
     return Controller(cfg, runtime)
 

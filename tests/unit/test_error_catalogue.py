@@ -21,7 +21,8 @@ from colocate.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 CATALOGUE = ROOT / "docs" / "errors.md"
 # where config errors are raised: each section's own checks, and the checks that need the machine
-CONFIG_SOURCE = "\n".join((ROOT / "colocate" / f).read_text() for f in ("config/schema.py", "job/checks.py"))
+CONFIG_SOURCE = "\n".join((ROOT / "colocate" / f).read_text()
+                          for f in ("config/schema.py", "config/algo.py", "job/checks.py"))
 MODEL_DIR = ROOT / "tests" / "data" / "model_configs" / "Qwen2.5-0.5B-Instruct"  # a config.json, no weights
 
 
@@ -43,8 +44,8 @@ def one_line(exc_info) -> str:
 
 
 @pytest.mark.parametrize("argv, needles", [
-    pytest.param(["a.yaml", "b.yaml"], ["expected at most one config file", "overrides are key=value"],
-                 id="two_config_files"),
+    pytest.param(["algo.normalize_advantages=false"], ["'algo.normalize_advantages' is no longer a key",
+                                                       "algo.advantage=dr_grpo"], id="replaced_key"),
     pytest.param(["trainer.mixed_precision=maybe"], ["trainer.mixed_precision='maybe'", "expected true or false"],
                  id="bool_not_true_or_false"),
     pytest.param(["rollout.task=[1, 2]"], ["rollout.task=[1, 2]", "expected a string"], id="str_given_a_list"),
@@ -107,7 +108,7 @@ def test_unknown_command_line_arguments_exit_2_after_argparses_usage_line(capsys
 
 
 def _checked_keys(helper: str) -> list[str]:
-    """The keys the sections pass to a check helper (`_positive(self, "trainer", "lr", ...)`), read from the
+    """The keys the sections pass to a check helper (`positive(self, "trainer", "lr", ...)`), read from the
     source."""
     keys = []
     for node in ast.walk(ast.parse(CONFIG_SOURCE)):
@@ -118,14 +119,14 @@ def _checked_keys(helper: str) -> list[str]:
 
 
 def _bad_value(helper: str, key: str) -> str:
-    if helper == "_one_of":
+    if helper == "one_of":
         return "no_such_choice"
     section, name = key.split(".")
     default = getattr(getattr(JobConfig(), section), name)
-    return "0" if helper == "_positive" and isinstance(default, (int, float)) else "-1"
+    return "0" if helper == "positive" and isinstance(default, (int, float)) else "-1"
 
 
-RANGE_CHECKS = [(helper, key) for helper in ("_positive", "_non_negative", "_one_of") for key in _checked_keys(helper)]
+RANGE_CHECKS = [(helper, key) for helper in ("positive", "non_negative", "one_of") for key in _checked_keys(helper)]
 
 
 def test_the_range_checks_were_found():
@@ -134,14 +135,14 @@ def test_the_range_checks_were_found():
     assert len(RANGE_CHECKS) > 40
 
 
-@pytest.mark.parametrize("helper, key", RANGE_CHECKS, ids=[f"{h[1:]}-{k}" for h, k in RANGE_CHECKS])
+@pytest.mark.parametrize("helper, key", RANGE_CHECKS, ids=[f"{h}-{k}" for h, k in RANGE_CHECKS])
 def test_every_range_checked_key_is_refused_naming_it(helper, key):
     value = _bad_value(helper, key)
     with pytest.raises(ConfigError) as info:
         load_config(None, [f"{key}={value}"])
     message = one_line(info)
     assert message.startswith(f"{key}="), message
-    expected = {"_positive": "must be > 0", "_non_negative": "must be >= 0", "_one_of": "valid: "}[helper]
+    expected = {"positive": "must be > 0", "non_negative": "must be >= 0", "one_of": "valid: "}[helper]
     assert expected in message, message
 
 
@@ -376,7 +377,7 @@ def test_catalogue_names_every_key_the_configs_checks_name():
     """Every `_bad("<key>"` of config.py, every key of its range checks, and every key a ConfigError message of
     any module starts with (`f"data.prompt_key=...`) appears in docs/errors.md."""
     catalogue = CATALOGUE.read_text()
-    keys = set(re.findall(r'_bad\("([a-z_.]+)"', CONFIG_SOURCE))
+    keys = set(re.findall(r'\bbad\("([a-z_.]+)"', CONFIG_SOURCE))
     assert {"engine.tp", "model.path", "rollout.top_p"} <= keys  # the pattern still matches the code
     keys |= {key for _, key in RANGE_CHECKS}
     for path in (ROOT / "colocate").rglob("*.py"):

@@ -10,7 +10,7 @@ import torch
 from colocate.config import AlgoConfig
 from colocate.errors import RewardError
 from colocate.rl.samples import Answer, Rollout
-from colocate.rl.scoring import group_advantages, score
+from colocate.rl.scoring import score
 from colocate.rl.tasks import Sample
 from colocate.trainer.logprobs import token_logprobs
 from colocate.trainer.loss import Sequence, collate, policy_loss
@@ -51,13 +51,6 @@ def test_ratio_is_clipped_for_positive_advantage():
     assert stats.mismatch_abs_sum == pytest.approx(math.log(1.8))
 
 
-def test_group_advantages():
-    assert group_advantages([1.0, 0.0], normalize=False) == [0.5, -0.5]
-    normalized = group_advantages([1.0, 0.0, 1.0, 0.0], normalize=True)
-    assert normalized[0] == pytest.approx(1.0, rel=1e-4) and normalized[1] == pytest.approx(-1.0, rel=1e-4)
-    assert group_advantages([0.3, 0.3], normalize=True) == [0.0, 0.0]  # no signal, no NaN
-
-
 def _rollout(tokens_list):
     completions = [Answer(seed=0, max_tokens=8, token_ids=t, logprobs=[-1.0] * len(t), finish_reason="stop")
                    for t in tokens_list]
@@ -67,7 +60,7 @@ def _rollout(tokens_list):
 def test_score_strips_eos_from_text_but_trains_on_it():
     decode = lambda ids: "".join(str(i) for i in ids)  # noqa: E731
     scored = score([_rollout([[1, 2, 99], [1, 99]])], reward_fn=lambda p, r, a: float(r == a), decode=decode,
-                   eos_id=99, normalize=False)
+                   eos_id=99, algo=AlgoConfig(advantage="dr_grpo"))
     assert scored.responses == ["12", "1"]
     assert scored.rewards == [1.0, 0.0]
     assert scored.sequences[0].response_ids == [1, 2, 99]
@@ -79,4 +72,4 @@ def test_reward_error_names_prompt_and_response():
         raise KeyError("boom")
 
     with pytest.raises(RewardError, match=r"prompt '12=', response '7'"):
-        score([_rollout([[7]])], reward_fn=broken, decode=lambda ids: "7", eos_id=None, normalize=True)
+        score([_rollout([[7]])], reward_fn=broken, decode=lambda ids: "7", eos_id=None, algo=AlgoConfig())

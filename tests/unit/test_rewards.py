@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from colocate.config import load_config
+from colocate.config import AlgoConfig, load_config
 from colocate.errors import ConfigError, RewardError
 from colocate.job.checks import check_sources
 from colocate.rl import rewards
@@ -162,7 +162,7 @@ def _decode(ids):
 def test_weighted_combination_and_per_reward_means():
     reward = CombinedReward(parse_rewards("math:1.0,format:0.5"))
     scored = score(_groups([["answer: 4", "4", "answer: 5", "x"]]), reward_fn=reward, decode=_decode, eos_id=None,
-                   normalize=False)
+                   algo=AlgoConfig(advantage="dr_grpo"))
     assert scored.rewards == [1.5, 1.0, 0.5, 0.0]
     stats = scored.stats()
     assert stats["reward_mean"] == 0.75
@@ -171,7 +171,7 @@ def test_weighted_combination_and_per_reward_means():
 
 
 def test_plain_reward_fn_stats_are_unchanged():
-    scored = score(_groups([["4", "5"]]), reward_fn=exact_reward, decode=_decode, eos_id=None, normalize=False)
+    scored = score(_groups([["4", "5"]]), reward_fn=exact_reward, decode=_decode, eos_id=None, algo=AlgoConfig(advantage="dr_grpo"))
     assert scored.components == {}
     assert not [k for k in scored.stats() if k.startswith("reward_") and k.endswith("_mean") and k != "reward_mean"]
 
@@ -185,7 +185,7 @@ def test_batched_reward_sees_the_whole_step_once():
 
     counting.batched = True
     scored = score(_groups([["a", "bb"], ["ccc", ""]]), reward_fn=counting, decode=_decode, eos_id=None,
-                   normalize=False)
+                   algo=AlgoConfig(advantage="dr_grpo"))
     assert calls == [4] and scored.rewards == [1.0, 2.0, 3.0, 0.0]
     assert [s.advantage for s in scored.sequences] == [-0.5, 0.5, 1.5, -1.5]  # per group, not per step
 
@@ -205,7 +205,7 @@ def test_batched_component_in_a_combination():
 def test_non_numbers_and_nan_are_refused_naming_the_sample(fn, needle):
     responses = ["ok", "bad"] if fn is nan_reward else ["ok"]
     with pytest.raises(RewardError) as info:
-        score(_groups([responses]), reward_fn=fn, decode=_decode, eos_id=None, normalize=True)
+        score(_groups([responses]), reward_fn=fn, decode=_decode, eos_id=None, algo=AlgoConfig())
     assert needle in str(info.value)
 
 

@@ -24,4 +24,4 @@ def test_every_field_takes_part_in_the_sum():
                          if f.name not in ("token_log_w", "seq_log_w")})
     total = ones + ones
     assert all(getattr(total, f.name) == 2.0 for f in dataclasses.fields(TrainStats)
-               if f.name not in ("token_log_w", "seq_log_w", "grad_norm"))
+               if f.name not in ("token_log_w", "seq_log_w", "grad_norm", "lr"))
