@@ -148,9 +148,11 @@ def checkpoint_tensors(checkpoint: Path) -> dict:
 
 
 def launch(tmp_path: Path, *overrides: str, timeout_s: float = 420,
-           config: str = "configs/default.yaml") -> subprocess.CompletedProcess:
-    """`colocate launch CONFIG` as a user runs it, with the small job's overrides."""
-    args = ["rollout.num_prompts=4", "rollout.num_samples=4", "rollout.max_tokens=4", "engine.kv_cache_gib=0.125",
-            f"logging.output_dir={tmp_path / 'out'}", f"model.cache_dir={ROOT / '.cache' / 'models'}", *overrides]
-    return subprocess.run([str(Path(os.sys.executable).parent / "colocate"), "launch", config, *args],
+           config: str | tuple[str, ...] = "configs/default.yaml", small: bool = True) -> subprocess.CompletedProcess:
+    """`colocate launch CONFIG...` as a user runs it, with the small job's overrides (unless not `small`)."""
+    shrink = ["rollout.num_prompts=4", "rollout.num_samples=4", "rollout.max_tokens=4"] if small else []
+    args = [*shrink, "engine.kv_cache_gib=0.125", f"logging.output_dir={tmp_path / 'out'}",
+            f"model.cache_dir={ROOT / '.cache' / 'models'}", *overrides]
+    configs = [config] if isinstance(config, str) else list(config)
+    return subprocess.run([str(Path(os.sys.executable).parent / "colocate"), "launch", *configs, *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, preexec_fn=sigint_ignored)

@@ -2,7 +2,8 @@
 
 One uninterrupted 4-step run against a 2-step run resumed to 4 (resume=auto): the trainer shards (weights and
 AdamW moments), the data place, the answers carried in flight (partial rollout: each continues from its segment
-seed, which the saved answer decides) and every step's metrics are equal. The resumed run's final checkpoint exported as
+seed, which the saved answer decides), the learning rate of a cosine schedule resumed mid-warmup, the groups
+dynamic sampling kept and every step's metrics are equal. The resumed run's final checkpoint exported as
 a Hugging Face model is loaded by vLLM (the CPU build) and by transformers, and both answer the evaluation prompts
 greedily with exactly the tokens the job's own engine gave (engine.dtype=float32: bit-equal weights everywhere).
 """
@@ -26,7 +27,11 @@ JOB = ["algo.num_steps=4", "engine.dtype=float32", "checkpoint.keep_last=0", "lo
        "rollout.max_tokens=6", "eval.max_prompts=6", "eval.max_tokens=6", "engine.tp=1",
        # answers carried across steps, and so across the checkpoint: 3 tokens a pass, 24 groups in flight for 16
        # trained, 64 decoding at once (the third wave's answers wait with their first 3 tokens)
-       "rollout.partial_tokens=3", "rollout.oversample=1.5", "engine.max_num_seqs=64"]
+       "rollout.partial_tokens=3", "rollout.oversample=1.5", "engine.max_num_seqs=64",
+       # a cosine schedule resumed mid-warmup (steps 0-2 warm up; the resumed run starts at step 2), and DAPO's
+       # dynamic sampling, whose refills draw prompts from the data stream within a step
+       "trainer.lr_schedule=cosine", "trainer.lr_warmup_steps=3", "trainer.lr_min_ratio=0.1",
+       "algo.dynamic_sampling=true"]
 
 
 def _steps(run: Path) -> dict[int, dict]:
@@ -61,8 +66,14 @@ def test_resume_is_exact_and_the_export_loads(tmp_path):
                for ans in g["answers"]), "no unfinished answer was carried across the checkpoint"
     whole_steps, resumed_steps = _steps(whole / "out"), _steps(resumed / "out")
     for step in (2, 3):
-        for key in ("reward_mean", "response_len_mean", "loss", "mismatch"):
+        for key in ("reward_mean", "response_len_mean", "loss", "mismatch", "lr"):
             assert whole_steps[step][key] == resumed_steps[step][key], (step, key)
+        # the rollout's counts, dynamic sampling's among them (its seconds are the machine's)
+        rollouts = [{k: v for k, v in run[step]["rollout"].items() if k != "seconds"}
+                    for run in (whole_steps, resumed_steps)]
+        assert rollouts[0] == rollouts[1] and "dynamic_sampling" in rollouts[0], step
+    # warmup (s + 1) / 4 x lr for steps 0-2, then the cosine's start; the resumed run's step 2 is mid-warmup
+    assert [whole_steps[s]["lr"] for s in range(4)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
 
     # the export, loaded by vLLM and transformers, answers as the job's engine did after its last step
     exported = tmp_path / "hf"

@@ -83,11 +83,12 @@ def steps(controller: Controller, num_steps: int):
         yield step, groups, stats
 
 
-def job(runtime, **rollout) -> Controller:
+def job(runtime, algo: dict | None = None, **rollout) -> Controller:
     cfg = runtime.cfg
     # one-answer groups have no group baseline: REINFORCE++'s batch baseline trains them
-    algo = dataclasses.replace(cfg.algo, advantage="reinforce_pp") if rollout.get("num_samples") == 1 else cfg.algo
-    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **rollout), algo=algo)
+    algo = {"advantage": "reinforce_pp", **(algo or {})} if rollout.get("num_samples") == 1 else (algo or {})
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **rollout),
+                              algo=dataclasses.replace(cfg.algo, **algo))
     cfg.check()
     return Controller(cfg, runtime)
 
@@ -147,3 +148,28 @@ def test_answers_continued_across_steps_are_reproducible_when_weights_do_not_cha
     assert continued > 0, "no answer was continued across a step"
     second, _ = answers_of_a_run()
     assert [a[:4] for a in second] == [a[:4] for a in first]
+
+
+def test_dynamic_sampling_trains_exactly_the_informative_groups_asked_for(runtime):
+    """DAPO's dynamic sampling in real steps: the groups trained are exactly rollout.num_prompts, each with
+    rewards that differ, their answers and nothing else in the batch; uniform groups are refilled through the
+    pool and counted."""
+    controller = job(runtime, algo={"dynamic_sampling": True}, num_prompts=4, num_samples=4, max_tokens=4,
+                     max_refill_passes=6)
+    for step in range(3):
+        groups, stats = controller.rollout(step)
+        scored = controller.refill(step, controller.score(groups), stats, {})
+        batch = controller.advantages(scored)
+        trained = [g for g in scored if g.trained]
+        assert len(trained) == 4 == stats["num_groups"] and all(max(g.rewards) > min(g.rewards) for g in trained)
+        assert [s.response_ids for s in batch.sequences] == \
+            [a.token_ids for g in trained for a in g.rollout.completions]
+        sampling = stats["dynamic_sampling"]
+        assert sampling["num_groups_sampled"] == len(scored) == 4 + sampling["num_groups_uniform"] + \
+            sampling["num_groups_surplus"]
+        assert sampling["num_refills"] == stats["num_passes"] - 1  # one pass per collect, no partial rollout
+        controller.switch_to_train()
+        controller.train(batch)
+        controller.switch_to_sync()
+        controller.sync()
+        controller.switch_to_rollout()

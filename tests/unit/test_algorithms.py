@@ -322,3 +322,15 @@ def test_presets_compose_with_the_default_job(preset):
     # a preset sets the algorithm, not the job (DAPO's refill bound is a rollout key)
     assert dataclasses.replace(cfg.rollout, max_refill_passes=base.rollout.max_refill_passes) == base.rollout
     assert (cfg.model, cfg.engine, cfg.trainer) == (base.model, base.engine, base.trainer)
+
+
+def test_validate_prints_the_merged_preset(capsys):
+    from colocate.cli import main
+
+    code = main(["validate", str(ROOT / "configs" / "default.yaml"), str(ROOT / "configs" / "algos" / "dapo.yaml"),
+                 "algo.num_steps=7"])
+    out = capsys.readouterr().out
+    assert code == 0
+    # the job's file, then the preset's keys, then the override
+    assert "dynamic_sampling: true" in out and "clip_eps_high: 0.28" in out and "num_steps: 7" in out
+    assert "task: copy" in out

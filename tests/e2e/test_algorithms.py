@@ -1,0 +1,43 @@
+"""The algorithm presets through `colocate launch`, as a user composes them: the default job with DAPO's preset
+(configs/algos/dapo.yaml: clip-higher, dynamic sampling, token-level loss) learns, and every step trains exactly
+rollout.num_prompts groups whose rewards differ, refilled through the rollout pool, with what was filtered in the
+metrics. (The counting of the groups trained, group by group, is tests/e2e/test_rollout.py's, on a shared engine.)"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import yaml
+
+from tests.e2e.conftest import launch
+
+pytestmark = pytest.mark.e2e
+
+NUM_STEPS = 12
+
+
+def test_the_dapo_preset_on_the_default_job_learns(tmp_path):
+    # the default job as `make run` runs it (16 prompts x 8 answers of 3 tokens), shortened
+    result = launch(tmp_path, f"algo.num_steps={NUM_STEPS}", "logging.progress=false", "checkpoint.at_end=false",
+                    config=("configs/default.yaml", "configs/algos/dapo.yaml"), small=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())
+    assert saved["algo"]["dynamic_sampling"] and saved["algo"]["clip_eps_high"] == 0.28  # the preset merged
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "event" not in r]
+    assert [r["step"] for r in steps] == list(range(NUM_STEPS))
+    for r in steps:
+        sampling = r["rollout"]["dynamic_sampling"]
+        # exactly 16 groups trained, each of 8 answers; what was filtered is counted and reported
+        assert sampling["num_groups_kept"] == 16 == r["rollout"]["num_groups"] and sampling["num_groups_short"] == 0
+        assert r["num_trained_sequences"] == 16 * 8
+        assert sampling["num_groups_sampled"] == 16 + sampling["num_groups_uniform"] + sampling["num_groups_surplus"]
+        assert sampling["filtered_fraction"] == pytest.approx(sampling["num_groups_uniform"] /
+                                                              sampling["num_groups_sampled"])
+        assert r["lr"] == 1e-3 and r["clip_fraction"] >= 0
+    assert any(r["rollout"]["dynamic_sampling"]["num_refills"] > 0 for r in steps)  # the refill was exercised
+    first = statistics.fmean(r["reward_mean"] for r in steps[:4])
+    last = statistics.fmean(r["reward_mean"] for r in steps[-4:])
+    assert last > first + 0.02 and last > 1.5 * first, (first, last, [round(r["reward_mean"], 3) for r in steps])
