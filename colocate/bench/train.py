@@ -120,7 +120,7 @@ def _measure(cfg: JobConfig, keys: dict, model_path: str, lengths: list[int], po
     info = trainer.setup("127.0.0.1", port)
     vocab = trainer.model.config.vocab_size
     warm = _sequences(lengths[0], vocab)[:1]
-    trainer.train_step(warm, num_tokens_all_ranks=len(warm[0].response_ids), num_micro_batches=1,
+    trainer.train_step(warm, step=0, num_tokens_all_ranks=len(warm[0].response_ids), num_micro_batches=1,
                        num_seqs_all_ranks=1)
     for length in lengths:
         # the budget follows the length measured: a variant's micro-batches as a job of these answers has them
@@ -133,7 +133,7 @@ def _measure(cfg: JobConfig, keys: dict, model_path: str, lengths: list[int], po
         before = process_rss_bytes()
         reset_peak_rss()
         started = time.perf_counter()
-        trainer.train_step(seqs, num_tokens_all_ranks=sum(len(s.response_ids) for s in seqs),
+        trainer.train_step(seqs, step=0, num_tokens_all_ranks=sum(len(s.response_ids) for s in seqs),
                            num_micro_batches=len(groups), num_seqs_all_ranks=len(seqs))
         step_s = time.perf_counter() - started
         queue.put({"length": length, "num_micro_batches": len(groups), "step_s": step_s,

@@ -87,7 +87,7 @@ def _measure(cfg: JobConfig, model_path: str, runs: list[tuple[int, int, float]]
     trainer.setup("127.0.0.1", port)
     vocab = trainer.model.config.vocab_size
     warm = _sequences(runs[0][0], 1, vocab)
-    trainer.train_step(warm, num_tokens_all_ranks=len(warm[0].response_ids), num_micro_batches=1,
+    trainer.train_step(warm, step=0, num_tokens_all_ranks=len(warm[0].response_ids), num_micro_batches=1,
                        num_seqs_all_ranks=1)
     for length, rows, top_p in runs:
         trainer.sampling = dataclasses.replace(trainer.sampling, top_p=top_p)
@@ -98,7 +98,8 @@ def _measure(cfg: JobConfig, model_path: str, runs: list[tuple[int, int, float]]
         reset_peak_rss()
         seqs = _sequences(length, rows, vocab)
         started = time.perf_counter()
-        trainer.train_step(seqs, num_tokens_all_ranks=sum(len(s.response_ids) for s in seqs), num_micro_batches=1,
+        trainer.train_step(seqs, step=0, num_tokens_all_ranks=sum(len(s.response_ids) for s in seqs),
+                           num_micro_batches=1,
                            num_seqs_all_ranks=len(seqs))
         queue.put({"length": length, "rows": rows, "top_p": top_p, "rss_before_bytes": before,
                    "peak_rss_bytes": peak_rss_bytes(), "step_s": time.perf_counter() - started})

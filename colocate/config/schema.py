@@ -37,7 +37,7 @@ class TrainerConfig:
     lr: float = 1e-3
     """AdamW learning rate (the peak, with a schedule)."""
     lr_schedule: str = "constant"
-    """Learning rate over the run's algo.num_steps optimizer steps, after trainer.lr_warmup_steps of linear warmup from 0: constant, cosine or linear decay to trainer.lr_min_ratio x lr at the last step."""
+    """Learning rate over the run's algo.num_steps steps, after trainer.lr_warmup_steps of linear warmup: constant, cosine or linear decay to trainer.lr_min_ratio x lr at the last step."""
     lr_warmup_steps: int = 0
     """Steps of linear warmup: step s (0-based) uses (s + 1) / (lr_warmup_steps + 1) x lr."""
     lr_min_ratio: float = 0.0
@@ -183,11 +183,11 @@ class RolloutConfig:
     max_lag: int = 1
     """An answer (finished or not) whose oldest token was sampled more than this many policy versions ago is restarted from its prompt; tokens within the lag are trained, corrected by the loss's ratio to their behaviour logprobs."""
     max_refill_passes: int = 4
-    """algo.dynamic_sampling: the most extra rollouts a step makes to replace the groups it dropped (each samples as many new groups as are missing); a step still short after them trains the informative groups it has, and says so in its metrics."""
+    """algo.dynamic_sampling: the most extra rollouts a step makes to replace the groups it dropped (each asks the pool for the missing groups over the fraction informative so far); a step still short after them trains the informative groups it has, and says so in its metrics."""
 
     def check(self) -> None:
         positive(self, "rollout", "num_prompts", "num_samples", "max_tokens", "task_length", "top_p")
-        non_negative(self, "rollout", "temperature", "partial_tokens", "max_lag")
+        non_negative(self, "rollout", "temperature", "partial_tokens", "max_lag", "max_refill_passes")
         if self.top_p > 1:
             raise bad("rollout.top_p", self.top_p, "must be in (0, 1]")
         if self.oversample < 1:
@@ -415,6 +415,10 @@ class JobConfig:
             raise bad("rollout.temperature", rollout.temperature, "greedy sampling gives every sample of a prompt "
                       f"the same answer, so algo.advantage={algo.advantage} makes every advantage 0; valid: > 0 "
                       "(e.g. 1.0)")
+        if algo.dynamic_sampling and algo.advantage not in GROUP_ADVANTAGES:
+            raise bad("algo.dynamic_sampling", True, f"drops groups whose rewards are all equal, which a group "
+                      f"baseline gives no gradient; algo.advantage={algo.advantage} has a batch baseline, so such a "
+                      "group still carries one. Valid with it: false; or a group estimator (grpo, dr_grpo, rloo)")
         if algo.mask_truncated and rollout.ignore_eos:
             raise bad("algo.mask_truncated", True, "rollout.ignore_eos=true makes every answer run to its budget, "
                       "so every one would be left out of the loss; valid with it: false")

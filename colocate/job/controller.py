@@ -121,7 +121,7 @@ class Controller:
         with self._phase(times, "switch", step):
             self.switch_to_train()
         with self._phase(times, "train", step):
-            train_stats = self.train(scored)
+            train_stats = self.train(scored, step)
         with self._phase(times, "switch", step):
             self.switch_to_sync()
         with self._phase(times, "sync", step):
@@ -156,8 +156,7 @@ class Controller:
 
     def score(self, groups: list[Rollout]) -> list[ScoredGroup]:
         scored = reward_groups(groups, reward_fn=self.reward_fn, decode=self.rt.tokenizer.decode,
-                               eos_id=self.rt.tokenizer.eos_token_id, algo=self.cfg.algo,
-                               max_tokens=self.cfg.rollout.max_tokens)
+                               eos_id=self.rt.tokenizer.eos_token_id, algo=self.cfg.algo)
         self.events.append("score")
         return scored
 
@@ -168,7 +167,9 @@ class Controller:
         more costs little time), at most the groups it keeps in flight. Returns every group sampled, the first
         rollout.num_prompts informative ones marked to train (rl.scoring.keep_informative); informative groups
         beyond them are surplus, reported and not trained. `rollout_stats["dynamic_sampling"]` says how it went;
-        a step still short after its refills trains what it has."""
+        a step still short after its refills trains what it has. The refills add their passes, seconds and the
+        pool's counters to `rollout_stats`; its other figures (staleness, prefix sharing, the long tail) stay
+        those of the step's first collect."""
         wanted, pool = self.cfg.rollout.num_prompts, self.rollouts.pool
         num_sampled, num_refills = len(scored), 0
         while (num_kept := sum(g.informative for g in scored)) < wanted \
@@ -206,8 +207,8 @@ class Controller:
             self.rt.trainers.onload()
             self.events.append("trainer.onload")
 
-    def train(self, scored: Scored) -> dict:
-        total = self.rt.trainers.train_step(scored.sequences, self.cfg.trainer)
+    def train(self, scored: Scored, step: int) -> dict:
+        total = self.rt.trainers.train_step(scored.sequences, self.cfg.trainer, step=step)
         self.events.append("train")
         monitor = mismatch_stats(torch.from_numpy(total.token_log_w), torch.from_numpy(total.seq_log_w),
                                  band=self.cfg.algo.mismatch_band)

@@ -2,7 +2,7 @@
 controller's phases read as what they do (`trainers.offload()`, `engines.sleep(2)`), not as Ray plumbing.
 
     trainers = TrainerGroup(actor_handles)        # a list of Ray actor handles, with the group's calls
-    trainers.train_step(sequences, cfg.trainer)   # each rank its share, every rank the same pass count
+    trainers.train_step(sequences, cfg.trainer, step=3)   # each rank its share, every rank the same pass count
     engines.sleep(2); engines.wake(["weights"])
 
 A group is a list: code that needs one member (a rank, an engine's worker list) indexes it as before.
@@ -27,7 +27,7 @@ class ActorGroup(list):
 class TrainerGroup(ActorGroup):
     """The FSDP2 ranks. Every call is a collective of theirs: all ranks or none."""
 
-    def train_step(self, sequences: list[Sequence], cfg: TrainerConfig) -> TrainStats:
+    def train_step(self, sequences: list[Sequence], cfg: TrainerConfig, *, step: int) -> TrainStats:
         """One optimizer step on `sequences`, dealt to the ranks by tokens (trainer/batching.py); every rank runs
         the micro-batch count of the rank with the most (a collective each), grouped as each rank groups its
         own, and the loss aggregates the response tokens of all ranks. No sequences (dynamic sampling kept no
@@ -37,7 +37,7 @@ class TrainerGroup(ActorGroup):
         shares = deal(sequences, len(self))
         num_micro_batches = max(len(trainer_micro_batches(share, cfg)) for share in shares)
         num_tokens = sum(len(s.response_ids) for s in sequences)
-        results = ray.get([t.train_step.remote(share, num_tokens_all_ranks=num_tokens,
+        results = ray.get([t.train_step.remote(share, step=step, num_tokens_all_ranks=num_tokens,
                                                num_micro_batches=num_micro_batches,
                                                num_seqs_all_ranks=len(sequences))
                            for share, t in zip(shares, self)])

@@ -39,12 +39,13 @@ class Rollouts:
         self.sampling = {"temperature": r.temperature, "top_p": r.top_p, "ignore_eos": r.ignore_eos}
         self.timelines: list[list[list[tuple[float, int]]]] = []  # last collect: per pass, per engine
 
-    def collect(self, version: int, *, num_groups: int | None = None, refill: bool = False) -> tuple[list[Rollout], dict]:
+    def collect(self, version: int, *, num_groups: int | None = None,
+                refill: bool = False) -> tuple[list[Rollout], dict]:
         """The step's complete groups (answers sampled by policy `version` or, carried over, older ones): exactly
         `num_groups` (default rollout.num_prompts) without partial rollout. `refill`: a second collect of the same
         step (dynamic sampling), whose pool counters add to the first's."""
         pool = self.pool
-        wanted = num_groups or pool.rollout.num_prompts
+        wanted = pool.rollout.num_prompts if num_groups is None else num_groups
         if not refill:
             pool.stats.reset()
         samples = self.prompts.next_batch(pool.num_missing)

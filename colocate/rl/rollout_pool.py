@@ -144,7 +144,7 @@ class RolloutPool:
         """Complete groups each engine must reach in the next pass (groups go to engine group_id % num_engines,
         so a continuation finds its engine's prefix cache): together what the step still lacks of `num_groups`
         (default rollout.num_prompts), none more than an engine has unfinished."""
-        wanted = max(0, (num_groups or self.rollout.num_prompts) - self.num_complete())
+        wanted = max(0, (self.rollout.num_prompts if num_groups is None else num_groups) - self.num_complete())
         unfinished = [0] * num_engines
         for g in self.groups:
             unfinished[g.group_id % num_engines] += not g.complete
@@ -159,7 +159,8 @@ class RolloutPool:
     def take(self, num_groups: int | None = None) -> list[Group]:
         """Up to `num_groups` (default rollout.num_prompts) complete groups, oldest first. The rest stay for the
         next step (carry) or go."""
-        complete = [g for g in self.groups if g.complete][:num_groups or self.rollout.num_prompts]
+        wanted = self.rollout.num_prompts if num_groups is None else num_groups
+        complete = [g for g in self.groups if g.complete][:wanted]
         taken = {g.group_id for g in complete}
         self.groups = [g for g in self.groups if g.group_id not in taken]
         if self.rollout.leftover == "drop":

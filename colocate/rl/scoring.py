@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from colocate.config import AlgoConfig
 from colocate.errors import RewardError
 from colocate.rl.advantages import estimate_advantages
-from colocate.rl.samples import Rollout
+from colocate.rl.samples import Answer, Rollout
 from colocate.rl.samples import Sequence as TrainSequence
 
 
@@ -53,11 +53,15 @@ class ScoredGroup:
     components: dict[str, list[float]] = field(default_factory=dict)
     trained: bool = True
     """False: scored and reported, not trained (dynamic sampling: a uniform group, or one beyond those wanted)."""
+    task_rewards: list[float] | None = None
+    """The reward function's values before the overlong punishment, when it is on (None: `rewards`)."""
 
     @property
     def informative(self) -> bool:
-        """Rewards that differ: a group baseline leaves each answer some advantage (DAPO's dynamic sampling)."""
-        return max(self.rewards) > min(self.rewards)
+        """The reward function's values differ (DAPO eq. 11 keeps groups with 0 < correct < all): a group of
+        equally good answers that only the overlong punishment tells apart is not, as in DAPO."""
+        rewards = self.rewards if self.task_rewards is None else self.task_rewards
+        return max(rewards) > min(rewards)
 
 
 def keep_informative(groups: list[ScoredGroup], num_groups: int) -> tuple[int, int]:
@@ -92,13 +96,19 @@ class Scored:
         advantage (algo.advantage), less the truncated answers when algo.mask_truncated (they still count in
         their group's baseline, as in DAPO's overlong filter). The rewards are those of every group given."""
         trained = [g for g in groups if g.trained]
+
+        def masked(answer: Answer) -> bool:
+            return algo.mask_truncated and answer.finish_reason == "length"
+
+        # REINFORCE++'s batch statistics count the tokens trained: a masked answer weighs 0 there, as in the
+        # trainer's KL-shaped returns (a group baseline still counts it: DAPO's overlong filter)
         advantages = estimate_advantages(
             [g.rewards for g in trained], estimator=algo.advantage, kl_in_reward=algo.kl_in_reward,
-            num_tokens=[[len(a.token_ids) for a in g.rollout.completions] for g in trained])
+            num_tokens=[[0 if masked(a) else len(a.token_ids) for a in g.rollout.completions] for g in trained])
         sequences, num_masked = [], 0
         for group, group_advantages in zip(trained, advantages):
             for answer, advantage in zip(group.rollout.completions, group_advantages):
-                if answer.finish_reason == "length" and algo.mask_truncated:
+                if masked(answer):
                     num_masked += 1
                     continue
                 sequences.append(TrainSequence(group.rollout.prompt_ids, answer.token_ids, answer.logprobs, advantage))
@@ -180,16 +190,17 @@ def _finite(value, name: str, prompt: str, response: str) -> float:
 
 def overlong_punishment(num_tokens: int, *, max_tokens: int, buffer: int, penalty: float) -> float:
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 up to max_tokens - buffer tokens, then falling
-    linearly to -penalty at max_tokens."""
-    excess = num_tokens - (max_tokens - buffer)
+    linearly to -penalty at max_tokens. `max_tokens`: the answer's own budget (rollout.max_tokens, or less where
+    the context left less after a long prompt), where it is cut off."""
+    excess = num_tokens - max(0, max_tokens - buffer)
     return -penalty * min(excess, buffer) / buffer if buffer and excess > 0 else 0.0
 
 
 def reward_groups(groups: list[Rollout], *, reward_fn: Reward, decode, eos_id: int | None,
-                  algo: AlgoConfig | None = None, max_tokens: int = 0) -> list[ScoredGroup]:
+                  algo: AlgoConfig | None = None) -> list[ScoredGroup]:
     """Every answer's reward, one call for the whole step (a batched reward sees every sample at once), split back
-    into groups; with algo.overlong_buffer, DAPO's overlong punishment (against `max_tokens`) added to each."""
-    responses, prompts, answers, lengths = [], [], [], []
+    into groups; with algo.overlong_buffer, DAPO's overlong punishment (against each answer's budget) added."""
+    responses, prompts, answers, lengths, budgets = [], [], [], [], []
     for group in groups:
         for completion in group.completions:
             tokens = completion.token_ids
@@ -199,24 +210,27 @@ def reward_groups(groups: list[Rollout], *, reward_fn: Reward, decode, eos_id: i
             prompts.append(group.sample.prompt)
             answers.append(group.sample.answer)
             lengths.append(len(tokens))
+            budgets.append(completion.max_tokens)
     rewards, components = apply_reward(reward_fn, prompts, responses, answers)
+    task_rewards = None
     if algo is not None and algo.overlong_buffer:
-        shaping = [overlong_punishment(n, max_tokens=max_tokens, buffer=algo.overlong_buffer,
-                                       penalty=algo.overlong_penalty) for n in lengths]
-        rewards = [r + p for r, p in zip(rewards, shaping)]
+        shaping = [overlong_punishment(n, max_tokens=budget, buffer=algo.overlong_buffer,
+                                       penalty=algo.overlong_penalty) for n, budget in zip(lengths, budgets)]
+        task_rewards, rewards = rewards, [r + p for r, p in zip(rewards, shaping)]
         components = {**components, "overlong": shaping}
     out, start = [], 0
     for group in groups:
         end = start + len(group.completions)
         out.append(ScoredGroup(group, rewards[start:end], responses[start:end],
-                               {name: values[start:end] for name, values in components.items()}))
+                               {name: values[start:end] for name, values in components.items()},
+                               task_rewards=None if task_rewards is None else task_rewards[start:end]))
         start = end
     return out
 
 
 def score(groups: list[Rollout], *, reward_fn: Reward, decode, eos_id: int | None,
-          algo: AlgoConfig | None = None, max_tokens: int = 0) -> Scored:
+          algo: AlgoConfig | None = None) -> Scored:
     """reward_groups, then the advantages of every group (no dynamic sampling): the step's Scored."""
     algo = algo or AlgoConfig()
-    return Scored.from_groups(reward_groups(groups, reward_fn=reward_fn, decode=decode, eos_id=eos_id, algo=algo,
-                                            max_tokens=max_tokens), algo=algo)
+    return Scored.from_groups(reward_groups(groups, reward_fn=reward_fn, decode=decode, eos_id=eos_id, algo=algo),
+                              algo=algo)

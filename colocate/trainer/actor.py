@@ -159,11 +159,12 @@ class TrainerActor:
 
     # ------------------------------------------------------------------------------------------- training
 
-    def train_step(self, seqs: list[Sequence], *, num_tokens_all_ranks: int, num_micro_batches: int,
+    def train_step(self, seqs: list[Sequence], *, step: int, num_tokens_all_ranks: int, num_micro_batches: int,
                    num_seqs_all_ranks: int) -> TrainStats:
-        """One optimizer step over this rank's sequences, micro-batched; the loss aggregates all ranks' response
-        tokens (`num_tokens_all_ranks` in `num_seqs_all_ranks` sequences) as algo.loss_aggregation says, times
-        the world size (FSDP averages gradients over ranks).
+        """One optimizer step over this rank's sequences, micro-batched, as RL step `step` (0-based: its learning
+        rate, and the step a NaN guard names); the loss aggregates all ranks' response tokens
+        (`num_tokens_all_ranks` in `num_seqs_all_ranks` sequences) as algo.loss_aggregation says, times the world
+        size (FSDP averages gradients over ranks).
 
         Hazard: every rank must run the same number of forward/backward passes (each is a set of FSDP
         collectives), so the caller passes the count of the rank with the most micro-batches (the same grouping,
@@ -192,7 +193,6 @@ class TrainerActor:
                 totals += stats
         # NaN/Inf guards (trainer/finite.py): every rank raises together, naming the parameter, before a bad
         # gradient is stepped or a bad weight is synced; the controller then never reaches the sync.
-        step = self._num_optimizer_steps()
         totals.grad_norm = clip_checked(self.params, self.cfg.grad_clip, step=step, rank=self.rank)
         if not self.optimizer.state:
             self._create_optimizer_state()
@@ -214,12 +214,6 @@ class TrainerActor:
         # the zero-weighted passes of a rank with fewer micro-batches count no token
         masks = [b.target_mask if chunk else torch.zeros_like(b.target_mask) for chunk, b in zip(chunks, batches)]
         return whiten_over_ranks(returns, masks)
-
-    def _num_optimizer_steps(self) -> int:
-        """Steps taken so far (AdamW's count, restored with a checkpoint): the 0-based index of the next step, as
-        the controller numbers steps."""
-        state = next(iter(self.optimizer.state.values()), None)
-        return int(state["step"]) if state else 0
 
     def _create_optimizer_state(self) -> None:
         """AdamW's lazy state, created by hand inside the offloader's region (torch_memory_saver pauses it with
@@ -367,6 +361,8 @@ class TrainerActor:
 
         offloaded = self._offloaded
         self.onload()
+        if not self.optimizer.state:  # no step trained yet (dynamic sampling kept no group): AdamW's zero state
+            self._create_optimizer_state()
         save_rank_state(directory, self.model, self.optimizer, rank=self.rank)
         if offloaded:
             self.offload()

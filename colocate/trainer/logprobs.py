@@ -39,9 +39,10 @@ ENTROPY_ROWS = 256  # positions per slice of the entropy (a metric, no gradient)
 def processed_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
                        top_p: float = 1.0, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """For logits [..., V] and target ids [...]: the target's logprob under the distribution the engine samples
-    from, and that distribution's entropy (a metric, without gradient, unless `entropy_grad`: the entropy bonus). The logits divided by the temperature, then
-    restricted to the nucleus of mass `top_p` and renormalised (vLLM's `apply_top_k_top_p`: drop the smallest
-    tokens whose cumulative probability stays <= 1 - top_p, keep at least one). Greedy sampling (temperature below
+    from, and that distribution's entropy (a metric, without gradient, unless `entropy_grad`: the entropy bonus).
+    The logits divided by the temperature, then restricted to the nucleus of mass `top_p` and renormalised
+    (vLLM's `apply_top_k_top_p`: drop the smallest tokens whose cumulative probability stays <= 1 - top_p, keep at
+    least one). Greedy sampling (temperature below
     vLLM's 1e-5) is scored as vLLM reports it: the plain distribution, no temperature, no nucleus
     (vllm/v1/sample/sampler.py, the all-greedy branch)."""
     logits = logits.float()

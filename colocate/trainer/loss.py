@@ -94,7 +94,7 @@ def surrogate(log_ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch
         return -(clipped_ratio.detach() * advantages * logprobs), bit
     unclipped, clipped = ratio * advantages, clipped_ratio * advantages
     loss = -torch.minimum(unclipped, clipped)
-    bit = (unclipped != clipped).float()
+    bit = (clipped < unclipped).float()  # the min took the clipped term (verl's pg_clipfrac)
     if algo.clip_ratio_c is not None:  # dual clip: a negative advantage's loss is at most c |A|
         loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * algo.clip_ratio_c), loss)
     return loss, bit

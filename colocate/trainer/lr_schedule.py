@@ -1,12 +1,12 @@
 """The learning rate of each optimizer step (trainer.lr_schedule): linear warmup, then constant, cosine or linear
 decay to trainer.lr_min_ratio x trainer.lr at the run's last step.
 
-    lr = learning_rate(step, cfg.trainer, num_steps=cfg.algo.num_steps)    # step: 0-based optimizer step
+    lr = learning_rate(step, cfg.trainer, num_steps=cfg.algo.num_steps)    # step: the 0-based RL step
 
-A function of the step alone, and the step is AdamW's own count, saved and restored with the optimizer state: a
-resumed run takes exactly the learning rates the uninterrupted one would have, with no scheduler state to keep
-in step. A step that trains nothing (dynamic sampling found no informative group) takes no optimizer step and
-so does not advance the schedule.
+A function of the RL step alone (the controller's, restored with a checkpoint's data place): a resumed run takes
+exactly the learning rates the uninterrupted one would have, with no scheduler state to keep in step, and the
+decay reaches its floor at the run's last step even when a step trained nothing (dynamic sampling found no
+informative group) and took no optimizer step.
 """
 
 from __future__ import annotations

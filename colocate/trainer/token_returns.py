@@ -19,13 +19,15 @@ import torch.distributed as dist
 
 from colocate.rl.advantages import EPS
 from colocate.trainer.batching import MicroBatch
-from colocate.trainer.loss import kl_estimator
+from colocate.trainer.loss import KL_CLAMP, kl_estimator
 
 
 def kl_returns(batch: MicroBatch, ref_logprobs: torch.Tensor, *, kl_coef: float, estimator: str) -> torch.Tensor:
     """[rows, T-1] each response token's return: its sequence's reward (batch.advantages) minus kl_coef x the KL
     summed from that token to the answer's end; zero off the mask."""
-    kl = kl_estimator(batch.old_logprobs, ref_logprobs, estimator) * batch.target_mask
+    # Hazard: a token outside the reference's nucleus has its floored logprob (-100): k1 would be ~100 there, and
+    # summed over the suffix it would swamp every return; each token's KL is bounded as k3's log ratio is
+    kl = kl_estimator(batch.old_logprobs, ref_logprobs, estimator).clamp(-KL_CLAMP, KL_CLAMP) * batch.target_mask
     suffix = torch.zeros_like(kl)
     for row, first, num in batch.spans:  # per sequence: a packed row holds several, and a suffix stops at its end
         suffix[row, first:first + num] = kl[row, first:first + num].flip(0).cumsum(0).flip(0)
@@ -38,7 +40,8 @@ def whiten_over_ranks(returns: list[torch.Tensor], masks: list[torch.Tensor]) ->
     # on the tensors' device: NCCL reduces CUDA tensors only
     moments = torch.zeros(3, dtype=torch.float64, device=returns[0].device)
     for r, m in zip(returns, masks):
-        moments += torch.stack([m.sum(), (r * m).sum(), (r * r * m).sum()]).double()
+        r, m = r.double(), m.double()  # E[r^2] - E[r]^2 cancels: fp32 sums would lose the variance
+        moments += torch.stack([m.sum(), (r * m).sum(), (r * r * m).sum()])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(moments)
     count, total, squares = moments.tolist()

@@ -14,7 +14,7 @@ from tests.distributed.test_trainer import SEQS
 
 def _step(trainer, rank: int, world_size: int) -> None:
     num_tokens = sum(len(s.response_ids) for s in SEQS)
-    trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens, num_micro_batches=2,
+    trainer.train_step(SEQS[rank::world_size], step=0, num_tokens_all_ranks=num_tokens, num_micro_batches=2,
                        num_seqs_all_ranks=len(SEQS))
 
 

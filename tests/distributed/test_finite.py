@@ -26,10 +26,10 @@ def _trainer(rank: int, world_size: int, port: int, model_path: str, grad_clip: 
     return trainer
 
 
-def _step(trainer, world_size: int, rank: int):
+def _step(trainer, world_size: int, rank: int, step: int = 0):
     num_tokens = sum(len(s.response_ids) for s in SEQS)
-    return trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens, num_micro_batches=2,
-                              num_seqs_all_ranks=len(SEQS))
+    return trainer.train_step(SEQS[rank::world_size], step=step, num_tokens_all_ranks=num_tokens,
+                              num_micro_batches=2, num_seqs_all_ranks=len(SEQS))
 
 
 def _bad_gradient(rank: int, world_size: int, port: int, model_path: str, grad_clip: float, value: float,
@@ -73,7 +73,7 @@ def _bad_update(rank: int, world_size: int, port: int, model_path: str):
         param = trainer.params[TARGET]
         trainer.optimizer.state[param]["exp_avg_sq"].to_local()[0, 0] = -1e30
     with pytest.raises(NonFiniteError) as info:
-        _step(trainer, world_size, rank)
+        _step(trainer, world_size, rank, step=1)
     message = str(info.value)
     assert message.startswith(f"training step 1: {TARGET} is NaN on rank 1 after the optimizer step"), message
     trainer.shutdown()

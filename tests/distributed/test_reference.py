@@ -46,7 +46,7 @@ def _kl_steps(rank: int, world_size: int, port: int, model_path: str):
 
     num_tokens = sum(len(s.response_ids) for s in SEQS)
     # rank 0 has 3 sequences, rank 1 has 2: rank 1 runs a dummy micro-batch, reference forward included
-    step = dict(num_tokens_all_ranks=num_tokens, num_micro_batches=2, num_seqs_all_ranks=len(SEQS))
+    step = dict(step=0, num_tokens_all_ranks=num_tokens, num_micro_batches=2, num_seqs_all_ranks=len(SEQS))
     first = trainer.train_step(SEQS[rank::world_size], **step)
     assert first.kl_sum == 0.0 and _all_ranks_kl(first) == 0.0  # the policy is still the reference
     trainer.release_grads()

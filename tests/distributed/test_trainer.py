@@ -34,7 +34,7 @@ def _train(rank: int, world_size: int, port: int, model_path: str, out_path: str
     num_tokens = sum(len(s.response_ids) for s in SEQS)
     # as the driver counts them (job/groups.py): the most micro-batches of any rank's share
     num_micro_batches = max(len(trainer_micro_batches(SEQS[r::world_size], cfg)) for r in range(world_size))
-    stats = trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens,
+    stats = trainer.train_step(SEQS[rank::world_size], step=0, num_tokens_all_ranks=num_tokens,
                                num_micro_batches=num_micro_batches, num_seqs_all_ranks=len(SEQS))
     assert stats.tokens == sum(len(s.response_ids) for s in SEQS[rank::world_size])
     assert len(stats.token_log_w) == stats.tokens and len(stats.seq_log_w) == len(SEQS[rank::world_size])
@@ -153,7 +153,7 @@ def _offload_round_trip(rank: int, world_size: int, port: int, model_path: str):
     trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0)
     trainer.setup("127.0.0.1", port)
     num_tokens = sum(len(s.response_ids) for s in SEQS)
-    trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens, num_micro_batches=2,
+    trainer.train_step(SEQS[rank::world_size], step=0, num_tokens_all_ranks=num_tokens, num_micro_batches=2,
                        num_seqs_all_ranks=len(SEQS))
     trainer.release_grads()
     before = {k: v.clone() for k, v in trainer.full_state_dict("float32").items()}
@@ -169,7 +169,7 @@ def _offload_round_trip(rank: int, world_size: int, port: int, model_path: str):
     adam_after = [v.to_local() for s in trainer.optimizer.state.values() for v in s.values() if v.dim()]
     assert all(torch.equal(a, b) for a, b in zip(adam, adam_after))
     # training goes on from the restored state (FSDP2's shard views survived the release)
-    trainer.train_step(SEQS[rank::world_size], num_tokens_all_ranks=num_tokens, num_micro_batches=2,
+    trainer.train_step(SEQS[rank::world_size], step=0, num_tokens_all_ranks=num_tokens, num_micro_batches=2,
                        num_seqs_all_ranks=len(SEQS))
     trainer.shutdown()
 

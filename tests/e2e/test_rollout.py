@@ -76,7 +76,7 @@ def steps(controller: Controller, num_steps: int):
         groups, stats = controller.rollout(step)
         scored = controller.advantages(controller.score(groups))
         controller.switch_to_train()
-        controller.train(scored)
+        controller.train(scored, step)
         controller.switch_to_sync()
         controller.sync()
         controller.switch_to_rollout()
@@ -169,7 +169,7 @@ def test_dynamic_sampling_trains_exactly_the_informative_groups_asked_for(runtim
             sampling["num_groups_surplus"]
         assert sampling["num_refills"] == stats["num_passes"] - 1  # one pass per collect, no partial rollout
         controller.switch_to_train()
-        controller.train(batch)
+        controller.train(batch, step)
         controller.switch_to_sync()
         controller.sync()
         controller.switch_to_rollout()

@@ -32,7 +32,7 @@ def _kl_on_gpu(rank: int, world_size: int, port: int, model_path: str, backend: 
     ref_before = reference.full_state_dict()
     assert all(torch.equal(ref_before[k], initial[k]) for k in initial)  # the bf16 cast of the same fp32 values
 
-    step = dict(num_tokens_all_ranks=4, num_micro_batches=1, num_seqs_all_ranks=len(SEQS))
+    step = dict(step=0, num_tokens_all_ranks=4, num_micro_batches=1, num_seqs_all_ranks=len(SEQS))
     first = trainer.train_step(SEQS, **step)  # the reference scored, offloaded, then the policy ran beside it
     # the same bf16 weights and kernels; a tolerance only in case a kernel differs with autograd on
     assert abs(first.kl_sum) <= 1e-5 * first.tokens, first.kl_sum

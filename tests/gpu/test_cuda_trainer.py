@@ -26,7 +26,7 @@ def _train_on_gpu(rank: int, world_size: int, port: int, model_path: str):
     trainer = TrainerActor(rank, world_size, TrainerConfig(micro_batch_size=2, mixed_precision=True), model_path,
                            device="cuda", pad_id=0)
     trainer.setup("127.0.0.1", port)  # NCCL
-    stats = trainer.train_step(SEQS, num_tokens_all_ranks=4, num_micro_batches=1,
+    stats = trainer.train_step(SEQS, step=0, num_tokens_all_ranks=4, num_micro_batches=1,
                                num_seqs_all_ranks=len(SEQS))
     assert stats.tokens == 4 and torch.isfinite(torch.tensor(stats.loss_sum))
     trainer.release_grads()

@@ -224,6 +224,17 @@ def test_overlong_punishment():
         pytest.approx([0.0, 0.0, -0.5, -1.0])
     assert overlong_punishment(9, max_tokens=10, buffer=4, penalty=0.5) == pytest.approx(-0.375)
     assert overlong_punishment(10, max_tokens=10, buffer=0, penalty=1.0) == 0.0
+    # an answer whose budget the context cut to 3 (under the buffer): punished from its first token to its end
+    assert overlong_punishment(3, max_tokens=3, buffer=4, penalty=1.0) == pytest.approx(-0.75)
+
+
+def test_dynamic_sampling_judges_a_group_by_its_task_rewards_not_its_length_punishment():
+    # every answer right (1.0) but of different lengths: the punishment tells them apart, DAPO's filter does not
+    group = _group([0.9, 0.5])
+    group.task_rewards = [1.0, 1.0]
+    assert not group.informative
+    group.task_rewards = [1.0, 0.0]
+    assert group.informative
 
 
 def _group(rewards, finish=None):
@@ -285,6 +296,8 @@ def test_learning_rate_schedules():
     (["algo.mask_truncated=true", "rollout.ignore_eos=true"], ["algo.mask_truncated=True", "ignore_eos"]),
     (["trainer.lr_min_ratio=2"], ["trainer.lr_min_ratio=2.0", "[0, 1]"]),
     (["trainer.lr_schedule=step"], ["trainer.lr_schedule='step'", "constant, cosine, linear"]),
+    (["algo.dynamic_sampling=true", "algo.advantage=reinforce_pp"], ["algo.dynamic_sampling=True", "batch baseline"]),
+    (["rollout.max_refill_passes=-1"], ["rollout.max_refill_passes=-1", "must be >= 0"]),
 ], ids=lambda v: "_".join(v) if isinstance(v, list) and "=" in v[0] else None)
 def test_bad_algorithm_settings_are_one_line(overrides, needles):
     with pytest.raises(ConfigError) as info:

@@ -171,7 +171,8 @@ def test_weighted_combination_and_per_reward_means():
 
 
 def test_plain_reward_fn_stats_are_unchanged():
-    scored = score(_groups([["4", "5"]]), reward_fn=exact_reward, decode=_decode, eos_id=None, algo=AlgoConfig(advantage="dr_grpo"))
+    scored = score(_groups([["4", "5"]]), reward_fn=exact_reward, decode=_decode, eos_id=None,
+                   algo=AlgoConfig(advantage="dr_grpo"))
     assert scored.components == {}
     assert not [k for k in scored.stats() if k.startswith("reward_") and k.endswith("_mean") and k != "reward_mean"]
 
