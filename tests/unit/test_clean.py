@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -41,6 +42,15 @@ def write_record(run_dir, job: str, **fields) -> dict:
     record.data.update(controller={"pid": dead_pid(), "start": 0}, state="running", **fields)
     record.update()
     return record.data
+
+
+@pytest.fixture(autouse=True)
+def own_temp_dir(tmp_path, monkeypatch):
+    """`clean` also sweeps every dead engine's vLLM socket directory under the system's temporary directory
+    (host/rpc_dirs.py), not this job's alone. An e2e test beside this one (a SIGKILLed engine) would add a line to
+    what these tests count: each test gets a temporary directory of its own."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
 
 
 @pytest.fixture
