@@ -57,7 +57,7 @@ class WorkerProbe:
 class EngineDriverProbe:
     """Starts its engine's workers as vLLM's Ray executor V2 would, from the environment colocate gives it."""
 
-    def worker_devices(self, tp: int) -> list[str]:
+    def worker_devices(self, tp: int, place_timeout_s: float = 300) -> list[str]:
         if tp == 1:  # no executor: the engine actor is the worker, on the GPU share it asked for itself
             return ray.get_runtime_context().get_accelerator_ids()["GPU"]
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -72,7 +72,10 @@ class EngineDriverProbe:
                                                                  placement_group_bundle_index=bundle),
             runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}).remote()
             for bundle, _, _ in get_bundles_for_indices(group, indices, tp)]
-        ready, _ = ray.wait([w.gpus.remote() for w in workers], num_returns=len(workers), timeout=30)
+        # a probe that cannot be placed waits forever; one that can starts in seconds alone, but minutes on a
+        # loaded 2-core machine (a Ray worker process each): the bound only has to tell the two apart
+        ready, _ = ray.wait([w.gpus.remote() for w in workers], num_returns=len(workers),
+                            timeout=place_timeout_s)
         assert len(ready) == tp, f"vLLM's workers could not be placed (bundles {indices}, {share} GPU each)"
         ids = sorted(int(g) for w in ray.get(ready) for g in w)
         # V2: local rank i -> the i-th smallest physical id among the engine's workers on the node
@@ -90,8 +93,10 @@ def test_every_trainer_rank_shares_its_gpu_with_the_worker_it_feeds(declared_gpu
         drivers = [EngineDriverProbe.options(**actor_options(group, where.bundle, cpu_share=ENGINE_SHARE,
                                                              gpu_share=where.driver_share, env=where.env)).remote()
                    for where in placements]
-        trainer_gpus = ray.get([t.gpu.remote() for t in trainers], timeout=60)
-        worker_gpus = ray.get([d.worker_devices.remote(tp) for d in drivers], timeout=120)
+        trainer_gpus = ray.get([t.gpu.remote() for t in trainers], timeout=300)
+        # each driver imports vLLM's Ray utilities and starts its workers' processes: over 120 s was seen with a
+        # second suite and a busy loop beside this one (issue 19's loaded runs)
+        worker_gpus = ray.get([d.worker_devices.remote(tp) for d in drivers], timeout=600)
 
         assert sorted(trainer_gpus) == ["0", "1", "2", "3"]  # one rank per GPU
         engine_gpus = [set(w) for w in worker_gpus]
@@ -116,7 +121,8 @@ def test_without_bundle_indices_and_shares_vllm_workers_cannot_be_placed(declare
         driver = EngineDriverProbe.options(**actor_options(group, 0, cpu_share=ENGINE_SHARE, gpu_share=ENGINE_SHARE,
                                                            env=old_env)).remote()
         with pytest.raises(ray.exceptions.RayTaskError, match="could not be placed"):
-            ray.get(driver.worker_devices.remote(2), timeout=120)
+            # the workers can never be placed: 30 s tells it (the others are given minutes to start)
+            ray.get(driver.worker_devices.remote(2, place_timeout_s=30), timeout=600)
     finally:
         ray.util.remove_placement_group(group)
 
