@@ -120,7 +120,7 @@ class Scored:
                    num_masked=num_masked)
 
     def stats(self) -> dict:
-        num_tokens = self.response_lengths or [len(s.response_ids) for s in self.sequences]
+        num_tokens = self.response_lengths
         return {
             "reward_mean": statistics.fmean(self.rewards),
             "reward_std": statistics.pstdev(self.rewards),

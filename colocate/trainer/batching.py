@@ -45,6 +45,12 @@ class MicroBatch:
     def num_seqs(self) -> int:
         return len(self.spans)
 
+    def token_lengths(self) -> torch.Tensor:
+        """[rows, T-1] the response length of each target's sequence (1 off the mask, never a divisor of 0)."""
+        lengths = torch.tensor([num for _, _, num in self.spans], dtype=self.target_mask.dtype,
+                               device=self.target_mask.device)
+        return lengths.clamp(min=1)[self.seq_ids]
+
     def per_sequence(self, values: torch.Tensor) -> torch.Tensor:
         """[num_seqs] sums of `values` ([rows, T-1]) over each sequence's response targets."""
         masked = (values * self.target_mask).flatten()

@@ -74,8 +74,7 @@ def token_scale(batch: MicroBatch, *, aggregation: str, num_tokens: int, num_seq
     if aggregation == "seq_mean_token_sum_norm":
         return mask / (max(num_seqs, 1) * max_tokens)
     assert aggregation == "seq_mean_token_mean", aggregation
-    lengths = batch.per_sequence(torch.ones_like(mask))
-    return mask / (max(num_seqs, 1) * lengths.clamp(min=1)[batch.seq_ids])
+    return mask / (max(num_seqs, 1) * batch.token_lengths())
 
 
 def surrogate(log_ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, batch: MicroBatch, *,
@@ -83,15 +82,13 @@ def surrogate(log_ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch
     """Per-token policy-gradient loss of algo.policy_loss, and where its clip bit (1.0) — before any weights."""
     low, high = 1 - algo.clip_low, 1 + algo.clip_high
     if algo.policy_loss == "gspo":
-        lengths = batch.per_sequence(torch.ones_like(batch.target_mask)).clamp(min=1)
-        seq_log_ratio = (batch.per_sequence(log_ratio.detach()) / lengths)[batch.seq_ids]
+        seq_log_ratio = batch.per_sequence(log_ratio.detach())[batch.seq_ids] / batch.token_lengths()
         # the value of the sequence ratio, the gradient of each token's own log-prob (GSPO-token, eq. 13)
         log_ratio = seq_log_ratio + (log_ratio - log_ratio.detach())
     ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, low, high)
-    bit = ((ratio < low) | (ratio > high)).float()
-    if algo.policy_loss == "cispo":
-        return -(clipped_ratio.detach() * advantages * logprobs), bit
+    if algo.policy_loss == "cispo":  # its clip bites wherever the weight was clipped
+        return -(clipped_ratio.detach() * advantages * logprobs), ((ratio < low) | (ratio > high)).float()
     unclipped, clipped = ratio * advantages, clipped_ratio * advantages
     loss = -torch.minimum(unclipped, clipped)
     bit = (clipped < unclipped).float()  # the min took the clipped term (verl's pg_clipfrac)
