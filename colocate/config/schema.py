@@ -285,7 +285,7 @@ class FaultConfig:
     heartbeat_s: float = 1.0
     """How often the controller checks that every process of the job on its node is alive and running (a dead, zombie or stopped one ends the job at once, named)."""
     sync_timeout_s: float = 600.0
-    """A weight sync or a sleep/wake switch that has not finished after this many seconds is a hang: the job stops naming its members. 0: no limit."""
+    """A weight sync, a sleep/wake switch or a step's metrics read that has not finished after this many seconds is a hang: the job stops naming its members. 0: no limit."""
     checkpoint_timeout_s: float = 1800.0
     """The same bound for a checkpoint save (and its HF export). A save writes about 12 bytes per parameter (fp32 weights and AdamW's two moments: 91 GB for a 7B model): size it as 2 x those bytes / the storage's slowest write rate (docs/checkpoints.md). 0: no limit."""
     rollout_timeout_s: float = 0.0

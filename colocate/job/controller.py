@@ -135,7 +135,9 @@ class Controller:
         if self.evaluator and should_evaluate(self.cfg.eval, step + 1, num_steps):
             with self._phase(times, "eval", step):
                 evaluation = self.evaluate(step + 1)
-        record = self._record(step, times, scored, rollout_stats, train_stats, sync_stats)
+        with self._phase({}, "metrics", step):  # asks every actor: a node lost now is a member lost, named
+            memory = self.memory()
+        record = self._record(step, times, scored, rollout_stats, train_stats, sync_stats, memory)
         if evaluation is not None:
             record["eval"] = evaluation
         self.history.append(record)
@@ -297,7 +299,7 @@ class Controller:
             times[name] = times.get(name, 0.0) + time.perf_counter() - started
 
     def _record(self, step: int, times: dict, scored: Scored, rollout_stats: dict, train_stats: dict,
-                sync_stats: dict) -> dict:
+                sync_stats: dict, memory: dict) -> dict:
         stats = scored.stats()
         return {
             "step": step,
@@ -307,7 +309,7 @@ class Controller:
             **sync_stats,
             "rollout_tokens_per_s": stats["num_response_tokens"] / max(times["rollout"], 1e-9),
             "times": times,
-            "memory": self.memory(),
+            "memory": memory,
             "sample": {"response": scored.responses[0]},
         }
 

@@ -7,6 +7,7 @@ The real-stack check of the same order is tests/e2e/test_runtime.py."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from types import SimpleNamespace
 
@@ -189,10 +190,9 @@ PLANS = [pytest.param(level, offload, checkpoint, evaluate,
                                                                        (False, True))]
 
 
-@pytest.mark.parametrize("level, offload, checkpoint, evaluate", PLANS)
-def test_the_switching_order(level, offload, checkpoint, evaluate, monkeypatch, tmp_path):
-    plan = SwitchPlan(level, offload, "test")
-    log: list[tuple] = []
+def make_controller(plan: SwitchPlan, log: list, monkeypatch, tmp_path, *, checkpoint: bool, evaluate: bool,
+                    on_get=lambda: None) -> Controller:
+    """The real controller over fake actors; `on_get` runs at each ray.get (an actor call's return)."""
     model = tmp_path / "model"  # what a checkpoint records of the model: its config.json
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 8}')
@@ -200,7 +200,12 @@ def test_the_switching_order(level, offload, checkpoint, evaluate, monkeypatch, 
     names = [f"trainer {r}" for r in range(NUM_TRAINERS)]
     state = {"plan": plan, "trainers": dict.fromkeys(names, "resident"), "grads": dict.fromkeys(names, False),
              "engine": {"weights": True, "kv_cache": True}}
-    monkeypatch.setattr(ray, "get", lambda refs: [r.value for r in refs] if isinstance(refs, list) else refs.value)
+
+    def get(refs):
+        on_get()
+        return [r.value for r in refs] if isinstance(refs, list) else refs.value
+
+    monkeypatch.setattr(ray, "get", get)
     monkeypatch.setattr(controller_module, "make_evaluator", lambda *a, **k: FakeEvaluator(log, state))
     cfg = load_config(None, [f"logging.output_dir={tmp_path}", f"algo.num_steps={NUM_STEPS}",
                              f"checkpoint.every_steps={1 if checkpoint else 0}", "checkpoint.at_end=false",
@@ -209,9 +214,48 @@ def test_the_switching_order(level, offload, checkpoint, evaluate, monkeypatch, 
         switch=plan, trainers=TrainerGroup(FakeTrainer(name, log, state) for name in names),
         engines=EngineGroup([FakeEngine("engine 0", log, state)]), sync=FakeSync(log, state), model_path=str(model),
         tokenizer=SimpleNamespace(decode=lambda ids: "2", eos_token_id=None))
-    controller = Controller(cfg, runtime, rollouts=FakeRollouts(log, state))
+    return Controller(cfg, runtime, rollouts=FakeRollouts(log, state))
+
+
+@pytest.mark.parametrize("level, offload, checkpoint, evaluate", PLANS)
+def test_the_switching_order(level, offload, checkpoint, evaluate, monkeypatch, tmp_path):
+    plan = SwitchPlan(level, offload, "test")
+    log: list[tuple] = []
+    controller = make_controller(plan, log, monkeypatch, tmp_path, checkpoint=checkpoint, evaluate=evaluate)
     controller.run_steps(NUM_STEPS)
     assert log == expected_order(plan, checkpoint=checkpoint, evaluate=evaluate)
     assert len(controller.history) == NUM_STEPS
     if checkpoint:
         assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000000", "step_00000001"]
+
+
+class PhaseWatch:
+    """The watchdog's phase() at its boundary: records which phase, if any, is open."""
+
+    def __init__(self):
+        self.open: list[tuple[str, int | None]] = []
+
+    @contextlib.contextmanager
+    def phase(self, name, step=None):
+        self.open.append((name, step))
+        try:
+            yield
+        finally:
+            self.open.pop()
+
+
+def test_every_actor_call_of_a_step_is_inside_a_watched_phase(monkeypatch, tmp_path):
+    """The watchdog explains a Ray error (names the member, and the node it lost) only inside a phase. A step's
+    memory figures were once read outside every phase, and a worker node lost just then ended the job with Ray's
+    bare "ActorDiedError: The actor died unexpectedly", naming nothing (a CI run of test_multinode)."""
+    watch, calls = PhaseWatch(), []
+
+    def on_get():
+        assert watch.open, "an actor call outside every watched phase"
+        calls.append(watch.open[-1])
+
+    controller = make_controller(SwitchPlan(1, True, "test"), [], monkeypatch, tmp_path, checkpoint=True,
+                                 evaluate=True, on_get=on_get)
+    controller.watchdog = watch
+    controller.run_steps(NUM_STEPS)
+    assert ("metrics", NUM_STEPS - 1) in calls and ("train", 0) in calls
