@@ -19,10 +19,15 @@ POLICY_LOSSES = ["ppo", "gspo", "cispo"]
 GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS (vllm/v1/sample/sampler.py): below it a request is sampled greedily
 
 
+MODES = ["sync", "one_step_off"]
+
+
 @dataclass
 class AlgoConfig:
     num_steps: int = 150
     """RL steps to run."""
+    mode: str = "sync"
+    """sync: each step rolls out with the weights it trains (after the previous step's sync). one_step_off: the rollout of step k+1 runs while step k trains, with the weights after step k-1, so every token trained is one policy version old (corrected by the ratio to its behaviour logprobs, and by TIS/MIS when set); the engine and the trainer stay resident together, and the preflight refuses a job whose memory does not allow it (docs/async.md)."""
     advantage: str = "grpo"
     """Advantage estimator: grpo (reward minus its group's mean, over the group's std: Shao et al. 2024, DeepSeekMath), dr_grpo (minus the group's mean only: Liu et al. 2025, Dr. GRPO), rloo (minus the mean of the group's other samples: Ahmadian et al. 2024), reinforce_pp (REINFORCE++, Hu 2025: normalised over the whole batch's response tokens, no group needed; with algo.kl_in_reward the KL is folded into each token's return first)."""
     policy_loss: str = "ppo"
@@ -77,6 +82,7 @@ class AlgoConfig:
     def check(self) -> None:
         positive(self, "algo", "num_steps")
         non_negative(self, "algo", "clip_eps", "kl_coef", "overlong_buffer", "overlong_penalty", "entropy_coef")
+        one_of(self, "algo", "mode", MODES)
         one_of(self, "algo", "advantage", ADVANTAGES)
         one_of(self, "algo", "policy_loss", POLICY_LOSSES)
         one_of(self, "algo", "loss_aggregation", LOSS_AGGREGATIONS)

@@ -422,9 +422,31 @@ class JobConfig:
         if algo.mask_truncated and rollout.ignore_eos:
             raise bad("algo.mask_truncated", True, "rollout.ignore_eos=true makes every answer run to its budget, "
                       "so every one would be left out of the loss; valid with it: false")
+        if algo.mode == "one_step_off":
+            self._check_one_step_off()
         if algo.overlong_buffer >= rollout.max_tokens:
             raise bad("algo.overlong_buffer", algo.overlong_buffer, f"must be smaller than rollout.max_tokens="
                       f"{rollout.max_tokens} (the punishment ramps over the last overlong_buffer tokens), or 0")
+
+    def _check_one_step_off(self) -> None:
+        """The next rollout runs during training: nothing may sleep or move, and every token trained is a version
+        old, so the lag cap must allow one."""
+        if self.engine.sleep_level not in ("auto", "0"):
+            raise bad("engine.sleep_level", self.engine.sleep_level, "algo.mode=one_step_off generates the next "
+                      "step's answers while this one trains, so the engine never sleeps; valid with it: auto or 0")
+        if self.trainer.offload not in ("auto", "false"):
+            raise bad("trainer.offload", self.trainer.offload, "algo.mode=one_step_off trains while the engine "
+                      "generates, so the trainer's state stays on the device; valid with it: auto or false")
+        rollout = self.rollout
+        if rollout.max_lag < 1:
+            raise bad("rollout.max_lag", rollout.max_lag, "algo.mode=one_step_off trains tokens sampled one policy "
+                      "version before; valid with it: >= 1")
+        partial = rollout.partial_tokens
+        if partial and rollout.max_tokens > rollout.max_lag * partial:
+            raise bad("rollout.partial_tokens", partial, f"with algo.mode=one_step_off a token is already one "
+                      f"version old when trained, so an answer of rollout.max_tokens={rollout.max_tokens} must "
+                      f"finish within rollout.max_lag = {rollout.max_lag} passes; valid: partial_tokens >= "
+                      f"{-(-rollout.max_tokens // rollout.max_lag)}, or a larger rollout.max_lag")
 
 
 # vLLM engine arguments colocate sets itself (from the key named), so a pass-through must not

@@ -39,6 +39,7 @@ import torch
 from colocate.checkpoint.checkpointer import Checkpointer
 from colocate.config import JobConfig
 from colocate.job.faults import Watchdog
+from colocate.job.overlap import Background
 from colocate.job.runtime import Runtime
 from colocate.rl.corrections import mismatch_stats
 from colocate.rl.data import PromptSource, make_prompt_source
@@ -77,6 +78,7 @@ class Controller:
         self.history: deque[dict] = deque(maxlen=HISTORY_KEPT)  # the newest step records
         self.first_record: dict | None = None
         self.num_done = 0  # steps finished by this controller
+        self._generated_ahead = False  # one_step_off: the pool holds the next step's groups, generated ahead
 
     def run(self) -> list[dict]:
         with Watchdog(self.cfg.fault, self.rt) as self.watchdog:
@@ -118,12 +120,16 @@ class Controller:
         if self.cfg.algo.dynamic_sampling:
             scored_groups = self.refill(step, scored_groups, rollout_stats, times)
         scored = self.advantages(scored_groups)
+        ahead = self.start_next_rollout(step, num_steps)  # one_step_off: the engines generate step + 1's answers
         with self._phase(times, "switch", step):
             self.switch_to_train()
         with self._phase(times, "train", step):
             train_stats = self.train(scored, step)
         with self._phase(times, "switch", step):
             self.switch_to_sync()
+        if ahead is not None:
+            with self._phase(times, "rollout_wait", step):  # the trainer idles until the engines are done
+                self.finish_next_rollout(ahead)
         with self._phase(times, "sync", step):
             sync_stats = self.sync()
         if self.checkpointer.due(step + 1, num_steps):
@@ -151,10 +157,31 @@ class Controller:
 
     def rollout(self, step: int) -> tuple[list[Rollout], dict]:
         """The step's groups, sampled by the policy of version `step` (the weights after `step` syncs), or by
-        older ones for answers carried over (partial rollout, over-sampling)."""
-        groups, stats = self.rollouts.collect(version=step)
+        older ones for answers carried over (partial rollout, over-sampling). algo.mode=one_step_off: the
+        previous step generated them with version step - 1 while it trained, and they wait in the pool; only
+        its first step (or the first after a resume, which restored that pool) has them generated here."""
+        if not self._generated_ahead:
+            self.rollouts.generate(version=step)
+        self._generated_ahead = False
+        groups, stats = self.rollouts.take(step)
         self.events.append("rollout")
         return groups, stats
+
+    def start_next_rollout(self, step: int, num_steps: int) -> Background | None:
+        """algo.mode=one_step_off: start generating step + 1's answers with the engines' weights (version
+        `step`) in a thread of the controller's, to run while this step trains; None in sync mode or at the
+        last step. The engines stay awake and the trainer resident throughout (preflight.ONE_STEP_OFF_PLAN)."""
+        if self.cfg.algo.mode != "one_step_off" or step + 1 >= num_steps:
+            return None
+        assert not self.rt.switch.engine_sleep_level and not self.rt.switch.trainer_offload
+        self.events.append("rollout.ahead")
+        return Background(self.rollouts.generate, version=step, trained_version=step + 1)
+
+    def finish_next_rollout(self, ahead: Background) -> None:
+        """Before the sync rewrites the engines' weights: their generation must be over."""
+        ahead.wait()
+        self._generated_ahead = True
+        self.events.append("rollout.ahead.done")
 
     def score(self, groups: list[Rollout]) -> list[ScoredGroup]:
         scored = reward_groups(groups, reward_fn=self.reward_fn, decode=self.rt.tokenizer.decode,
@@ -307,7 +334,8 @@ class Controller:
             "rollout": rollout_stats,
             **train_stats,
             **sync_stats,
-            "rollout_tokens_per_s": stats["num_response_tokens"] / max(times["rollout"], 1e-9),
+            # over the generating time, which one_step_off spends during the previous step's training
+            "rollout_tokens_per_s": stats["num_response_tokens"] / max(rollout_stats["seconds"], 1e-9),
             "times": times,
             "memory": memory,
             "sample": {"response": scored.responses[0]},

@@ -211,7 +211,8 @@ class Watchdog:
     def timeout_s(self, phase: str) -> float:
         bounded = self.cfg.sync_timeout_s  # sync, switch, metrics: work of a known size, on the node's own memory
         # a save's time is the storage's (a network file system can take many minutes for a 7B model's 91 GB)
-        return {"rollout": self.cfg.rollout_timeout_s, "train": self.cfg.train_timeout_s, "sync": bounded,
+        return {"rollout": self.cfg.rollout_timeout_s, "rollout_wait": self.cfg.rollout_timeout_s,
+                "train": self.cfg.train_timeout_s, "sync": bounded,
                 "switch": bounded, "metrics": bounded, "checkpoint": self.cfg.checkpoint_timeout_s}.get(phase, 0.0)
 
     # ------------------------------------------------------------------------------------ the thread
@@ -246,7 +247,7 @@ class Watchdog:
 
     def _overdue(self, phase: str, step: int | None) -> JobFault:
         timeout = self.timeout_s(phase)
-        key = {"switch": "sync", "metrics": "sync"}.get(phase, phase)
+        key = {"switch": "sync", "metrics": "sync", "rollout_wait": "rollout"}.get(phase, phase)
         return JobFault(f"{_where(phase, step)} did not finish within {timeout:g} s (fault.{key}_timeout_s): every "
                         f"process of the job is alive, so one of them hangs (a deadlock, a stuck device or "
                         f"network); members: {', '.join(m.describe(self.local_node) for m in self.members)}")

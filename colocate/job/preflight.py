@@ -287,8 +287,16 @@ def _chosen_offload(cfg: JobConfig) -> bool | None:
     return None if cfg.trainer.offload == "auto" else cfg.trainer.offload == "true"
 
 
+# the next rollout runs while this step trains: both sides resident through every phase (JobConfig refuses a
+# sleep level or an offload chosen against it)
+ONE_STEP_OFF_PLAN = SwitchPlan(0, False, "algo.mode=one_step_off: the engine stays awake and the trainer's state "
+                                         "stays (the next step's rollout runs during training)")
+
+
 def default_plan(cfg: JobConfig, reason: str = "") -> SwitchPlan:
     """The user's explicit choices; where 'auto', everything moves (what is safe without a prediction)."""
+    if cfg.algo.mode == "one_step_off":
+        return ONE_STEP_OFF_PLAN
     level, offload = _chosen_level(cfg), _chosen_offload(cfg)
     return SwitchPlan(2 if level is None else level, True if offload is None else offload, reason)
 
@@ -300,6 +308,8 @@ def plan_switch(cfg: JobConfig, dims: ModelDims, *, device: str, available_bytes
     rewrites every weight, so level 1's host copy is wasted work). The trainer keeps its state when the rollout
     fits beside it, else offloads. The two are independent: the trainer is resident in train and sync whatever
     the plan, and the engine is awake in the rollout whatever the plan."""
+    if cfg.algo.mode == "one_step_off":
+        return ONE_STEP_OFF_PLAN  # nothing to choose; check_fits refuses it when a phase cannot hold both sides
     budget = budget_bytes(available_bytes, device=device)
     where = f"one GPU of {available_bytes / GIB:.1f} GiB" if device == "cuda" else \
         f"this machine's {available_bytes / GIB:.1f} GiB available"
@@ -382,6 +392,10 @@ def check_fits(phases: list[Phase], *, available_bytes: int, cfg: JobConfig, dev
 
 
 def _advice(phase: Phase, largest: str, cfg: JobConfig, plan: SwitchPlan) -> str:
+    if cfg.algo.mode == "one_step_off":  # the mode forbids every movement
+        return ("algo.mode=one_step_off keeps the engine awake beside the training trainer (the next rollout runs "
+                "meanwhile); use algo.mode=sync, whose switches free this memory, or lower engine.kv_cache_gib / "
+                "engine.gpu_memory_utilization")
     # a movement the user forbade comes first: 'auto' would have made that phase fit if it could
     if phase.name in ("train", "sync") and plan.engine_sleep_level == 0:
         return f"use engine.sleep_level=auto or 2 (now {cfg.engine.sleep_level}: the engine stays awake in training)"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import ray
@@ -37,13 +38,23 @@ class Rollouts:
         self.pool = RolloutPool(r, max_model_len=cfg.engine.max_model_len, seed=cfg.engine.seed)
         self.budgets = budgets or (lambda sample, n: [r.max_tokens] * n)
         self.sampling = {"temperature": r.temperature, "top_p": r.top_p, "ignore_eos": r.ignore_eos}
-        self.timelines: list[list[list[tuple[float, int]]]] = []  # last collect: per pass, per engine
+        self.timelines: list[list[list[tuple[float, int]]]] = []  # last generate: per pass, per engine
+        self.seconds = 0.0  # last generate's wall time
 
     def collect(self, version: int, *, num_groups: int | None = None,
                 refill: bool = False) -> tuple[list[Rollout], dict]:
         """The step's complete groups (answers sampled by policy `version` or, carried over, older ones): exactly
         `num_groups` (default rollout.num_prompts) without partial rollout. `refill`: a second collect of the same
         step (dynamic sampling), whose pool counters add to the first's."""
+        self.generate(version, num_groups=num_groups, refill=refill)
+        return self.take(version, num_groups=num_groups)
+
+    def generate(self, version: int, *, trained_version: int | None = None, num_groups: int | None = None,
+                 refill: bool = False) -> None:
+        """Run passes with the engines' policy `version` until the pool holds the groups a step takes (the first
+        half of collect). `trained_version`: the policy the answers will train (algo.mode=one_step_off: the next
+        one); the lag cap counts from it. One_step_off calls this in a thread of its own while the trainer works:
+        it touches only the pool and the engines, which nothing else uses until `take`."""
         pool = self.pool
         wanted = pool.rollout.num_prompts if num_groups is None else num_groups
         if not refill:
@@ -52,15 +63,20 @@ class Rollouts:
         prompt_ids = [self.tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples]
         pool.top_up([(s, p, self.budgets(s, pool.rollout.num_samples)) for s, p in zip(samples, prompt_ids)])
         if not refill:
-            pool.expire(version)
+            pool.expire(version if trained_version is None else trained_version)
         self.timelines = []
         started = time.perf_counter()
         while pool.num_complete() < wanted:
             self.timelines.append(self._pass(version, wanted))
             if pool.rollout.partial_tokens and pool.num_complete():
                 break  # partial rollout: the step ends with what is complete; the rest goes on next step
-        groups = pool.take(wanted)
-        return [_as_rollout(g) for g in groups], self._stats(groups, version, time.perf_counter() - started)
+        self.seconds = time.perf_counter() - started
+
+    def take(self, trained_version: int, *, num_groups: int | None = None) -> tuple[list[Rollout], dict]:
+        """The complete groups `generate` left in the pool, and the stats of their rollout: staleness counted
+        against `trained_version`, the policy they train."""
+        groups = self.pool.take(self.pool.rollout.num_prompts if num_groups is None else num_groups)
+        return [_as_rollout(g) for g in groups], self._stats(groups, trained_version, self.seconds)
 
     def state(self) -> dict:
         """Where the prompts are and what is in flight, for a checkpoint (JSON)."""
@@ -97,7 +113,8 @@ class Rollouts:
             "num_dropped_groups": self.pool.stats.num_dropped_groups,
             # tokens sampled by an older policy than the one being trained (partial rollout carries them)
             "stale_token_fraction": sum(v < version for v in versions) / max(len(versions), 1),
-            "max_lag": max((version - v for v in versions), default=0),
+            "max_lag": max((version - v for v in versions), default=0),  # the age of the oldest token trained
+            "token_lags": lag_histogram(versions, version),
             # prefix sharing, from the engine's own count of prompt tokens served by its prefix cache
             "prefill_computed_per_group": sum(a.num_prefill_computed for a in answers) / max(len(groups), 1),
             "prefill_cached_per_group": sum(a.num_prefill_cached for a in answers) / max(len(groups), 1),
@@ -106,6 +123,12 @@ class Rollouts:
             "tail_step_fraction": sum(n < peak / 2 for n in steps) / max(len(steps), 1),
             "seconds": seconds,
         }
+
+
+def lag_histogram(versions: list[int], trained_version: int) -> dict[str, int]:
+    """Tokens per policy lag (versions behind the policy they train), as {"0": n, "1": m}: JSON keys."""
+    counts = Counter(trained_version - v for v in versions)
+    return {str(lag): counts[lag] for lag in sorted(counts)}
 
 
 def _as_rollout(group: Group) -> Rollout:

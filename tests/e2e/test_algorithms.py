@@ -1,7 +1,8 @@
 """The algorithm presets through `colocate launch`, as a user composes them: the default job with DAPO's preset
 (configs/algos/dapo.yaml: clip-higher, dynamic sampling, token-level loss) learns, and every step trains exactly
 rollout.num_prompts groups whose rewards differ, refilled through the rollout pool, with what was filtered in the
-metrics. (The counting of the groups trained, group by group, is tests/e2e/test_rollout.py's, on a shared engine.)"""
+metrics. (The counting of the groups trained, group by group, is tests/e2e/test_rollout.py's, on a shared engine.)
+And algo.mode=one_step_off learns on the same job, every token it trains one policy version old and none older."""
 
 from __future__ import annotations
 
@@ -38,6 +39,29 @@ def test_the_dapo_preset_on_the_default_job_learns(tmp_path):
                                                               sampling["num_groups_sampled"])
         assert r["lr"] == 1e-3 and r["clip_fraction"] >= 0
     assert any(r["rollout"]["dynamic_sampling"]["num_refills"] > 0 for r in steps)  # the refill was exercised
+    first = statistics.fmean(r["reward_mean"] for r in steps[:4])
+    last = statistics.fmean(r["reward_mean"] for r in steps[-4:])
+    assert last > first + 0.02 and last > 1.5 * first, (first, last, [round(r["reward_mean"], 3) for r in steps])
+
+
+def test_one_step_off_on_the_default_job_learns_within_its_lag(tmp_path):
+    """Step k trains what the engines generated with the weights after step k - 2 while step k - 1 trained: the
+    per-token lag histogram says so every step, the lag cap (rollout.max_lag=1) holds, the trainer's wait for the
+    engines is timed, and the reward rises as sync mode's does over these steps."""
+    result = launch(tmp_path, f"algo.num_steps={NUM_STEPS}", "algo.mode=one_step_off", "logging.progress=false",
+                    "checkpoint.at_end=false", config=("configs/default.yaml",), small=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "event" not in r]
+    assert [r["step"] for r in steps] == list(range(NUM_STEPS))
+    tokens = [sum(r["rollout"]["token_lags"].values()) for r in steps]
+    assert steps[0]["rollout"]["token_lags"] == {"0": tokens[0]}  # the first step generates its own
+    for r, num_tokens in zip(steps[1:], tokens[1:]):
+        assert r["rollout"]["token_lags"] == {"1": num_tokens} and r["rollout"]["max_lag"] == 1
+        assert r["rollout"]["stale_token_fraction"] == 1.0 and num_tokens == r["num_response_tokens"]
+    assert all("rollout_wait" in r["times"] for r in steps[:-1]) and "rollout_wait" not in steps[-1]["times"]
+    startup = next(r for r in records if r.get("event") == "startup")
+    assert startup["switch"]["engine_sleep_level"] == 0 and not startup["switch"]["trainer_offload"]
     first = statistics.fmean(r["reward_mean"] for r in steps[:4])
     last = statistics.fmean(r["reward_mean"] for r in steps[-4:])
     assert last > first + 0.02 and last > 1.5 * first, (first, last, [round(r["reward_mean"], 3) for r in steps])

@@ -123,15 +123,21 @@ class FakeRollouts:
     def __init__(self, log, state):
         self.log, self.residency = log, state
 
-    def collect(self, version):
-        assert all(self.residency["engine"].values()) and not any_grads(self.residency)
-        if self.residency["plan"].trainer_offload:
-            assert trainers_are(self.residency, "offloaded")
+    def generate(self, version, *, trained_version=None):
+        self.residency.setdefault("generated", []).append((version, trained_version))
+        assert all(self.residency["engine"].values())
+        if trained_version is None:  # sync mode: the trainer is out of the engine's way
+            assert not any_grads(self.residency)
+            if self.residency["plan"].trainer_offload:
+                assert trainers_are(self.residency, "offloaded")
         self.log.append(("engines", "rollout"))
+        self.version = version
+
+    def take(self, trained_version):
         sample = Sample("1+1=", "2")
-        completions = [Answer(seed=0, max_tokens=4, token_ids=[5, 6], logprobs=[-0.1, -0.2], versions=[version] * 2,
-                              finish_reason="stop") for _ in range(2)]
-        return [Rollout(sample, [1, 2], completions), Rollout(sample, [1, 2], completions)], {}
+        completions = [Answer(seed=0, max_tokens=4, token_ids=[5, 6], logprobs=[-0.1, -0.2],
+                              versions=[self.version] * 2, finish_reason="stop") for _ in range(2)]
+        return [Rollout(sample, [1, 2], completions), Rollout(sample, [1, 2], completions)], {"seconds": 1.0}
 
     def state(self):  # what a checkpoint keeps of the pool
         return {}
@@ -191,7 +197,7 @@ PLANS = [pytest.param(level, offload, checkpoint, evaluate,
 
 
 def make_controller(plan: SwitchPlan, log: list, monkeypatch, tmp_path, *, checkpoint: bool, evaluate: bool,
-                    on_get=lambda: None) -> Controller:
+                    on_get=lambda: None, overrides=(), num_steps=NUM_STEPS) -> Controller:
     """The real controller over fake actors; `on_get` runs at each ray.get (an actor call's return)."""
     model = tmp_path / "model"  # what a checkpoint records of the model: its config.json
     model.mkdir()
@@ -207,9 +213,9 @@ def make_controller(plan: SwitchPlan, log: list, monkeypatch, tmp_path, *, check
 
     monkeypatch.setattr(ray, "get", get)
     monkeypatch.setattr(controller_module, "make_evaluator", lambda *a, **k: FakeEvaluator(log, state))
-    cfg = load_config(None, [f"logging.output_dir={tmp_path}", f"algo.num_steps={NUM_STEPS}",
+    cfg = load_config(None, [f"logging.output_dir={tmp_path}", f"algo.num_steps={num_steps}",
                              f"checkpoint.every_steps={1 if checkpoint else 0}", "checkpoint.at_end=false",
-                             f"eval.every_steps={1 if evaluate else 0}"])
+                             f"eval.every_steps={1 if evaluate else 0}", *overrides])
     runtime = SimpleNamespace(
         switch=plan, trainers=TrainerGroup(FakeTrainer(name, log, state) for name in names),
         engines=EngineGroup([FakeEngine("engine 0", log, state)]), sync=FakeSync(log, state), model_path=str(model),
@@ -259,3 +265,30 @@ def test_every_actor_call_of_a_step_is_inside_a_watched_phase(monkeypatch, tmp_p
     controller.watchdog = watch
     controller.run_steps(NUM_STEPS)
     assert ("metrics", NUM_STEPS - 1) in calls and ("train", 0) in calls
+
+
+def test_one_step_off_generates_the_next_step_while_this_one_trains(monkeypatch, tmp_path):
+    """Step k trains what step k - 1 generated ahead with the weights of version k - 1 (step 0 generates its own,
+    on-policy); the generation runs in the controller's background thread and is over before the sync rewrites
+    the engine's weights; nothing sleeps or moves."""
+    from colocate.job.preflight import ONE_STEP_OFF_PLAN
+
+    num_steps, log = 3, []
+    controller = make_controller(ONE_STEP_OFF_PLAN, log, monkeypatch, tmp_path, checkpoint=False, evaluate=False,
+                                 overrides=["algo.mode=one_step_off"], num_steps=num_steps)
+    trained_versions = []
+    original_score = controller.score
+
+    def score(groups):
+        trained_versions.append(sorted({v for g in groups for a in g.completions for v in a.versions}))
+        return original_score(groups)
+
+    controller.score = score
+    controller.run_steps(num_steps)
+    state = controller.rollouts.residency
+    assert state["generated"] == [(0, None), (0, 1), (1, 2)]
+    assert trained_versions == [[0], [0], [1]]
+    assert [e for e in controller.events if e.startswith("rollout")] == \
+        ["rollout", "rollout.ahead", "rollout.ahead.done", "rollout", "rollout.ahead", "rollout.ahead.done",
+         "rollout"]
+    assert not any(call[1] in ("sleep", "wake", "offload", "onload") for call in log)
