@@ -13,6 +13,9 @@
                                                   │
                  trainer.offload ; engine.wake(kv_cache)  ──> next step
 
+algo.mode=one_step_off (docs/async.md) starts step k+1's rollout in a thread (job.overlap) once step k's
+groups are scored, trains meanwhile, and waits for it before the sync; nothing sleeps or moves in that mode.
+
 After the sync, when due: evaluation on the validation prompts (rl.evaluation, the same engines, awake) and a
 checkpoint (colocate.checkpoint.layout: trainer shards, data place, unfinished answers). A resumed run loads the
 checkpoint, syncs the loaded weights into the engines, and goes on with the next step.
