@@ -4,7 +4,7 @@
     colocate validate [CONFIG] [key=value ...]   print the resolved config and its placement; starts nothing
     colocate submit [CONFIG] [key=value ...]     run the job on a Ray cluster through the Job Submission API
     colocate jobs | logs JOB [-f] | stop JOB     list, read or follow, and stop the jobs on a Ray cluster
-    colocate bench {sync,switch,mismatch,rollout,soak,train-memory}  benchmarks
+    colocate bench {sync,switch,mismatch,rollout,async,soak,train,train-memory}  benchmarks
     colocate plot RUN_DIR                        draw a run's metrics as a PNG
     colocate export CKPT OUT [--dtype D]         write a checkpoint as a Hugging Face model
     colocate clean [RUN_DIR ...] [--dry-run]     remove what a killed job left (its segments, processes, actors)
@@ -166,6 +166,7 @@ def _job_server_args(parser: argparse.ArgumentParser, *aliases: str) -> None:
 
 def cmd_bench(args) -> int:
     from colocate.bench.common import BENCH_DEFAULTS
+    from colocate.bench.overlap import ASYNC_DEFAULTS
     from colocate.bench.rollout import ROLLOUT_DEFAULTS
     from colocate.job.checks import check_job
 
@@ -181,7 +182,7 @@ def cmd_bench(args) -> int:
     # which depends on what the machine has free) can speak
     only = _variants(args.variants) if args.which == "train" and args.variants else None
     lengths = _lengths(args.lengths) if args.which in ("train", "train-memory") and args.lengths else None
-    defaults = ROLLOUT_DEFAULTS if args.which == "rollout" else BENCH_DEFAULTS
+    defaults = {"rollout": ROLLOUT_DEFAULTS, "async": ASYNC_DEFAULTS}.get(args.which, BENCH_DEFAULTS)
     cfg = load_config(paths, ([] if paths else defaults) + overrides)
     check_job(cfg)
     # SIGTERM unwinds as Ctrl-C does: a bench's runtime closes, and the processes that measure (bench train and
@@ -223,6 +224,10 @@ def _run_bench(args, cfg: JobConfig, *, only: list[str] | None, lengths: list[in
         from colocate.bench.rollout import run_rollout_bench
 
         run_rollout_bench(cfg, num_steps=args.repeats, out_dir=args.out, name=args.name or "rollout")
+    elif args.which == "async":
+        from colocate.bench.overlap import run_async_bench
+
+        run_async_bench(cfg, num_steps=args.repeats, out_dir=args.out, name=args.name or "async")
     else:
         from colocate.bench.mismatch import run_mismatch_bench
 
@@ -333,15 +338,17 @@ def build_parser() -> argparse.ArgumentParser:
     stop.set_defaults(func=cmd_stop)
 
     bench = sub.add_parser("bench", help="benchmarks: sync (weight sync), switch (sleep/wake), mismatch (logprobs), "
-                           "rollout (long tail), soak, train (tokens/s and memory of each long-answer feature), "
-                           "train-memory (the preflight against a train step's peak)",
+                           "rollout (long tail), async (sync against one_step_off), soak, train (tokens/s and memory "
+                           "of each long-answer feature), train-memory (the preflight against a train step's peak)",
                            description="Benchmark against the floor measured in the same run; writes JSON and a PNG "
-                           "plot. Without a CONFIG, the bench preset (24 layers, >= 0.4 GB bf16, TP=2); rollout: the "
-                           "tiny model with long-tailed answer lengths.")
-    bench.add_argument("which", choices=["sync", "switch", "mismatch", "rollout", "soak", "train", "train-memory"])
+                           "plot. Without a CONFIG, the bench preset (24 layers, >= 0.4 GB bf16, TP=2); rollout and "
+                           "async: the tiny model with long-tailed answer lengths.")
+    bench.add_argument("which", choices=["sync", "switch", "mismatch", "rollout", "async", "soak", "train",
+                                         "train-memory"])
     bench.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
     bench.add_argument("--repeats", type=int, default=5,
-                       help="timed syncs per method / switch cycles / rollout steps per mode (default 5)")
+                       help="timed syncs per method / switch cycles / rollout steps per mode / async: steps per "
+                       "mode, the first and last untimed (default 5)")
     bench.add_argument("--warmup", type=int, default=1, help="untimed syncs first (sync; default 1)")
     bench.add_argument("--out", default="benchmarks/results", help="output directory (default benchmarks/results)")
     bench.add_argument("--name", default="", help="result file name without extension (default: the benchmark)")

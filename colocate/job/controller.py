@@ -79,6 +79,8 @@ class Controller:
         # every record stayed); metrics.jsonl keeps them all.
         self.events: deque[str] = deque(maxlen=10_000)  # the switching order, as it happened (tests assert it)
         self.history: deque[dict] = deque(maxlen=HISTORY_KEPT)  # the newest step records
+        # (phase, step, start, end) in perf_counter seconds, the newest phases: `bench async`'s timeline
+        self.spans: deque[tuple[str, int | None, float, float]] = deque(maxlen=HISTORY_KEPT * 10)
         self.first_record: dict | None = None
         self.num_done = 0  # steps finished by this controller
         self._generated_ahead = False  # one_step_off: the pool holds the next step's groups, generated ahead
@@ -132,7 +134,7 @@ class Controller:
             self.switch_to_sync()
         if ahead is not None:
             with self._phase(times, "rollout_wait", step):  # the trainer idles until the engines are done
-                self.finish_next_rollout(ahead)
+                self.finish_next_rollout(ahead, step)
         with self._phase(times, "sync", step):
             sync_stats = self.sync()
         if self.checkpointer.due(step + 1, num_steps):
@@ -180,10 +182,11 @@ class Controller:
         self.events.append("rollout.ahead")
         return Background(self.rollouts.generate, version=step, trained_version=step + 1)
 
-    def finish_next_rollout(self, ahead: Background) -> None:
+    def finish_next_rollout(self, ahead: Background, step: int) -> None:
         """Before the sync rewrites the engines' weights: their generation must be over."""
         ahead.wait()
         self._generated_ahead = True
+        self.spans.append(("rollout.ahead", step, ahead.started_at, ahead.finished_at))  # ran during `step`
         self.events.append("rollout.ahead.done")
 
     def score(self, groups: list[Rollout]) -> list[ScoredGroup]:
@@ -326,7 +329,9 @@ class Controller:
             with self.watchdog.phase(name, step) if self.watchdog else contextlib.nullcontext():
                 yield
         finally:
-            times[name] = times.get(name, 0.0) + time.perf_counter() - started
+            ended = time.perf_counter()
+            times[name] = times.get(name, 0.0) + ended - started
+            self.spans.append((name, step, started, ended))
 
     def _record(self, step: int, times: dict, scored: Scored, rollout_stats: dict, train_stats: dict,
                 sync_stats: dict, memory: dict) -> dict:

@@ -21,6 +21,7 @@ Hazards, each why the class is written as it is:
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 JOIN_SLICE_S = 0.2  # how often a waiting main thread gets to run a pending signal handler
@@ -31,6 +32,8 @@ class Background:
         self._result = None
         self._error: BaseException | None = None
         self._finished = threading.Event()
+        self.started_at = time.perf_counter()
+        self.finished_at: float | None = None  # perf_counter seconds, set as the call returns or raises
         self._thread = threading.Thread(target=self._run, args=(fn, args, kwargs), daemon=True,
                                         name=f"colocate-{getattr(fn, '__name__', 'call')}")
         self._thread.start()
@@ -41,6 +44,7 @@ class Background:
         except BaseException as e:  # handed to the main thread by wait(), which raises it there
             self._error = e
         finally:
+            self.finished_at = time.perf_counter()
             self._finished.set()
 
     @property

@@ -1,0 +1,146 @@
+"""`colocate bench async`: sync against one_step_off (algo.mode) on identical work, in one runtime.
+
+    colocate bench async                      # tiny model, long-tailed answers, 4 timed steps per mode
+    colocate bench async --repeats 8 rollout.max_tokens=240
+
+The work is bench rollout's: every answer gets a log-normal target length (median 40 tokens, a few 10x that) and
+the engine decodes exactly that many (`ignore_eos`), so rollout is long-tailed and at least half of a sync step.
+Both modes run in one runtime with nothing moved (engine awake, trainer resident: one_step_off's plan), on the
+same prompt stream and the same lengths, so the only difference is the schedule. Per mode: wall seconds per step,
+trained tokens per second, the seconds each side sits idle per step, and the staleness of the tokens trained.
+
+Next to the measurement, labelled a model: the schedule's own prediction from the sync mode's measured phase
+times, one_step_off taking max(rollout, train) + the rest where sync takes rollout + train + the rest. It is the
+speed-up where the two sides do not contend (a GPU node whose engine and trainer have the compute to run at
+once); the measured ratio on this machine's 2 shared cores is the contended end. The PNG shows engine busy and
+trainer busy over time for each mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from pathlib import Path
+
+from colocate.bench.common import write_result
+from colocate.bench.rollout import MEDIAN_TOKENS, ROLLOUT_DEFAULTS, SIGMA, lognormal_budgets
+from colocate.config import JobConfig
+from colocate.job.controller import Controller
+from colocate.job.runtime import Runtime
+from colocate.rl.rollout import Rollouts
+from colocate.rl.tasks import PromptStream, make_task
+
+# bench rollout's long tail, with one_step_off's plan for both modes (what moves would differ otherwise)
+ASYNC_DEFAULTS = [d for d in ROLLOUT_DEFAULTS if not d.startswith(("engine.sleep_level", "trainer.offload"))] + \
+    ["engine.sleep_level=0", "trainer.offload=false", "rollout.max_tokens=240"]
+MODES = ("sync", "one_step_off")
+ENGINE_PHASES = ("rollout", "rollout.ahead", "eval")  # the spans in which the engines generate
+TRAINER_PHASES = ("train",)
+
+
+def run_async_bench(cfg: JobConfig, *, num_steps: int, out_dir: str, name: str) -> dict:
+    rows, timelines = {}, {}
+    with Runtime(cfg) as rt:
+        for mode in MODES:
+            job = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, mode=mode),
+                                      rollout=dataclasses.replace(cfg.rollout, ignore_eos=True))
+            job.check()
+            task = make_task(job.rollout.task, length=job.rollout.task_length)
+            rollouts = Rollouts(job, rt.engines, rt.tokenizer, PromptStream(task, seed=job.rollout.seed),
+                                budgets=lognormal_budgets(job.rollout.max_tokens, seed=job.rollout.seed))
+            controller = Controller(job, rt, rollouts=rollouts)
+            total = num_steps + 1  # the first step warms up (and, in one_step_off, generates its own answers)
+            records = [controller.step(step, num_steps=total) for step in range(total)][1:-1]
+            spans = [s for s in controller.spans if s[1] is not None and 1 <= s[1] < total - 1]
+            rows[mode] = _row(records, spans)
+            timelines[mode] = spans
+            print(f"{mode:<13} {rows[mode]['step_s']:.2f} s/step, {rows[mode]['trained_tokens_per_s']:.0f} trained "
+                  f"tokens/s, idle: engine {rows[mode]['engine_idle_s']:.2f} s, trainer "
+                  f"{rows[mode]['trainer_idle_s']:.2f} s per step, max lag {rows[mode]['max_lag']}")
+    sync, off = rows["sync"], rows["one_step_off"]
+    measured = sync["step_s"] / off["step_s"]
+    model = _schedule_model(sync)
+    result = {"config": {"model": cfg.model.preset or cfg.model.path, "engine_tp": cfg.engine.tp,
+                         "num_slots": cfg.placement.num_slots, "num_prompts": cfg.rollout.num_prompts,
+                         "num_samples": cfg.rollout.num_samples, "lengths": f"log-normal, median {MEDIAN_TOKENS}, "
+                         f"sigma {SIGMA}, at most {cfg.rollout.max_tokens}", "timed_steps_per_mode": num_steps - 1},
+              "modes": rows,
+              "one_step_off_speedup_measured": measured,
+              "schedule_model": model}
+    path = write_result(result, out_dir, name)
+    _plot(timelines, Path(out_dir) / f"{name}.png")
+    print(f"one_step_off over sync: {measured:.2f}x measured here; {model['speedup']:.2f}x by the schedule model "
+          f"(no contention between the sides)")
+    print(f"wrote {path}")
+    return result
+
+
+def _row(records: list[dict], spans: list[tuple]) -> dict:
+    """Per step: the wall time from the first phase's start to the last's end, each side's busy time (the union
+    of its spans) and the rest, idle."""
+    steps = sorted({s[1] for s in spans})
+    step_s, engine_busy, trainer_busy = [], [], []
+    for step in steps:
+        mine = [s for s in spans if s[1] == step]
+        start, end = min(s[2] for s in mine), max(s[3] for s in mine)
+        step_s.append(end - start)
+        # the ahead rollout of step k runs during step k's wall time
+        engine_busy.append(_union([(s[2], s[3]) for s in mine if s[0] in ENGINE_PHASES]))
+        trainer_busy.append(_union([(s[2], s[3]) for s in mine if s[0] in TRAINER_PHASES]))
+    wall = statistics.fmean(step_s)
+    lags: dict[str, int] = {}
+    for r in records:
+        for lag, n in r["rollout"]["token_lags"].items():
+            lags[lag] = lags.get(lag, 0) + n
+    phases = {}
+    for r in records:
+        for phase, seconds in r["times"].items():
+            phases[phase] = phases.get(phase, 0.0) + seconds / len(records)
+    return {"step_s": wall, "trained_tokens_per_s": statistics.fmean(r["num_response_tokens"] for r in records) / wall,
+            "engine_busy_s": statistics.fmean(engine_busy), "engine_idle_s": wall - statistics.fmean(engine_busy),
+            "trainer_busy_s": statistics.fmean(trainer_busy), "trainer_idle_s": wall - statistics.fmean(trainer_busy),
+            "rollout_generate_s": statistics.fmean(r["rollout"]["seconds"] for r in records),
+            "phase_s": phases, "token_lags": lags, "max_lag": max(r["rollout"]["max_lag"] for r in records),
+            "stale_token_fraction": statistics.fmean(r["rollout"]["stale_token_fraction"] for r in records)}
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def _schedule_model(sync: dict) -> dict:
+    """A model, not a measurement: sync's measured phases rescheduled, the rollout hidden behind training (or
+    training behind the rollout) with no slowdown of either."""
+    phases = sync["phase_s"]
+    rollout, train = phases.get("rollout", 0.0), phases.get("train", 0.0)
+    rest = sum(v for k, v in phases.items() if k not in ("rollout", "train"))
+    sync_step, off_step = rollout + train + rest, max(rollout, train) + rest
+    return {"what": "sync's measured phase times, rescheduled: one_step_off = max(rollout, train) + rest",
+            "rollout_s": rollout, "train_s": train, "rest_s": rest, "sync_step_s": sync_step,
+            "one_step_off_step_s": off_step, "speedup": sync_step / off_step}
+
+
+def _plot(timelines: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(11, 2.2 * len(timelines)), squeeze=False)
+    for ax, (mode, spans) in zip(axes[:, 0], timelines.items()):
+        origin = min(s[2] for s in spans)
+        for row, (side, names, color) in enumerate([("engine", ENGINE_PHASES, "C0"),
+                                                     ("trainer", TRAINER_PHASES, "C1")]):
+            bars = [(s[2] - origin, s[3] - s[2]) for s in spans if s[0] in names]
+            ax.broken_barh(bars, (row - 0.4, 0.8), color=color)
+        ax.set_yticks([0, 1], ["engine busy", "trainer busy"])
+        ax.set_title(f"algo.mode={mode}", fontsize=9)
+        ax.set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

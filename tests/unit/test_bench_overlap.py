@@ -1,0 +1,31 @@
+"""`bench async`'s arithmetic on hand-made spans: each side's busy time is the union of its spans within a step,
+idle is the rest of the step's wall time, and the schedule model hides the shorter of rollout and train."""
+
+from __future__ import annotations
+
+import pytest
+
+from colocate.bench.overlap import _row, _schedule_model, _union
+
+
+def test_union_counts_overlapping_spans_once():
+    assert _union([(0, 2), (1, 3), (5, 6)]) == pytest.approx(4.0)
+    assert _union([]) == 0.0
+
+
+def test_a_one_step_off_step_the_engine_and_trainer_busy_at_once():
+    # step 1: take 0..0.1, train 0.2..2.2 while the next rollout runs 0.15..3.15, wait 2.2..3.15, sync 3.15..3.5
+    spans = [("rollout", 1, 0.0, 0.1), ("score", 1, 0.1, 0.15), ("rollout.ahead", 1, 0.15, 3.15),
+             ("train", 1, 0.2, 2.2), ("rollout_wait", 1, 2.2, 3.15), ("sync", 1, 3.15, 3.5)]
+    record = {"num_response_tokens": 700, "times": {"rollout": 0.1, "train": 2.0, "sync": 0.35},
+              "rollout": {"token_lags": {"1": 700}, "max_lag": 1, "stale_token_fraction": 1.0, "seconds": 3.0}}
+    row = _row([record], spans)
+    assert row["step_s"] == pytest.approx(3.5) and row["trained_tokens_per_s"] == pytest.approx(200)
+    assert row["engine_busy_s"] == pytest.approx(3.1)  # the take (0.1) and the generation (3.0)
+    assert row["trainer_idle_s"] == pytest.approx(1.5) and row["engine_idle_s"] == pytest.approx(0.4)
+    assert row["token_lags"] == {"1": 700} and row["max_lag"] == 1
+
+
+def test_the_schedule_model_hides_the_shorter_phase():
+    model = _schedule_model({"phase_s": {"rollout": 3.0, "train": 2.0, "sync": 0.5, "score": 0.5}})
+    assert (model["sync_step_s"], model["one_step_off_step_s"]) == (6.0, 4.0) and model["speedup"] == 1.5
