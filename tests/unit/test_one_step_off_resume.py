@@ -1,0 +1,102 @@
+"""algo.mode=one_step_off resumed from what a checkpoint keeps of the rollouts (the prompt stream's place and the
+pool, with the next step's groups generated ahead in it) trains exactly what the uninterrupted run trains: the
+same groups, their tokens and their versions, step by step; no prompt lost, none trained twice (counted).
+
+The real controller, Rollouts, rollout pool and prompt stream; the engine is faked at its actor boundary
+(run_pass), deterministic in each segment's seed as vLLM's seeded sampling is, and it stops at its quota of
+complete groups and aborts the rest, as the real one does. The real-stack exact resume of sync mode is
+tests/e2e/test_resume.py."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from colocate.engine.requests import RequestResult
+from colocate.job.controller import Controller
+from colocate.job.preflight import ONE_STEP_OFF_PLAN
+from colocate.rl.rollout import Rollouts
+from colocate.rl.tasks import PromptStream, make_task
+from tests.unit.test_switching_order import FakeEngine, make_controller
+
+NUM_STEPS, STOP_AFTER = 6, 2
+
+
+class FakeGeneratingEngine(FakeEngine):
+    def do_run_pass(self, requests, sampling, num_groups_wanted):
+        """Complete the requests of the first `num_groups_wanted` groups (by id); abort the others after one
+        token. An answer's tokens follow from its segment's seed; its length (1-4 tokens) too."""
+        complete = sorted({r.group for r in requests})[:num_groups_wanted]
+        results = []
+        for r in requests:
+            length = min(r.max_tokens, 1 + r.seed % 4) if r.group in complete else 1
+            tokens = [5 + (r.seed + j) % 40 for j in range(length)]
+            finish = ("stop" if length < r.max_tokens or r.final else "length") if r.group in complete else None
+            results.append(RequestResult(r.request_id, tokens, [-0.5] * length, finish, 0))
+        return {"results": results, "timeline": [(0.0, len(requests))], "seconds": 0.0}
+
+
+class _Tokenizer:
+    eos_token_id = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return SimpleNamespace(input_ids=[5 + ord(c) % 40 for c in text])
+
+    def decode(self, ids):
+        return "2"
+
+
+def controller_with_rollouts(monkeypatch, tmp_path, overrides, state=None) -> Controller:
+    tmp_path.mkdir()
+    controller = make_controller(ONE_STEP_OFF_PLAN, [], monkeypatch, tmp_path, checkpoint=False, evaluate=False,
+                                 overrides=["algo.mode=one_step_off", *overrides], num_steps=NUM_STEPS)
+    cfg = controller.cfg
+    controller.rt.engines[0] = FakeGeneratingEngine("engine 0", [], {})
+    controller.rt.tokenizer = _Tokenizer()
+    rollouts = Rollouts(cfg, controller.rt.engines, controller.rt.tokenizer,
+                        PromptStream(make_task(cfg.rollout.task, length=cfg.rollout.task_length),
+                                     seed=cfg.rollout.seed))
+    if state is not None:
+        rollouts.load_state(json.loads(json.dumps(state)))  # as a checkpoint writes and reads it
+    controller.rollouts = rollouts
+    trained = controller.trained = []
+    original_score = controller.score
+
+    def score(groups):
+        trained.append([(g.sample.prompt, [(a.token_ids, a.versions) for a in g.completions]) for g in groups])
+        return original_score(groups)
+
+    controller.score = score
+    return controller
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["rollout.oversample=1.5", "rollout.leftover=carry", "rollout.max_lag=1"],  # carried answers restarted
+    ["rollout.partial_tokens=2", "rollout.max_tokens=4", "rollout.max_lag=2"],
+], ids=["plain", "oversample_carry", "partial_rollout"])
+def test_a_resumed_one_step_off_run_trains_what_the_uninterrupted_one_does(overrides, monkeypatch, tmp_path):
+    overrides = ["rollout.num_prompts=4", "rollout.num_samples=2", *overrides]
+    whole = controller_with_rollouts(monkeypatch, tmp_path / "whole", overrides)
+    whole.run_steps(NUM_STEPS)
+
+    first = controller_with_rollouts(monkeypatch, tmp_path / "first", overrides)
+    for step in range(STOP_AFTER + 1):
+        first.step(step, num_steps=NUM_STEPS)
+    saved = first.rollouts.state()  # what save_checkpoint keeps after step STOP_AFTER's sync
+    resumed = controller_with_rollouts(monkeypatch, tmp_path / "resumed", overrides, state=saved)
+    resumed.run_steps(NUM_STEPS, first=STOP_AFTER + 1)
+
+    assert first.trained + resumed.trained == whole.trained
+    # counted: each step trains rollout.num_prompts groups, and no group of the run is trained twice
+    prompts = [(step, group[0]) for step, groups in enumerate(whole.trained) for group in groups]
+    assert all(len(groups) == 4 for groups in whole.trained)
+    groups = [group for groups in whole.trained for group in groups]
+    assert len({json.dumps(g) for g in groups}) == len(groups) == len(prompts)
+    # every token trained at step k >= 1 is at least a version old and within the lag cap
+    lag_cap = int(next((o.split("=")[1] for o in overrides if o.startswith("rollout.max_lag")), 1))
+    for step, groups in enumerate(whole.trained[1:], start=1):
+        lags = {step - v for _, answers in groups for _, versions in answers for v in versions}
+        assert lags and min(lags) >= 1 and max(lags) <= lag_cap, (step, lags)
