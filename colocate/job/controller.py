@@ -48,7 +48,7 @@ from colocate.rl.corrections import mismatch_stats
 from colocate.rl.data import PromptSource, make_prompt_source
 from colocate.rl.evaluation import make_evaluator, should_evaluate
 from colocate.rl.rewards import make_reward
-from colocate.rl.rollout import Rollouts
+from colocate.rl.rollout import Rollouts, staleness
 from colocate.rl.scoring import Rollout, Scored, ScoredGroup, keep_informative, reward_groups
 from colocate.rl.tasks import make_task
 from colocate.telemetry.metrics import MetricsWriter
@@ -224,6 +224,8 @@ class Controller:
                                   ("num_groups", "num_passes")})
         num_uniform, num_surplus = keep_informative(scored, wanted)
         num_kept = sum(g.trained for g in scored)
+        # the staleness of what is trained, the refills' groups in and the filtered ones out
+        rollout_stats.update(staleness([g.rollout for g in scored if g.trained], step))
         rollout_stats["num_groups"] = num_kept
         rollout_stats["dynamic_sampling"] = {
             "num_groups_sampled": num_sampled, "num_groups_kept": num_kept, "num_groups_uniform": num_uniform,
@@ -301,17 +303,28 @@ class Controller:
     def save_checkpoint(self, step: int) -> None:
         """After the sync, before the trainer leaves the device: its state is where a save reads it, and the
         controller's (data place, groups in flight) is exactly that after `step`."""
-        path = self.checkpointer.save(step, self.rt.trainers, {"step": step, "rollouts": self.rollouts.state()})
+        path = self.checkpointer.save(step, self.rt.trainers, self.checkpoint_state(step))
         self.events.append("checkpoint")
         if self.metrics:
             self.metrics.write({"event": "checkpoint", "step": step, "path": str(path)})
+
+    def checkpoint_state(self, step: int) -> dict:
+        """The controller's part of a checkpoint after `step` (JSON): the data place and the groups in flight,
+        and whether the pool's complete groups were generated ahead for the next step (one_step_off): a resumed
+        run must take them as they are, not add a pass with its own version first (with partial rollout the
+        pool may hold fewer than a step's groups)."""
+        return {"step": step, "rollouts": self.rollouts.state(), "generated_ahead": self._generated_ahead}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self.rollouts.load_state(state["rollouts"])
+        self._generated_ahead = state.get("generated_ahead", False)  # absent: a checkpoint of a sync-mode release
 
     def restore(self, path: Path) -> int:
         """Load a checkpoint into the trainers and the controller, then sync the loaded weights into the engines
         (they started from model.path). Returns the first step to run. Runs before the first switch: the trainers
         are on the device and the engines awake, as after start-up."""
         state = self.checkpointer.load(path, self.rt.trainers)
-        self.rollouts.load_state(state["rollouts"])
+        self.load_checkpoint_state(state)
         self.sync()
         self.events.append("restore")
         if self.metrics:
@@ -342,8 +355,9 @@ class Controller:
             "rollout": rollout_stats,
             **train_stats,
             **sync_stats,
-            # over the generating time, which one_step_off spends during the previous step's training
-            "rollout_tokens_per_s": stats["num_response_tokens"] / max(rollout_stats["seconds"], 1e-9),
+            # over the generating time: the rollout phase's in sync mode (which holds the passes), the passes' own
+            # in one_step_off (they ran during the previous step's training)
+            "rollout_tokens_per_s": stats["num_response_tokens"] / max(times["rollout"], rollout_stats["seconds"]),
             "times": times,
             "memory": memory,
             "sample": {"response": scored.responses[0]},

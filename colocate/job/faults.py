@@ -100,7 +100,7 @@ class Injection:
     step: int
 
 
-_PHASES = ("rollout", "score", "switch", "train", "sync", "checkpoint", "eval")
+_PHASES = ("rollout", "score", "switch", "train", "rollout_wait", "sync", "checkpoint", "eval", "metrics")
 _INJECT_FORMAT = "SIGNAL:MEMBER:PHASE:STEP, e.g. SIGKILL:engine0.worker1:rollout:2 (members: trainerR, engineE, " \
                  f"engineE.workerK; phases: {', '.join(_PHASES)})"
 

@@ -100,7 +100,6 @@ class Rollouts:
 
     def _stats(self, groups: list[Group], version: int, seconds: float) -> dict:
         answers = [a for g in groups for a in g.answers]
-        versions = [v for a in answers for v in a.versions]
         steps = [n for passes in self.timelines for timeline in passes for _, n in timeline]
         peak = max(steps, default=0)
         return {
@@ -111,10 +110,7 @@ class Rollouts:
             "num_aborted": self.pool.stats.num_aborted,
             "num_lag_restarts": self.pool.stats.num_lag_restarts,
             "num_dropped_groups": self.pool.stats.num_dropped_groups,
-            # tokens sampled by an older policy than the one being trained (partial rollout carries them)
-            "stale_token_fraction": sum(v < version for v in versions) / max(len(versions), 1),
-            "max_lag": max((version - v for v in versions), default=0),  # the age of the oldest token trained
-            "token_lags": lag_histogram(versions, version),
+            **staleness([_as_rollout(g) for g in groups], version),
             # prefix sharing, from the engine's own count of prompt tokens served by its prefix cache
             "prefill_computed_per_group": sum(a.num_prefill_computed for a in answers) / max(len(groups), 1),
             "prefill_cached_per_group": sum(a.num_prefill_cached for a in answers) / max(len(groups), 1),
@@ -123,6 +119,15 @@ class Rollouts:
             "tail_step_fraction": sum(n < peak / 2 for n in steps) / max(len(steps), 1),
             "seconds": seconds,
         }
+
+
+def staleness(rollouts: list[Rollout], trained_version: int) -> dict:
+    """How old the tokens trained by policy `trained_version` are (partial rollout, over-sampling and
+    one_step_off make them older than it)."""
+    versions = [v for r in rollouts for a in r.completions for v in a.versions]
+    return {"stale_token_fraction": sum(v < trained_version for v in versions) / max(len(versions), 1),
+            "max_lag": max((trained_version - v for v in versions), default=0),  # the age of the oldest token
+            "token_lags": lag_histogram(versions, trained_version)}
 
 
 def lag_histogram(versions: list[int], trained_version: int) -> dict[str, int]:
