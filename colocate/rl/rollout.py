@@ -76,7 +76,8 @@ class Rollouts:
         """The complete groups `generate` left in the pool, and the stats of their rollout: staleness counted
         against `trained_version`, the policy they train."""
         groups = self.pool.take(self.pool.rollout.num_prompts if num_groups is None else num_groups)
-        return [_as_rollout(g) for g in groups], self._stats(groups, trained_version, self.seconds)
+        rollouts = [_as_rollout(g) for g in groups]
+        return rollouts, self._stats(groups, rollouts, trained_version, self.seconds)
 
     def state(self) -> dict:
         """Where the prompts are and what is in flight, for a checkpoint (JSON)."""
@@ -98,7 +99,7 @@ class Rollouts:
             self.pool.apply(per_engine[e], out["results"], version)
         return [out["timeline"] for out in outs]
 
-    def _stats(self, groups: list[Group], version: int, seconds: float) -> dict:
+    def _stats(self, groups: list[Group], rollouts: list[Rollout], version: int, seconds: float) -> dict:
         answers = [a for g in groups for a in g.answers]
         steps = [n for passes in self.timelines for timeline in passes for _, n in timeline]
         peak = max(steps, default=0)
@@ -110,7 +111,7 @@ class Rollouts:
             "num_aborted": self.pool.stats.num_aborted,
             "num_lag_restarts": self.pool.stats.num_lag_restarts,
             "num_dropped_groups": self.pool.stats.num_dropped_groups,
-            **staleness([_as_rollout(g) for g in groups], version),
+            **staleness(rollouts, version),
             # prefix sharing, from the engine's own count of prompt tokens served by its prefix cache
             "prefill_computed_per_group": sum(a.num_prefill_computed for a in answers) / max(len(groups), 1),
             "prefill_cached_per_group": sum(a.num_prefill_cached for a in answers) / max(len(groups), 1),
