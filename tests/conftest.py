@@ -51,10 +51,10 @@ def _check_deferred(timeout_s: float = 300) -> tuple[list[str], str | None]:
             return [], f"{len(e2e.DEFERRED_SEMAPHORES)} deferred semaphore(s) not checked: another run still alive"
         time.sleep(2)
     time.sleep(5)  # the last exits' resource trackers unlink what their processes named
-    left = e2e.DEFERRED_SEMAPHORES & e2e.shm_segments()
+    left = e2e.DEFERRED_SEMAPHORES.keys() & e2e.shm_segments()
     # one a living process maps (by inode, as the product's cleanup judges it) is not left behind: e.g. a
     # multiprocessing lock the other xdist worker holds in its own pytest process, which carries no run tag
-    return sorted(left - mapped_by(left)), None
+    return sorted(f"{name} (new after {e2e.DEFERRED_SEMAPHORES[name]})" for name in left - mapped_by(left)), None
 
 
 @pytest.hookimpl(trylast=True)

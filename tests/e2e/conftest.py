@@ -41,15 +41,20 @@ os.environ[RUN_TAG] = f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{uuid.uu
 # A semaphore (sem.mp-*) whose creator died unlinked (a SIGKILLed engine, before its job's close or `colocate clean`
 # removes it) is mapped by no one and names no one: while another run is active it may be that run's. A test
 # then defers the semaphores it finds new to the end of the session (tests/conftest.py), when every other run is
-# gone and whatever is still there is a leak.
-DEFERRED_SEMAPHORES: set[str] = set()
+# gone and whatever is still there is a leak. Under xdist with two workers another run is always there: the other
+# worker, whose gloo tests (tests/distributed) create semaphores in processes that carry no Ray or vLLM marker.
+# Each deferred name keeps the test that found it, for the session-end report.
+DEFERRED_SEMAPHORES: dict[str, str] = {}
+_BESIDE_ANOTHER_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
 _others_at_start = False
+_current_test = ""
 
 
 @pytest.fixture(autouse=True)
-def _note_other_runs():
-    global _others_at_start
-    _others_at_start = other_runs_alive()
+def _note_other_runs(request):
+    global _others_at_start, _current_test
+    _others_at_start = _BESIDE_ANOTHER_WORKER or other_runs_alive()
+    _current_test = request.node.nodeid
     yield
 
 
@@ -102,10 +107,15 @@ def shm_segments() -> set[str]:
 
 
 def _mapped_by_other_runs(names: set[str]) -> set[str]:
-    """The entries among `names` that a live process of another test run maps (the test beside this one); by
-    inode, as the product does (colocate.sync.transport.mapped_by): a semaphore's creator maps it unnamed."""
+    """The entries among `names` that a live process outside this run maps (the test beside this one); by
+    inode, as the product does (colocate.sync.transport.mapped_by): a semaphore's creator maps it unnamed.
+
+    Untagged processes count too: the other xdist worker's own pytest process carries no run tag (the tag is set
+    after its exec), and its gloo tests' multiprocessing queues are semaphores it alone maps while their spawned
+    ranks start or after they exit (stop 30's CI failed test_gather_job on four of them, created beside it)."""
+    ours = os.environ[RUN_TAG]
     others = [int(pid) for pid in os.listdir("/proc")
-              if pid.isdigit() and _run_of(pid) not in (None, os.environ[RUN_TAG])]
+              if pid.isdigit() and int(pid) != os.getpid() and _run_of(pid) != ours]
     return mapped_by(names, pids=others)
 
 
@@ -118,7 +128,7 @@ def assert_nothing_left(before_procs: set, before_shm: set, timeout_s: float = 6
             shm -= _mapped_by_other_runs(shm)
         if shm and (_others_at_start or other_runs_alive()):
             semaphores = {name for name in shm if name.startswith("sem.")}
-            DEFERRED_SEMAPHORES.update(semaphores)
+            DEFERRED_SEMAPHORES.update(dict.fromkeys(semaphores, _current_test))
             shm -= semaphores
         if (not left and not shm) or time.time() > deadline:
             break
