@@ -19,7 +19,8 @@ POLICY_LOSSES = ["ppo", "gspo", "cispo"]
 GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS (vllm/v1/sample/sampler.py): below it a request is sampled greedily
 
 
-MODES = ["sync", "one_step_off"]
+MODES = ["sync", "one_step_off", "async"]
+OVERLAPPED_MODES = {"one_step_off", "async"}  # the engines generate while the trainer trains: both stay resident
 
 
 @dataclass
@@ -27,7 +28,7 @@ class AlgoConfig:
     num_steps: int = 150
     """RL steps to run."""
     mode: str = "sync"
-    """sync: each step rolls out with the weights it trains (after the previous step's sync). one_step_off: the rollout of step k+1 runs while step k trains, with the weights after step k-1, so every token trained is one policy version old (corrected by the ratio to its behaviour logprobs, and by TIS/MIS when set); the engine and the trainer stay resident together, and the preflight refuses a job whose memory does not allow it (docs/async.md)."""
+    """sync: each step rolls out with the weights it trains (after the previous step's sync). one_step_off: the rollout of step k+1 runs while step k trains, with the weights after step k-1, so every token trained is one policy version old (corrected by the ratio to its behaviour logprobs, and by TIS/MIS when set); the engine and the trainer stay resident together, and the preflight refuses a job whose memory does not allow it. async: the engines generate without pause in a thread, pass after pass of rollout.partial_tokens tokens per answer; each step trains the first rollout.num_prompts complete groups, and its weight update waits only for the pass in flight to end (pause, sync, resume), so unfinished answers go on under the new weights, every token tagged with its version and none older than rollout.max_lag when trained (docs/async.md)."""
     advantage: str = "grpo"
     """Advantage estimator: grpo (reward minus its group's mean, over the group's std: Shao et al. 2024, DeepSeekMath), dr_grpo (minus the group's mean only: Liu et al. 2025, Dr. GRPO), rloo (minus the mean of the group's other samples: Ahmadian et al. 2024), reinforce_pp (REINFORCE++, Hu 2025: normalised over the whole batch's response tokens, no group needed; with algo.kl_in_reward the KL is folded into each token's return first)."""
     policy_loss: str = "ppo"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from colocate.config.algo import GREEDY_TEMPERATURE, GROUP_ADVANTAGES, AlgoConfig
+from colocate.config.algo import GREEDY_TEMPERATURE, GROUP_ADVANTAGES, OVERLAPPED_MODES, AlgoConfig
 from colocate.config.fields import bad, non_negative, one_of, positive
 
 
@@ -422,27 +422,37 @@ class JobConfig:
         if algo.mask_truncated and rollout.ignore_eos:
             raise bad("algo.mask_truncated", True, "rollout.ignore_eos=true makes every answer run to its budget, "
                       "so every one would be left out of the loss; valid with it: false")
-        if algo.mode == "one_step_off":
-            self._check_one_step_off()
+        if algo.mode in OVERLAPPED_MODES:
+            self._check_overlapped()
         if algo.overlong_buffer >= rollout.max_tokens:
             raise bad("algo.overlong_buffer", algo.overlong_buffer, f"must be smaller than rollout.max_tokens="
                       f"{rollout.max_tokens} (the punishment ramps over the last overlong_buffer tokens), or 0")
 
-    def _check_one_step_off(self) -> None:
-        """The next rollout runs during training: nothing may sleep or move, and every token trained is a version
-        old, so the lag cap must allow one."""
+    def _check_overlapped(self) -> None:
+        """The engines generate while the trainer trains (one_step_off, async): nothing may sleep or move, and a
+        token trained may be a version old, so the lag cap must allow one."""
+        mode, rollout = self.algo.mode, self.rollout
+        generates = {"one_step_off": "generates the next step's answers while this one trains",
+                     "async": "generates answers without pause, while the trainer trains"}[mode]
         if self.engine.sleep_level not in ("auto", "0"):
-            raise bad("engine.sleep_level", self.engine.sleep_level, "algo.mode=one_step_off generates the next "
-                      "step's answers while this one trains, so the engine never sleeps; valid with it: auto or 0")
+            raise bad("engine.sleep_level", self.engine.sleep_level, f"algo.mode={mode} {generates}, so the engine "
+                      "never sleeps; valid with it: auto or 0")
         if self.trainer.offload not in ("auto", "false"):
-            raise bad("trainer.offload", self.trainer.offload, "algo.mode=one_step_off trains while the engine "
+            raise bad("trainer.offload", self.trainer.offload, f"algo.mode={mode} trains while the engine "
                       "generates, so the trainer's state stays on the device; valid with it: auto or false")
-        rollout = self.rollout
         if rollout.max_lag < 1:
-            raise bad("rollout.max_lag", rollout.max_lag, "algo.mode=one_step_off trains tokens sampled one policy "
+            raise bad("rollout.max_lag", rollout.max_lag, f"algo.mode={mode} trains tokens sampled one policy "
                       "version before; valid with it: >= 1")
         partial = rollout.partial_tokens
-        if partial and rollout.max_tokens > rollout.max_lag * partial:
+        if mode == "async":
+            if not partial:
+                raise bad("rollout.partial_tokens", partial, "algo.mode=async updates the engines' weights between "
+                          "two passes, and a pass is bounded only by partial rollout; valid with it: > 0 (e.g. "
+                          f"{max(1, rollout.max_tokens // 4)}, a quarter of rollout.max_tokens)")
+            if self.algo.dynamic_sampling:
+                raise bad("algo.dynamic_sampling", True, "is not built for algo.mode=async yet (its refills roll "
+                          "out on the main thread); valid with it: false, or algo.mode=sync / one_step_off")
+        elif partial and rollout.max_tokens > rollout.max_lag * partial:
             raise bad("rollout.partial_tokens", partial, f"with algo.mode=one_step_off a token is already one "
                       f"version old when trained, so an answer of rollout.max_tokens={rollout.max_tokens} must "
                       f"finish within rollout.max_lag = {rollout.max_lag} passes; valid: partial_tokens >= "

@@ -15,6 +15,8 @@
 
 algo.mode=one_step_off (docs/async.md) starts step k+1's rollout in a thread (job.overlap) once step k's
 groups are scored, trains meanwhile, and waits for it before the sync; nothing sleeps or moves in that mode.
+algo.mode=async runs rollout passes without pause in a thread (job.overlap.ContinuousRollout): a step takes
+complete groups from it, and its sync waits only for the pass in flight to end (pause, sync, resume).
 
 After the sync, when due: evaluation on the validation prompts (rl.evaluation, the same engines, awake) and a
 checkpoint (colocate.checkpoint.layout: trainer shards, data place, unfinished answers). A resumed run loads the
@@ -42,7 +44,7 @@ import torch
 from colocate.checkpoint.checkpointer import Checkpointer
 from colocate.config import JobConfig
 from colocate.job.faults import Watchdog
-from colocate.job.overlap import Background
+from colocate.job.overlap import Background, ContinuousRollout
 from colocate.job.runtime import Runtime
 from colocate.rl.corrections import mismatch_stats
 from colocate.rl.data import PromptSource, make_prompt_source
@@ -84,6 +86,7 @@ class Controller:
         self.first_record: dict | None = None
         self.num_done = 0  # steps finished by this controller
         self._generated_ahead = False  # one_step_off: the pool holds the next step's groups, generated ahead
+        self._continuous: ContinuousRollout | None = None  # async: the passes' thread, started by the first rollout
 
     def run(self) -> list[dict]:
         with Watchdog(self.cfg.fault, self.rt) as self.watchdog:
@@ -99,6 +102,8 @@ class Controller:
                 if self.watchdog.fault is not None:
                     raise self.watchdog.fault from None
                 raise
+            finally:
+                self.close()
 
     def run_steps(self, num_steps: int, *, first: int = 0) -> list[dict]:
         """Steps first .. num_steps - 1 (a resumed run starts after its checkpoint's step)."""
@@ -132,9 +137,9 @@ class Controller:
             train_stats = self.train(scored, step)
         with self._phase(times, "switch", step):
             self.switch_to_sync()
-        if ahead is not None:
+        if ahead is not None or self._continuous is not None:
             with self._phase(times, "rollout_wait", step):  # the trainer idles until the engines are done
-                self.finish_next_rollout(ahead, step)
+                self.wait_for_engines(ahead, step)
         with self._phase(times, "sync", step):
             sync_stats = self.sync()
         if self.checkpointer.due(step + 1, num_steps):
@@ -148,6 +153,7 @@ class Controller:
                 evaluation = self.evaluate(step + 1)
         with self._phase({}, "metrics", step):  # asks every actor: a node lost now is a member lost, named
             memory = self.memory()
+        self.resume_rollout(step, num_steps)  # async: the passes go on under the weights just synced
         record = self._record(step, times, scored, rollout_stats, train_stats, sync_stats, memory)
         if evaluation is not None:
             record["eval"] = evaluation
@@ -165,10 +171,15 @@ class Controller:
         older ones for answers carried over (partial rollout, over-sampling). algo.mode=one_step_off: the
         previous step generated them with version step - 1 while it trained, and they wait in the pool; only
         its first step (or the first after a resume, which restored that pool) has them generated here."""
-        if not self._generated_ahead:
-            self.rollouts.generate(version=step)
-        self._generated_ahead = False
-        groups, stats = self.rollouts.take(step)
+        if self.cfg.algo.mode == "async":
+            if self._continuous is None:  # the first step, or the first after a resume
+                self._continuous = ContinuousRollout(self.rollouts, version=step)
+            groups, stats = self._continuous.take(trained_version=step)
+        else:
+            if not self._generated_ahead:
+                self.rollouts.generate(version=step)
+            self._generated_ahead = False
+            groups, stats = self.rollouts.take(step)
         self.events.append("rollout")
         return groups, stats
 
@@ -182,12 +193,37 @@ class Controller:
         self.events.append("rollout.ahead")
         return Background(self.rollouts.generate, version=step, trained_version=step + 1)
 
-    def finish_next_rollout(self, ahead: Background, step: int) -> None:
-        """Before the sync rewrites the engines' weights: their generation must be over."""
-        ahead.wait()
-        self._generated_ahead = True
-        self.spans.append(("rollout.ahead", step, ahead.started_at, ahead.finished_at))  # ran during `step`
-        self.events.append("rollout.ahead.done")
+    def wait_for_engines(self, ahead: Background | None, step: int) -> None:
+        """Before the sync rewrites the engines' weights their generation must be over: one_step_off's next
+        rollout finished, or async's pass in flight ended (and no other started until resume_rollout)."""
+        if ahead is not None:
+            ahead.wait()
+            self._generated_ahead = True
+            self.spans.append(("rollout.ahead", step, ahead.started_at, ahead.finished_at))  # ran during `step`
+            self.events.append("rollout.ahead.done")
+        else:
+            self._continuous.pause()
+            # the passes that ran since the last pause, each labelled with this step: `bench async`'s timeline
+            self.spans.extend(("rollout.pass", step, *span) for span in self._continuous.drain_pass_spans())
+            self.events.append("rollout.pause")
+
+    def resume_rollout(self, step: int, num_steps: int) -> None:
+        """Async, after the step's sync (and its checkpoint, evaluation and metrics, which use the engines and
+        the pool alone): the passes go on with the engines' new policy, version step + 1; after the last step
+        they stop."""
+        if self._continuous is None:
+            return
+        if step + 1 < num_steps:
+            self._continuous.resume(version=step + 1)
+            self.events.append("rollout.resume")
+        else:
+            self.close()
+
+    def close(self) -> None:
+        """Stop async's passes (their thread ends when it next looks; one in flight is left to end or fail)."""
+        if self._continuous is not None:
+            self._continuous.close()
+            self._continuous = None
 
     def score(self, groups: list[Rollout]) -> list[ScoredGroup]:
         scored = reward_groups(groups, reward_fn=self.reward_fn, decode=self.rt.tokenizer.decode,

@@ -291,12 +291,15 @@ def _chosen_offload(cfg: JobConfig) -> bool | None:
 # sleep level or an offload chosen against it)
 ONE_STEP_OFF_PLAN = SwitchPlan(0, False, "algo.mode=one_step_off: the engine stays awake and the trainer's state "
                                          "stays (the next step's rollout runs during training)")
+ASYNC_PLAN = SwitchPlan(0, False, "algo.mode=async: the engine stays awake and the trainer's state stays (the engines "
+                                  "generate without pause)")
+OVERLAPPED_PLANS = {"one_step_off": ONE_STEP_OFF_PLAN, "async": ASYNC_PLAN}
 
 
 def default_plan(cfg: JobConfig, reason: str = "") -> SwitchPlan:
     """The user's explicit choices; where 'auto', everything moves (what is safe without a prediction)."""
-    if cfg.algo.mode == "one_step_off":
-        return ONE_STEP_OFF_PLAN
+    if cfg.algo.mode in OVERLAPPED_PLANS:
+        return OVERLAPPED_PLANS[cfg.algo.mode]
     level, offload = _chosen_level(cfg), _chosen_offload(cfg)
     return SwitchPlan(2 if level is None else level, True if offload is None else offload, reason)
 
@@ -308,8 +311,8 @@ def plan_switch(cfg: JobConfig, dims: ModelDims, *, device: str, available_bytes
     rewrites every weight, so level 1's host copy is wasted work). The trainer keeps its state when the rollout
     fits beside it, else offloads. The two are independent: the trainer is resident in train and sync whatever
     the plan, and the engine is awake in the rollout whatever the plan."""
-    if cfg.algo.mode == "one_step_off":
-        return ONE_STEP_OFF_PLAN  # nothing to choose; check_fits refuses it when a phase cannot hold both sides
+    if cfg.algo.mode in OVERLAPPED_PLANS:  # nothing to choose; check_fits refuses it when a phase cannot hold both
+        return OVERLAPPED_PLANS[cfg.algo.mode]
     budget = budget_bytes(available_bytes, device=device)
     where = f"one GPU of {available_bytes / GIB:.1f} GiB" if device == "cuda" else \
         f"this machine's {available_bytes / GIB:.1f} GiB available"
@@ -392,8 +395,9 @@ def check_fits(phases: list[Phase], *, available_bytes: int, cfg: JobConfig, dev
 
 
 def _advice(phase: Phase, largest: str, cfg: JobConfig, plan: SwitchPlan) -> str:
-    if cfg.algo.mode == "one_step_off":  # the mode forbids every movement
-        return ("algo.mode=one_step_off keeps the engine awake beside the training trainer (the next rollout runs "
+    if cfg.algo.mode in OVERLAPPED_PLANS:  # the mode forbids every movement
+        meanwhile = {"one_step_off": "the next rollout runs", "async": "the engines generate"}[cfg.algo.mode]
+        return (f"algo.mode={cfg.algo.mode} keeps the engine awake beside the training trainer ({meanwhile} "
                 "meanwhile); use algo.mode=sync, whose switches free this memory, or lower engine.kv_cache_gib / "
                 "engine.gpu_memory_utilization")
     # a movement the user forbade comes first: 'auto' would have made that phase fit if it could

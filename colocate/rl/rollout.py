@@ -18,16 +18,27 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import ray
 
 from colocate.config import JobConfig
+from colocate.engine.requests import EngineRequest
 from colocate.rl.rollout_pool import Group, RolloutPool
 from colocate.rl.samples import Rollout
 from colocate.rl.tasks import PromptStream, Sample
 
 BudgetFn = Callable[[Sample, int], list[int]]
 """(sample, number of answers) -> each answer's token budget; the long-tail benchmark draws them."""
+
+
+@dataclass
+class Pass:
+    """One pass's requests: each engine's, the complete groups it must reach, the engines with work."""
+    version: int
+    per_engine: list[list[EngineRequest]]
+    quotas: list[int]
+    busy: list[int]
 
 
 class Rollouts:
@@ -87,16 +98,61 @@ class Rollouts:
         self.prompts.load_state(state["prompts"])
         self.pool.load_state(state["pool"])
 
-    def _pass(self, version: int, num_groups: int) -> list[list[tuple[float, int]]]:
+    # ------------------------------------------------------------------ algo.mode=async, one pass at a time
+    # job/overlap.py's ContinuousRollout calls these from its thread: start_pass and finish_pass under its lock
+    # (the main thread takes complete groups meanwhile), run_pass outside it.
+
+    def start_pass(self, version: int) -> Pass | None:
+        """Top the pool up with new prompts, restart what the lag cap forbids under policy `version` (a token
+        older than it by more than max_lag cannot be trained by it or a later one), and plan a pass that
+        advances every unfinished answer by one segment (rollout.partial_tokens); None when every group in
+        flight is complete (the pool is full and waits for a step to take some)."""
+        pool = self.pool
+        samples = self.prompts.next_batch(pool.num_missing)
+        prompt_ids = [self.tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples]
+        pool.top_up([(s, p, self.budgets(s, pool.rollout.num_samples)) for s, p in zip(samples, prompt_ids)])
+        pool.expire(version)
+        if pool.num_complete() == len(pool.groups):
+            return None
+        return self._plan_pass(version, len(pool.groups))
+
+    def run_pass(self, plan: Pass) -> list[dict]:
+        return ray.get([self.engines[e].run_pass.remote(plan.per_engine[e], self.sampling, plan.quotas[e])
+                        for e in plan.busy])
+
+    def finish_pass(self, plan: Pass, outs: list[dict], seconds: float) -> None:
+        for e, out in zip(plan.busy, outs):
+            self.pool.apply(plan.per_engine[e], out["results"], plan.version)
+        self.timelines.append([out["timeline"] for out in outs])
+        self.seconds += seconds
+
+    def take_complete(self, trained_version: int) -> tuple[list[Rollout], dict] | None:
+        """Async: rollout.num_prompts complete groups whose every token policy `trained_version` may train, with
+        the stats of the passes since the last take; None while fewer are complete. A complete group with a
+        token too old has those answers restarted (the pass in flight holds no request of a complete group)."""
+        pool = self.pool
+        pool.expire(trained_version, complete_only=True)
+        if pool.num_complete() < pool.rollout.num_prompts:
+            return None
+        taken = self.take(trained_version)
+        self.timelines, self.seconds = [], 0.0
+        pool.stats.reset()
+        return taken
+
+    def _plan_pass(self, version: int, num_groups: int) -> Pass:
         num_engines = len(self.engines)
         requests = self.pool.requests(version)
         quotas = self.pool.quotas(num_engines, num_groups)
         per_engine = [[r for r in requests if r.group % num_engines == e] for e in range(num_engines)]
         busy = [e for e in range(num_engines) if quotas[e] and per_engine[e]]
         assert busy, "a pass with nothing to do: the pool cannot complete the groups the step lacks"
-        outs = ray.get([self.engines[e].run_pass.remote(per_engine[e], self.sampling, quotas[e]) for e in busy])
-        for e, out in zip(busy, outs):
-            self.pool.apply(per_engine[e], out["results"], version)
+        return Pass(version, per_engine, quotas, busy)
+
+    def _pass(self, version: int, num_groups: int) -> list[list[tuple[float, int]]]:
+        plan = self._plan_pass(version, num_groups)
+        outs = self.run_pass(plan)
+        for e, out in zip(plan.busy, outs):
+            self.pool.apply(plan.per_engine[e], out["results"], version)
         return [out["timeline"] for out in outs]
 
     def _stats(self, groups: list[Group], rollouts: list[Rollout], version: int, seconds: float) -> dict:

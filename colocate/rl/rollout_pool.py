@@ -94,11 +94,14 @@ class RolloutPool:
 
     # ------------------------------------------------------------------------------------------ a pass
 
-    def expire(self, version: int) -> None:
+    def expire(self, version: int, *, complete_only: bool = False) -> None:
         """At the start of a step under policy `version`: restart every answer whose oldest token is more than
         max_lag versions old, finished ones too (a group waiting on its longest answer, or a complete group
-        carried over, must not train stale tokens)."""
+        carried over, must not train stale tokens). `complete_only`: only complete groups' (algo.mode=async
+        takes groups while a pass runs, whose unfinished answers must stay as its requests found them)."""
         for group in self.groups:
+            if complete_only and not group.complete:
+                continue
             for answer in group.answers:
                 if answer.versions and version - answer.versions[0] > self.rollout.max_lag:
                     answer.restart()

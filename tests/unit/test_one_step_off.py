@@ -28,7 +28,7 @@ H100 = int(79.6 * GIB)
     (["rollout.max_lag=0"], ["rollout.max_lag=0 is invalid", "one policy version before", ">= 1"]),
     (["rollout.partial_tokens=4", "rollout.max_tokens=6"], ["rollout.partial_tokens=4 is invalid",
                                                           "within rollout.max_lag = 1 passes", ">= 6"]),
-    (["algo.mode=async"], ["algo.mode='async' is invalid", "sync, one_step_off"]),
+    (["algo.mode=fully_async"], ["algo.mode='fully_async' is invalid", "sync, one_step_off, async"]),
 ], ids=["sleeping_engine", "offloaded_trainer", "no_lag_allowed", "partial_needs_passes", "unknown_mode"])
 def test_bad_one_step_off_settings_are_one_line(overrides, needles):
     mode = [] if overrides[0].startswith("algo.mode") else ["algo.mode=one_step_off"]
