@@ -338,8 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     stop.set_defaults(func=cmd_stop)
 
     bench = sub.add_parser("bench", help="benchmarks: sync (weight sync), switch (sleep/wake), mismatch (logprobs), "
-                           "rollout (long tail), async (sync against one_step_off), soak, train (tokens/s and memory "
-                           "of each long-answer feature), train-memory (the preflight against a train step's peak)",
+                           "rollout (long tail), async (sync against one_step_off and async), soak, train (tokens/s "
+                           "and memory of each long-answer feature), train-memory (the preflight against a train step's peak)",
                            description="Benchmark against the floor measured in the same run; writes JSON and a PNG "
                            "plot. Without a CONFIG, the bench preset (24 layers, >= 0.4 GB bf16, TP=2); rollout and "
                            "async: the tiny model with long-tailed answer lengths.")

@@ -1,12 +1,14 @@
-"""`colocate bench async`: sync against one_step_off (algo.mode) on identical work, in one runtime.
+"""`colocate bench async`: sync against one_step_off and async (algo.mode) on identical work, in one runtime.
 
     colocate bench async                      # tiny model, long-tailed answers, 4 timed steps per mode
     colocate bench async --repeats 8 rollout.max_tokens=240
 
 The work is bench rollout's: every answer gets a log-normal target length (median 40 tokens, a few 10x that) and
 the engine decodes exactly that many (`ignore_eos`), so rollout is long-tailed and at least half of a sync step.
-Both modes run in one runtime with nothing moved (engine awake, trainer resident: one_step_off's plan), on the
-same prompt stream and the same lengths, so the only difference is the schedule. Per mode: wall seconds per step,
+The modes run in one runtime with nothing moved (engine awake, trainer resident: one_step_off's plan), on the
+same prompt stream and the same lengths, so the only difference is the schedule. Async runs its passes in
+segments of a third of rollout.max_tokens (rollout.partial_tokens), with rollout.max_lag=2 so the longest answer
+fits in three passes. Per mode: wall seconds per step,
 trained tokens per second, the seconds each side sits idle per step, and the staleness of the tokens trained.
 
 Next to the measurement, labelled a model: the schedule's own prediction from the sync mode's measured phase
@@ -33,8 +35,8 @@ from colocate.rl.tasks import PromptStream, make_task
 # bench rollout's long tail, with one_step_off's plan for both modes (what moves would differ otherwise)
 ASYNC_DEFAULTS = [d for d in ROLLOUT_DEFAULTS if not d.startswith(("engine.sleep_level", "trainer.offload"))] + \
     ["engine.sleep_level=0", "trainer.offload=false", "rollout.max_tokens=240"]
-MODES = ("sync", "one_step_off")
-ENGINE_PHASES = ("rollout", "rollout.ahead", "eval")  # the spans in which the engines generate
+MODES = ("sync", "one_step_off", "async")
+ENGINE_PHASES = ("rollout", "rollout.ahead", "rollout.pass", "eval")  # the spans in which the engines generate
 TRAINER_PHASES = ("train",)
 
 
@@ -42,15 +44,19 @@ def run_async_bench(cfg: JobConfig, *, num_steps: int, out_dir: str, name: str) 
     rows, timelines = {}, {}
     with Runtime(cfg) as rt:
         for mode in MODES:
+            segments = {"partial_tokens": -(-cfg.rollout.max_tokens // 3), "max_lag": 2} if mode == "async" else {}
             job = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, mode=mode),
-                                      rollout=dataclasses.replace(cfg.rollout, ignore_eos=True))
+                                      rollout=dataclasses.replace(cfg.rollout, ignore_eos=True, **segments))
             job.check()
             task = make_task(job.rollout.task, length=job.rollout.task_length)
             rollouts = Rollouts(job, rt.engines, rt.tokenizer, PromptStream(task, seed=job.rollout.seed),
                                 budgets=lognormal_budgets(job.rollout.max_tokens, seed=job.rollout.seed))
             controller = Controller(job, rt, rollouts=rollouts)
             total = num_steps + 1  # the first step warms up (and, in one_step_off, generates its own answers)
-            records = [controller.step(step, num_steps=total) for step in range(total)][1:-1]
+            try:
+                records = [controller.step(step, num_steps=total) for step in range(total)][1:-1]
+            finally:
+                controller.close()
             spans = [s for s in controller.spans if s[1] is not None and 1 <= s[1] < total - 1]
             rows[mode] = _row(records, spans)
             timelines[mode] = spans
@@ -59,6 +65,7 @@ def run_async_bench(cfg: JobConfig, *, num_steps: int, out_dir: str, name: str) 
                   f"{rows[mode]['trainer_idle_s']:.2f} s per step, max lag {rows[mode]['max_lag']}")
     sync, off = rows["sync"], rows["one_step_off"]
     measured = sync["step_s"] / off["step_s"]
+    measured_async = sync["step_s"] / rows["async"]["step_s"]
     model = _schedule_model(sync)
     result = {"config": {"model": cfg.model.preset or cfg.model.path, "engine_tp": cfg.engine.tp,
                          "num_slots": cfg.placement.num_slots, "num_prompts": cfg.rollout.num_prompts,
@@ -66,11 +73,12 @@ def run_async_bench(cfg: JobConfig, *, num_steps: int, out_dir: str, name: str) 
                          f"sigma {SIGMA}, at most {cfg.rollout.max_tokens}", "timed_steps_per_mode": num_steps - 1},
               "modes": rows,
               "one_step_off_speedup_measured": measured,
+              "async_speedup_measured": measured_async,
               "schedule_model": model}
     path = write_result(result, out_dir, name)
     _plot(timelines, Path(out_dir) / f"{name}.png")
     print(f"one_step_off over sync: {measured:.2f}x measured here; {model['speedup']:.2f}x by the schedule model "
-          f"(no contention between the sides)")
+          f"(no contention between the sides); async over sync: {measured_async:.2f}x measured here")
     print(f"wrote {path}")
     return result
 
