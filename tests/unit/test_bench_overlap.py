@@ -29,3 +29,18 @@ def test_a_one_step_off_step_the_engine_and_trainer_busy_at_once():
 def test_the_schedule_model_hides_the_shorter_phase():
     model = _schedule_model({"phase_s": {"rollout": 3.0, "train": 2.0, "sync": 0.5, "score": 0.5}})
     assert (model["sync_step_s"], model["one_step_off_step_s"]) == (6.0, 4.0) and model["speedup"] == 1.5
+
+
+def test_an_async_step_counts_its_passes_as_engine_busy():
+    # step 1: take 0..0.05 (passes already ran), train 0.1..2.1, passes 0.1..0.9 and 0.9..1.7 meanwhile, then a
+    # pass 1.7..2.3 the update waits for (rollout_wait 2.1..2.3), sync 2.3..2.5
+    spans = [("rollout", 1, 0.0, 0.05), ("score", 1, 0.05, 0.1), ("train", 1, 0.1, 2.1),
+             ("rollout.pass", 1, 0.1, 0.9), ("rollout.pass", 1, 0.9, 1.7), ("rollout.pass", 1, 1.7, 2.3),
+             ("rollout_wait", 1, 2.1, 2.3), ("sync", 1, 2.3, 2.5)]
+    record = {"num_response_tokens": 500, "times": {"rollout": 0.05, "train": 2.0, "rollout_wait": 0.2, "sync": 0.2},
+              "rollout": {"token_lags": {"0": 100, "1": 400}, "max_lag": 1, "stale_token_fraction": 0.8,
+                          "seconds": 2.2}}
+    row = _row([record], spans)
+    assert row["step_s"] == pytest.approx(2.5) and row["trained_tokens_per_s"] == pytest.approx(200)
+    assert row["engine_busy_s"] == pytest.approx(0.05 + 2.2)  # the take, and the three passes end to end
+    assert row["trainer_idle_s"] == pytest.approx(0.5) and row["engine_idle_s"] == pytest.approx(0.25)
