@@ -121,17 +121,17 @@ def tcp_clients(port: int) -> set[int]:
     return pids
 
 
-def stop_processes(entries: list[dict], *, grace_s: float = 5.0) -> list[dict]:
+def stop_processes(entries: list[dict], *, grace_s: float = 5.0, tracker_grace_s: float | None = None) -> list[dict]:
     """SIGTERM, then SIGKILL what is still alive after `grace_s`; returns the entries that were alive.
 
-    multiprocessing's resource trackers go last, and are given the time to finish on their own: a tracker
-    unlinks the named semaphores (sem.mp-*) its process created once every holder of its pipe is gone, and
-    nothing else knows those names (vLLM's engine creates two; killed first, the tracker left them behind).
-    It ignores SIGTERM; SIGKILL only if it is still there after the grace."""
+    multiprocessing's resource trackers go last, and are given the time to finish on their own
+    (`tracker_grace_s`, default `grace_s`): a tracker unlinks the named semaphores (sem.mp-*) its process created
+    once every holder of its pipe is gone, and nothing else knows those names (vLLM's engine creates two; killed
+    first, the tracker left them behind). It ignores SIGTERM; SIGKILL only if it is still there after the grace."""
     alive = [e for e in entries if same_process(e)]
     trackers = [e for e in alive if "multiprocessing.resource_tracker" in cmdline(e["pid"])]
     _signal_and_wait([e for e in alive if e not in trackers], grace_s, (signal.SIGTERM, signal.SIGKILL))
-    _signal_and_wait(trackers, grace_s, (None, signal.SIGKILL))
+    _signal_and_wait(trackers, grace_s if tracker_grace_s is None else tracker_grace_s, (None, signal.SIGKILL))
     return alive
 
 

@@ -30,7 +30,7 @@ import ray
 from colocate.config import JobConfig
 from colocate.engine.actor import EngineActor, engine_env
 from colocate.host.clean import JobRecord
-from colocate.host.procfs import actor_processes, process_tree, stop_processes
+from colocate.host.procfs import actor_processes, process_tree, same_process, stop_processes
 from colocate.host.rpc_dirs import remove_stale_rpc_dirs
 from colocate.job.groups import EngineGroup, TrainerGroup
 from colocate.job.placement import (
@@ -85,6 +85,9 @@ class Runtime:
         self.record = JobRecord(cfg.logging.output_dir, self.job)
         self._recorded = False
         self._job_processes: list[dict] = []  # this host's processes of the job, stopped at close if still alive
+        # The driver's children from before the job (a caller's own subprocesses; under pytest, the worker's
+        # multiprocessing resource tracker) are not the job's: close() must never stop them.
+        self._driver_children_before = {e["pid"] for e in process_tree(os.getpid())[1:]}
         self._engines_prepared: list = []  # the engines' prepare() calls in flight
         self._engine_generation = 0  # actor names must be new: a killed actor's name is freed asynchronously
 
@@ -190,7 +193,7 @@ class Runtime:
         trees = ray.get([a.__ray_call__.remote(actor_processes) for a in self.trainers + self.engines])
         processes = {e["pid"]: e for tree in trees if tree["host"] == here for e in tree["processes"]}
         if self._started_ray:
-            processes.update({e["pid"]: e for e in process_tree(os.getpid())[1:]})
+            processes.update({e["pid"]: e for e in process_tree(os.getpid())[1:] if self._started_for_job(e)})
         new = shm_entries() - self._shm_before
         # vLLM's engine (multiprocessing, spawn) names two semaphores (sem.mp-*) that only the engine's resource
         # tracker would unlink, and a SIGKILLed job's tracker dies with it. Their names carry no job; the engine
@@ -198,6 +201,17 @@ class Runtime:
         self._job_processes = list(processes.values())
         self.record.update(state="running", actors=self._actor_names(), processes=list(processes.values()),
                            shm=sorted(mapped_by(new, pids=[os.getpid(), *processes])))
+
+    def _started_for_job(self, entry: dict) -> bool:
+        """A descendant of this driver that the job started: not one from before it, nor this process's own
+        multiprocessing resource tracker (which serves the driver, and lives as long as it: stopping it at close,
+        as the job's, left every semaphore it tracked for this process to nobody; a pytest worker running
+        in-process runtimes warned "resource_tracker: process died unexpectedly")."""
+        if entry["pid"] in self._driver_children_before:
+            return False
+        from multiprocessing import resource_tracker
+
+        return entry["pid"] != getattr(resource_tracker._resource_tracker, "_pid", None)
 
     def _actor_names(self) -> list[str]:
         return [self._trainer_name(r) for r in range(len(self.trainers))] + \
@@ -303,22 +317,29 @@ class Runtime:
             self._started_ray = False
         # What outlived its actor: a vLLM worker stopped (SIGSTOP) or stuck in a syscall does not follow its
         # engine's death; SIGKILL reaches it anyway. Only this job's recorded processes, on this host.
-        stop_processes(self._job_processes, grace_s=2.0)
-        self._job_processes = []
+        stopped, self._job_processes = self._job_processes, []
+        # a resource tracker exits by itself once its process's holders are gone, having unlinked the
+        # semaphores they named; on a loaded machine that can take more than a moment
+        stop_processes(stopped, grace_s=2.0, tracker_grace_s=10.0)
         remove_stale_segments()
         remove_stale_rpc_dirs()
-        self._remove_orphaned_segments()
+        self._remove_orphaned_segments(stopped)
         if self._recorded:  # every actor and segment of the job is gone: `colocate clean` has nothing to do
             self.record.update(state="closed", closed_at=time.time())
 
-    def _remove_orphaned_segments(self, timeout_s: float = 15) -> None:
-        """Killed workers take a moment to exit; until they have, their segments still look mapped."""
+    def _remove_orphaned_segments(self, stopped: list[dict], timeout_s: float = 15) -> None:
+        """Unlink the entries that appeared during the job and that no process maps any more. Killed workers take
+        a moment to exit, and until they have their segments still look mapped: wait while a process of this job
+        (one stopped, or a descendant of this driver) maps one of them. An entry that only processes outside the
+        job map is another job's (a second job beside this one): nothing to wait for."""
         new = shm_entries() - self._shm_before
         deadline = time.monotonic() + timeout_s
         while new and time.monotonic() < deadline:
             new -= set(remove_orphaned_entries(new))
-            if new:
-                time.sleep(0.5)
+            ours = [e["pid"] for e in stopped + process_tree(os.getpid())[1:] if same_process(e)]
+            if not new or not mapped_by(new, pids=ours):
+                return
+            time.sleep(0.5)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,13 @@
 """The gather protocol as a job runs it: two engines of TP=1 on two slots, `sync.transport=gather` (what a GPU
 node runs by default), each trainer rank feeding the engine on its own slot. Every engine equals the trainer
-bit for bit after every step; the placement report says who feeds whom."""
+bit for bit after every step; the placement report says who feeds whom. The runtime runs in this process, as a
+library user's script runs it: its close stops the job's processes, and none of the caller's own (this process's
+multiprocessing resource tracker, which an earlier close killed as the job's)."""
 
 from __future__ import annotations
+
+import multiprocessing
+from multiprocessing import resource_tracker
 
 import pytest
 
@@ -14,6 +19,8 @@ pytestmark = pytest.mark.e2e
 
 
 def test_two_tp1_engines_fed_by_their_own_ranks(tmp_path):
+    lock = multiprocessing.get_context("spawn").Lock()  # a semaphore of the caller's: its tracker is running
+    tracker = resource_tracker._resource_tracker._pid
     before = (colocate_processes(), shm_segments())
     cfg = small_job(tmp_path, "engine.tp=1", "placement.num_slots=2", "sync.transport=gather",
                     "engine.sleep_level=2", "trainer.offload=true",
@@ -29,3 +36,6 @@ def test_two_tp1_engines_fed_by_their_own_ranks(tmp_path):
             assert record["sync_transport"] == "gather"
             assert rt.sync.verify_full(cfg.engine.dtype) == []
     assert_nothing_left(*before)
+    assert tracker is not None and resource_tracker._resource_tracker._check_alive(), "the caller's tracker was stopped"
+    assert resource_tracker._resource_tracker._pid == tracker
+    del lock
