@@ -70,9 +70,7 @@ class Rollouts:
         wanted = pool.rollout.num_prompts if num_groups is None else num_groups
         if not refill:
             pool.stats.reset()
-        samples = self.prompts.next_batch(pool.num_missing)
-        prompt_ids = [self.tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples]
-        pool.top_up([(s, p, self.budgets(s, pool.rollout.num_samples)) for s, p in zip(samples, prompt_ids)])
+        self._top_up()
         if not refill:
             pool.expire(version if trained_version is None else trained_version)
         self.timelines = []
@@ -108,21 +106,25 @@ class Rollouts:
         advances every unfinished answer by one segment (rollout.partial_tokens); None when every group in
         flight is complete (the pool is full and waits for a step to take some)."""
         pool = self.pool
-        samples = self.prompts.next_batch(pool.num_missing)
-        prompt_ids = [self.tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples]
-        pool.top_up([(s, p, self.budgets(s, pool.rollout.num_samples)) for s, p in zip(samples, prompt_ids)])
+        self._top_up()
         pool.expire(version)
         if pool.num_complete() == len(pool.groups):
             return None
         return self._plan_pass(version, len(pool.groups))
+
+    def _top_up(self) -> None:
+        """New prompts from the stream into the places of the groups trained or dropped."""
+        pool = self.pool
+        samples = self.prompts.next_batch(pool.num_missing)
+        prompt_ids = [self.tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples]
+        pool.top_up([(s, p, self.budgets(s, pool.rollout.num_samples)) for s, p in zip(samples, prompt_ids)])
 
     def run_pass(self, plan: Pass) -> list[dict]:
         return ray.get([self.engines[e].run_pass.remote(plan.per_engine[e], self.sampling, plan.quotas[e])
                         for e in plan.busy])
 
     def finish_pass(self, plan: Pass, outs: list[dict], seconds: float) -> None:
-        for e, out in zip(plan.busy, outs):
-            self.pool.apply(plan.per_engine[e], out["results"], plan.version)
+        self._apply(plan, outs)
         self.timelines.append([out["timeline"] for out in outs])
         self.seconds += seconds
 
@@ -151,9 +153,12 @@ class Rollouts:
     def _pass(self, version: int, num_groups: int) -> list[list[tuple[float, int]]]:
         plan = self._plan_pass(version, num_groups)
         outs = self.run_pass(plan)
-        for e, out in zip(plan.busy, outs):
-            self.pool.apply(plan.per_engine[e], out["results"], version)
+        self._apply(plan, outs)
         return [out["timeline"] for out in outs]
+
+    def _apply(self, plan: Pass, outs: list[dict]) -> None:
+        for e, out in zip(plan.busy, outs):
+            self.pool.apply(plan.per_engine[e], out["results"], plan.version)
 
     def _stats(self, groups: list[Group], rollouts: list[Rollout], version: int, seconds: float) -> dict:
         answers = [a for g in groups for a in g.answers]
