@@ -93,9 +93,12 @@ def test_a_killed_controller_is_cleaned_and_resumed(tmp_path):
     job = subprocess.Popen([str(cli), "launch", "configs/default.yaml", *args], cwd=ROOT, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
-    while not (out / "checkpoints" / "step_00000001").is_dir():
+    # step 1's record, not its checkpoint's folder: the controller commits the checkpoint before it writes the
+    # step's record, and a kill between the two (seen once in CI) leaves that record out of the resumed run's file
+    while not ((out / "metrics.jsonl").is_file() and 1 in _steps(out)):
         assert job.poll() is None and time.monotonic() < deadline, "the job ended or never reached step 1"
         time.sleep(0.2)
+    assert (out / "checkpoints" / "step_00000001").is_dir()
     record = json.loads((out / "job.json").read_text())
     assert record["controller"]["pid"] == job.pid and record["state"] == "running"
     job.send_signal(signal.SIGKILL)
@@ -111,7 +114,6 @@ def test_a_killed_controller_is_cleaned_and_resumed(tmp_path):
     again = subprocess.run([str(cli), "clean", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert again.stdout.splitlines()[-1] == f"colocate: cleaned {out}: stopped 0 process(es), removed 0 segment(s)"
     done = _steps(out)
-    assert len(done) >= 2
     result = launch(tmp_path, *JOB, "algo.num_steps=4", "resume=auto")
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = _events(out, "resume")[-1]["step"]
