@@ -75,7 +75,7 @@ def model_signature(model_path: str | Path) -> dict:
 
 def job_signature(cfg: JobConfig, model_path: str | Path) -> dict:
     """The facts a checkpoint must share with the job resuming from it."""
-    return {"model": model_signature(model_path), "num_trainer_ranks": cfg.placement.num_slots,
+    return {"model": model_signature(model_path), "num_trainer_ranks": cfg.placement.num_trainer_ranks,
             "num_samples": cfg.rollout.num_samples}
 
 
@@ -109,7 +109,7 @@ def check_compatible(path: Path, mine: dict) -> None:
         diff = [k for k in keys if theirs["model"].get(k) != mine["model"].get(k)]
         shown = ", ".join(f"{k}={theirs['model'].get(k)!r} there, {mine['model'].get(k)!r} here" for k in diff[:3])
         raise ConfigError(f"checkpoint.resume={str(path)!r} is invalid: it was saved from another model ({shown})")
-    for key, what in (("num_trainer_ranks", "trainer ranks (placement.num_slots)"),
+    for key, what in (("num_trainer_ranks", "trainer ranks (placement.num_slots - placement.engine_slots)"),
                       ("num_samples", "samples per prompt (rollout.num_samples)")):
         if theirs[key] != mine[key]:
             raise ConfigError(f"checkpoint.resume={str(path)!r} is invalid: it was saved with {theirs[key]} {what}, "

@@ -138,13 +138,13 @@ class SyncConfig:
     verify: str = "checksum"
     """After each sync: checksum (ring: every written range, checked before its bucket loads; in place: every engine parameter still where the trainers write), full (compare every engine tensor), or none (docs/integrity.md)."""
     transport: str = "auto"
-    """gather: each layer is all-gathered over the trainers' process group and every rank hands the TP slice of the engine worker on its own device to that worker's ring (the CUDA protocol; runs on the CPU with gloo and shared memory); in_place (CPU): trainers write into the engine's parameters, kept in shared memory; ring (CPU): every rank writes its rows into every worker's ring; auto: in_place on CPU, gather on CUDA."""
+    """gather: each layer is all-gathered over the trainers' process group and every rank hands the TP slice of the engine worker on its own device to that worker's ring (the CUDA protocol; runs on the CPU with gloo and shared memory); in_place (CPU): trainers write into the engine's parameters, kept in shared memory; ring (CPU): every rank writes its rows into every worker's ring; broadcast (split placement, placement.engine_slots > 0): the trainers all-gather each layer and one rank per TP rank broadcasts its slice to that TP worker of every engine over a process group; auto: broadcast when split, else in_place on CPU and gather on CUDA."""
 
     def check(self) -> None:
         positive(self, "sync", "num_bucket_slots")
         non_negative(self, "sync", "bucket_mb")
         one_of(self, "sync", "verify", ["checksum", "full", "none"])
-        one_of(self, "sync", "transport", ["auto", "gather", "in_place", "ring"])
+        one_of(self, "sync", "transport", ["auto", "broadcast", "gather", "in_place", "ring"])
         if self.num_bucket_slots < 2:
             raise bad("sync.num_bucket_slots", self.num_bucket_slots,
                        "must be >= 2 (one slot is packed while the engine loads the other)")
@@ -308,13 +308,28 @@ class PlacementConfig:
     device: str = "auto"
     """auto, cpu or cuda."""
     num_slots: int = 2
-    """Device slots (GPUs, or logical CPU slots); each holds one trainer rank and one engine worker."""
+    """Device slots (GPUs, or logical CPU slots) the job holds. Co-located (engine_slots=0): each holds one trainer rank and one engine worker."""
+    engine_slots: int = 0
+    """0: co-located (trainers and engines take turns on every slot). N > 0: split placement: the last N slots hold only engines (N / engine.tp of them), the others only trainer ranks; nothing sleeps, and every sync is broadcast from the trainers to the engines over a process group (gloo on the CPU, NCCL on GPUs)."""
     ray_address: str = ""
     """Existing Ray cluster to join ('auto', or host:port); empty starts a local Ray."""
 
     def check(self) -> None:
         positive(self, "placement", "num_slots")
+        non_negative(self, "placement", "engine_slots")
         one_of(self, "placement", "device", ["auto", "cpu", "cuda"])
+        if self.engine_slots >= self.num_slots:
+            raise bad("placement.engine_slots", self.engine_slots, f"a split placement leaves at least one of "
+                      f"placement.num_slots={self.num_slots} to the trainers; valid: 0 (co-located) or "
+                      f"1..{self.num_slots - 1}")
+
+    @property
+    def split(self) -> bool:
+        return self.engine_slots > 0
+
+    @property
+    def num_trainer_ranks(self) -> int:
+        return self.num_slots - self.engine_slots
 
 
 @dataclass
@@ -360,7 +375,7 @@ class JobConfig:
 
     @property
     def num_engines(self) -> int:
-        return self.placement.num_slots // self.engine.tp
+        return (self.placement.engine_slots or self.placement.num_slots) // self.engine.tp
 
     @property
     def longest_sequence_tokens(self) -> int:
@@ -382,8 +397,13 @@ class JobConfig:
         for section in dataclasses.fields(self):
             if hasattr(getattr(self, section.name), "check"):
                 getattr(self, section.name).check()
-        if self.placement.num_slots % self.engine.tp:
+        if self.placement.split:
+            self._check_split()
+        elif self.placement.num_slots % self.engine.tp:
             raise bad("engine.tp", self.engine.tp, f"must divide placement.num_slots={self.placement.num_slots}")
+        elif self.sync.transport == "broadcast":
+            raise bad("sync.transport", "broadcast", "is the split placement's sync (placement.engine_slots > 0); "
+                      "valid co-located: auto, gather, in_place, ring")
         for key, value in (("rollout.max_tokens", self.rollout.max_tokens),
                            ("data.max_prompt_tokens", self.data.max_prompt_tokens),
                            ("eval.max_tokens", self.eval.max_tokens)):
@@ -427,6 +447,24 @@ class JobConfig:
         if algo.overlong_buffer >= rollout.max_tokens:
             raise bad("algo.overlong_buffer", algo.overlong_buffer, f"must be smaller than rollout.max_tokens="
                       f"{rollout.max_tokens} (the punishment ramps over the last overlong_buffer tokens), or 0")
+
+    def _check_split(self) -> None:
+        """Engines and trainers on separate slots: nothing shares a device, so nothing sleeps or moves, and the
+        sync crosses devices over a process group."""
+        slots = self.placement.engine_slots
+        if slots % self.engine.tp:
+            raise bad("placement.engine_slots", slots, f"holds whole engines of engine.tp={self.engine.tp} workers "
+                      f"each; valid: a multiple of {self.engine.tp} below placement.num_slots={self.placement.num_slots}")
+        if self.sync.transport not in ("auto", "broadcast"):
+            raise bad("sync.transport", self.sync.transport, "a split placement's engines share no device with a "
+                      "trainer, so the sync is broadcast to them over a process group; valid with "
+                      "placement.engine_slots > 0: auto, broadcast")
+        if self.engine.sleep_level not in ("auto", "0"):
+            raise bad("engine.sleep_level", self.engine.sleep_level, "a split placement's engines have their "
+                      "devices to themselves, so they never sleep; valid with placement.engine_slots > 0: auto or 0")
+        if self.trainer.offload not in ("auto", "false"):
+            raise bad("trainer.offload", self.trainer.offload, "a split placement's trainers have their devices "
+                      "to themselves, so their state stays; valid with placement.engine_slots > 0: auto or false")
 
     def _check_overlapped(self) -> None:
         """The engines generate while the trainer trains (one_step_off, async): nothing may sleep or move, and a

@@ -181,12 +181,16 @@ class EngineActor:
         """Each worker's device (by TP rank), named alike in every process (devices.device_name)."""
         return self.llm.collective_rpc("colocate_device_name")
 
-    def open_ring(self, key: str, plan, *, shared: bool = False, engine_index: int | None = None) -> list:
+    def open_ring(self, key: str, plan, *, shared: bool = False, engine_index: int | None = None,
+                  broadcast: dict | None = None) -> list:
         """Give every worker a ring for sync `key`; returns their handles (by TP rank) for the trainers. Each
         worker owns a ring on its own device; `shared` (CPU, full-tensor plan written by every rank): the
         workers share one segment, since they read the same full tensors; in place, the handles are the
         workers' weight arenas. A new plan (another layout, a restarted engine) gets new rings.
-        `engine_index`: this engine's index in the sync, named by its verification errors."""
+        `engine_index`: this engine's index in the sync, named by its verification errors. `broadcast` (split
+        placement, sync/broadcast.py): {"addresses": {TP rank: StoreAddress}, "num_members", "timeout_s"}; each
+        worker's ring is then its own memory, filled by the broadcast of its TP rank's group, which it joins here
+        (this returns once the feeders joined too)."""
         from colocate.sync.transport import ShmBuffer
 
         handle = None
@@ -194,7 +198,15 @@ class EngineActor:
             assert self.device == "cpu" and plan.mode == "full"
             self._shared_rings[key] = ShmBuffer.create(plan.ring_bytes, tag="ring")
             handle = self._shared_rings[key].handle
-        return self.llm.collective_rpc("colocate_open_ring", args=(key, plan, handle, engine_index))
+        return self.llm.collective_rpc("colocate_open_ring", args=(key, plan, handle, engine_index, broadcast))
+
+    def receive_bucket(self, key: str, index: int) -> float:
+        """Broadcast sync: every worker receives its slice of bucket `index` into its ring slot (a collective with
+        the feeders' broadcast_write of it). The load that follows checks it. Returns the slowest worker's
+        seconds."""
+        per_worker = self.llm.collective_rpc("colocate_receive", args=(key, index))
+        _raise_first_error(per_worker)
+        return max(seconds for seconds, _ in per_worker)
 
     def seal_ring(self, key: str) -> None:
         """Everyone has mapped the rings: drop their names so no crash can leak a segment."""

@@ -85,14 +85,26 @@ class ColocateWorkerExtension:
                 sleeper.arena = arena
         return {"tp_rank": get_tensor_model_parallel_rank(), "handle": arena.handle, "offsets": arena.offsets}
 
-    def colocate_open_ring(self, key: str, plan: SyncPlan, shared_handle=None, engine_index: int | None = None):
+    def colocate_open_ring(self, key: str, plan: SyncPlan, shared_handle=None, engine_index: int | None = None,
+                           broadcast: dict | None = None):
         """This worker's ring for sync `key`: its own buffer (on its GPU, or a shared-memory segment), a ring it
         shares with the engine's other workers (given its handle), or, in place, its weight arena. Returns the
-        handle the trainers map. `engine_index`: this engine's index in the sync, for its errors."""
+        handle the trainers map. `engine_index`: this engine's index in the sync, for its errors. `broadcast`
+        (split placement): the ring is private memory, filled through the group of this worker's TP rank,
+        joined here as member 1 + engine_index (sync/broadcast.py); returns None."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
         owner = None
-        if plan.in_place:
+        if broadcast is not None:
+            from colocate.sync.broadcast import BroadcastChannel
+
+            ring, handle = torch.zeros(plan.ring_bytes, dtype=torch.uint8, device=self.device), None
+            if not hasattr(self, "_colocate_channels"):
+                self._colocate_channels = {}
+            self._colocate_channels[key] = BroadcastChannel.join(
+                broadcast["addresses"][get_tensor_model_parallel_rank()], rank=1 + engine_index,
+                size=broadcast["num_members"], device=self.device, timeout_s=broadcast["timeout_s"])
+        elif plan.in_place:
             ring, handle = self._colocate_arena.tensor, self._colocate_arena.handle
         elif shared_handle is None:
             owner = create_buffer(plan.ring_bytes, device=self.device, tag="ring")
@@ -130,6 +142,19 @@ class ColocateWorkerExtension:
         return verify_then_load(plan, index, ring, checksums, worker=self._colocate_tp_rank,
                                 params=self._colocate_params, load_weights=self.model_runner.model.load_weights,
                                 **self._colocate_verify_info[key])
+
+    def colocate_receive(self, key: str, index: int):
+        """Broadcast sync: receive bucket `index` into this worker's ring slot. Returns (seconds, error or None):
+        returned, not raised, as the loads' (above)."""
+        from colocate.sync.broadcast import receive
+
+        started = time.perf_counter()
+        plan, ring, _ = self._colocate_sessions[key]
+        try:
+            receive(plan, index, ring, self._colocate_channels[key], self._colocate_tp_rank)
+        except RuntimeError as e:  # gloo/NCCL: a member died or the group's timeout passed
+            return time.perf_counter() - started, f"the broadcast of bucket {index} failed: {e}"
+        return time.perf_counter() - started, None
 
     def colocate_verify_in_place(self, key: str, checksums: list[tuple[int, int, int, int]]):
         """After an in-place sync: every parameter still lives where the trainers wrote (always checked: it costs

@@ -32,7 +32,7 @@ MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # the MPS control daemon's default (CUDA
 
 def host_needs(cfg: JobConfig, dims, *, offload: bool) -> dict[str, int]:
     """Host bytes of a one-node CUDA job: at start-up, and what offloading keeps there."""
-    num_ranks = cfg.placement.num_slots
+    num_ranks = cfg.placement.num_trainer_ranks
     needs = {"checkpoint loaded in fp32 by every rank (start-up)": num_ranks * 4 * dims.num_params}
     if offload:
         needs["trainer state's host copy (offload)"] = 12 * dims.num_params

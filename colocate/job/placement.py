@@ -43,16 +43,33 @@ ENGINE_SHARE = 0.5
 
 @dataclass(frozen=True)
 class SlotPlan:
+    """num_split_engine_slots 0: co-located, slot s holds trainer rank s and TP worker s % tp of engine s // tp.
+    N > 0 (split): slots 0 .. num_slots - N - 1 hold the trainer ranks, the last N the engines, alone:
+
+        slot:      0            1            2            3
+        split:     rank 0       rank 1       E0 tp0       E0 tp1        (placement.engine_slots=2, engine.tp=2)
+    """
+
     device: str  # "cpu" or "cuda"
     num_slots: int
     tp: int
+    num_split_engine_slots: int = 0
+
+    @property
+    def split(self) -> bool:
+        return self.num_split_engine_slots > 0
+
+    @property
+    def num_trainer_ranks(self) -> int:
+        return self.num_slots - self.num_split_engine_slots
 
     @property
     def num_engines(self) -> int:
-        return self.num_slots // self.tp
+        return (self.num_split_engine_slots or self.num_slots) // self.tp
 
     def engine_slots(self, engine: int) -> list[int]:
-        return list(range(engine * self.tp, (engine + 1) * self.tp))
+        first = self.num_trainer_ranks if self.split else 0
+        return list(range(first + engine * self.tp, first + (engine + 1) * self.tp))
 
     def bundles(self) -> list[dict[str, float]]:
         if self.device == "cuda":
@@ -61,9 +78,15 @@ class SlotPlan:
 
     def describe(self) -> list[str]:
         lines = [f"{self.num_slots} {self.device} slot(s), {self.num_engines} engine(s) x TP={self.tp}, "
-                 f"FSDP2 over {self.num_slots} rank(s)"]
+                 f"FSDP2 over {self.num_trainer_ranks} rank(s)" + (", split: no slot holds both" if self.split else "")]
         for slot in range(self.num_slots):
-            lines.append(f"  slot {slot}: trainer rank {slot} | engine {slot // self.tp} tp worker {slot % self.tp}")
+            if not self.split:
+                lines.append(f"  slot {slot}: trainer rank {slot} | engine {slot // self.tp} tp worker {slot % self.tp}")
+            elif slot < self.num_trainer_ranks:
+                lines.append(f"  slot {slot}: trainer rank {slot}")
+            else:
+                engine_slot = slot - self.num_trainer_ranks
+                lines.append(f"  slot {slot}: engine {engine_slot // self.tp} tp worker {engine_slot % self.tp}")
         return lines
 
 
@@ -105,7 +128,8 @@ def plan_slots(cfg: JobConfig, *, device: str, num_devices: int, where: str = "t
     elif cfg.sync.transport == "ring":
         raise ConfigError("sync.transport='ring' is invalid on a CUDA run: every trainer rank would map every "
                           "engine worker's ring, but each rank sees only its own GPU; valid: auto, gather")
-    return SlotPlan(device=device, num_slots=cfg.placement.num_slots, tp=cfg.engine.tp)
+    return SlotPlan(device=device, num_slots=cfg.placement.num_slots, tp=cfg.engine.tp,
+                    num_split_engine_slots=cfg.placement.engine_slots)
 
 
 def plan_nodes(plan: SlotPlan, node_devices: dict[str, int]) -> list[str]:
@@ -121,22 +145,32 @@ def plan_nodes(plan: SlotPlan, node_devices: dict[str, int]) -> list[str]:
                           f"node, and its largest node has {largest} {kind} (nodes: {listed}); valid: engine.tp <= "
                           f"{largest}")
     free = {node: node_devices[node] // plan.tp for node in order}  # engines each node can still hold
+    key = "placement.engine_slots" if plan.split else "placement.num_slots"
     if sum(free.values()) < plan.num_engines:
-        raise ConfigError(f"placement.num_slots={plan.num_slots} is invalid on this Ray cluster: its "
-                          f"{plan.num_engines} engine(s) of engine.tp={plan.tp} need {plan.tp} {kind} each within "
-                          f"one node, and its nodes ({listed} {kind}) hold {sum(free.values())}; valid: "
-                          f"placement.num_slots <= {sum(free.values()) * plan.tp}")
-    slots = []
+        raise ConfigError(f"{key}={plan.num_split_engine_slots or plan.num_slots} is invalid on this Ray cluster: "
+                          f"its {plan.num_engines} engine(s) of engine.tp={plan.tp} need {plan.tp} {kind} each "
+                          f"within one node, and its nodes ({listed} {kind}) hold {sum(free.values())}; valid: "
+                          f"{key} <= {sum(free.values()) * plan.tp}")
+    engine_nodes = []
     for _ in range(plan.num_engines):
         node = next(n for n in order if free[n])
         free[node] -= 1
-        slots += [node] * plan.tp
-    return slots
+        engine_nodes += [node] * plan.tp
+    if not plan.split:
+        return engine_nodes
+    # split: the trainer ranks take the devices the engines left, in the same node order (plan_slots checked
+    # that the cluster has num_slots devices in all)
+    left = {node: node_devices[node] - engine_nodes.count(node) for node in order}
+    trainer_nodes = [node for node in order for _ in range(left[node])][:plan.num_trainer_ranks]
+    assert len(trainer_nodes) == plan.num_trainer_ranks
+    return trainer_nodes + engine_nodes
 
 
 def sync_transport(cfg: JobConfig, device: str, *, multi_node: bool = False) -> str:
     """gather (all-gather, then each rank feeds the worker on its device), in_place or ring (CPU, one node:
-    every rank writes into every worker's shared memory)."""
+    every rank writes into every worker's shared memory), broadcast (split placement: over a process group)."""
+    if cfg.placement.split:
+        return "broadcast"  # JobConfig.check refuses any other choice
     if cfg.sync.transport != "auto":
         if multi_node and cfg.sync.transport in ("in_place", "ring"):
             raise ConfigError(f"sync.transport={cfg.sync.transport!r} is invalid for a job across several nodes: "

@@ -203,7 +203,7 @@ def micro_batch_bytes(cfg: JobConfig, dims: ModelDims, device: str = "cpu",
 
 
 def _cpu_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan) -> list[Phase]:
-    world, tp, engines = cfg.placement.num_slots, cfg.engine.tp, cfg.num_engines
+    world, tp, engines = cfg.placement.num_trainer_ranks, cfg.engine.tp, cfg.num_engines
     params = dims.num_params * 4  # fp32 master weights
     engine_weights = engines * dims.num_params * DTYPE_BYTES[cfg.engine.dtype]
     training = {part: world * num_bytes for part, num_bytes in micro_batch_bytes(cfg, dims).items()}
@@ -231,8 +231,33 @@ def _cpu_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan) -> list[Phase
     ]
 
 
+def _split_cuda_phases(cfg: JobConfig, dims: ModelDims) -> list[Phase]:
+    """A trainer rank's GPU in a split placement: its shard, its training, the gather and the broadcast staging;
+    no engine (vLLM checks its own GPUs against engine.gpu_memory_utilization as it starts)."""
+    world, tp = cfg.placement.num_trainer_ranks, cfg.engine.tp
+    engine_dtype = DTYPE_BYTES[cfg.engine.dtype]
+    shard = 4 * dims.num_params // world
+    contexts = {"cuda context (est.)": CUDA_CONTEXT_BYTES,
+                "nccl communicators (fsdp2, broadcast; est.)": 2 * NCCL_COMMUNICATOR_BYTES}
+    slot = int(cfg.sync.bucket_mb * MIB) if cfg.sync.bucket_mb > 0 else dims.largest_sync_group * engine_dtype // tp
+    staging = {"broadcast staging (the TP ranks it feeds)": -(-tp // world) * cfg.sync.num_bucket_slots * slot}
+    gathered = dims.largest_sync_group * engine_dtype
+    transient = 4 * max(dims.layer_params, kept_group_params(dims))
+    return [
+        Phase("startup", {**contexts, "trainer params (fp32 shard)": shard,
+                          "sharding transient (largest group, fp32)": transient}),
+        Phase("rollout", {**contexts, "trainer params + optimizer": 3 * shard, **staging}),
+        Phase("train", {**contexts, "trainer params + grads + optimizer": 4 * shard,
+                        **micro_batch_bytes(cfg, dims, "cuda"), **staging}),
+        Phase("sync", {**contexts, "trainer params + optimizer": 3 * shard, **staging,
+                       "gather buffer (largest group + send chunk)": gathered + gathered // world}),
+    ]
+
+
 def _cuda_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan, gpu_bytes: int) -> list[Phase]:
     """One GPU = one slot: trainer rank (an FSDP2 shard of 1/world) + one engine TP worker (1/tp of the weights)."""
+    if cfg.placement.split:
+        return _split_cuda_phases(cfg, dims)
     world, tp = cfg.placement.num_slots, cfg.engine.tp
     engine_dtype = DTYPE_BYTES[cfg.engine.dtype]
     shard = 4 * dims.num_params // world  # fp32 params; grads and each AdamW moment are the same size
@@ -294,12 +319,22 @@ ONE_STEP_OFF_PLAN = SwitchPlan(0, False, "algo.mode=one_step_off: the engine sta
 ASYNC_PLAN = SwitchPlan(0, False, "algo.mode=async: the engine stays awake and the trainer's state stays (the engines "
                                   "generate without pause)")
 OVERLAPPED_PLANS = {"one_step_off": ONE_STEP_OFF_PLAN, "async": ASYNC_PLAN}
+# engines and trainers on separate devices (JobConfig refuses a sleep level or an offload chosen against it)
+SPLIT_PLAN = SwitchPlan(0, False, "placement.engine_slots > 0: the engines and the trainers have their devices to "
+                                  "themselves, so nothing sleeps or moves")
+
+
+def _fixed_plan(cfg: JobConfig) -> SwitchPlan | None:
+    """The plan a split placement or an overlapped mode dictates (None: the switch plan is chosen)."""
+    if cfg.placement.split:
+        return SPLIT_PLAN
+    return OVERLAPPED_PLANS.get(cfg.algo.mode)
 
 
 def default_plan(cfg: JobConfig, reason: str = "") -> SwitchPlan:
     """The user's explicit choices; where 'auto', everything moves (what is safe without a prediction)."""
-    if cfg.algo.mode in OVERLAPPED_PLANS:
-        return OVERLAPPED_PLANS[cfg.algo.mode]
+    if fixed := _fixed_plan(cfg):
+        return fixed
     level, offload = _chosen_level(cfg), _chosen_offload(cfg)
     return SwitchPlan(2 if level is None else level, True if offload is None else offload, reason)
 
@@ -311,8 +346,8 @@ def plan_switch(cfg: JobConfig, dims: ModelDims, *, device: str, available_bytes
     rewrites every weight, so level 1's host copy is wasted work). The trainer keeps its state when the rollout
     fits beside it, else offloads. The two are independent: the trainer is resident in train and sync whatever
     the plan, and the engine is awake in the rollout whatever the plan."""
-    if cfg.algo.mode in OVERLAPPED_PLANS:  # nothing to choose; check_fits refuses it when a phase cannot hold both
-        return OVERLAPPED_PLANS[cfg.algo.mode]
+    if fixed := _fixed_plan(cfg):  # nothing to choose; check_fits refuses it when a phase cannot hold both
+        return fixed
     budget = budget_bytes(available_bytes, device=device)
     where = f"one GPU of {available_bytes / GIB:.1f} GiB" if device == "cuda" else \
         f"this machine's {available_bytes / GIB:.1f} GiB available"
@@ -395,6 +430,10 @@ def check_fits(phases: list[Phase], *, available_bytes: int, cfg: JobConfig, dev
 
 
 def _advice(phase: Phase, largest: str, cfg: JobConfig, plan: SwitchPlan) -> str:
+    if cfg.placement.split:  # nothing moves between phases, whatever the mode
+        return ("a split placement moves nothing between phases: give the trainers more slots (placement.num_slots "
+                f"- placement.engine_slots, now {cfg.placement.num_trainer_ranks}), lower engine.kv_cache_gib, or "
+                "co-locate (placement.engine_slots=0)")
     if cfg.algo.mode in OVERLAPPED_PLANS:  # the mode forbids every movement
         meanwhile = {"one_step_off": "the next rollout runs", "async": "the engines generate"}[cfg.algo.mode]
         return (f"algo.mode={cfg.algo.mode} keeps the engine awake beside the training trainer ({meanwhile} "

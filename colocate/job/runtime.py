@@ -139,7 +139,9 @@ class Runtime:
 
         self.sync = WeightSync(self.trainers, self.engines, specs, cfg=cfg.sync,
                                hf_config=AutoConfig.from_pretrained(self.model_path),
-                               transport=self.transport, pairs=self.pairs)
+                               transport=self.transport, pairs=self.pairs,
+                               loopback=self.slot_nodes is None or len(set(self.slot_nodes)) == 1,
+                               timeout_s=cfg.fault.sync_timeout_s)
         self.sync.open()
         self._record_job()
 
@@ -228,7 +230,7 @@ class Runtime:
 
     def _create_trainers(self) -> None:
         cfg = self.cfg
-        world = self.plan.num_slots
+        world = self.plan.num_trainer_ranks
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
         one_node = self._trainers_on_one_node()
@@ -279,7 +281,8 @@ class Runtime:
         with no trainer on its device is a placement error, raised here, before the first sync."""
         trainer_devices = ray.get([t.device_name.remote() for t in self.trainers])
         worker_devices = ray.get([e.device_names.remote() for e in self.engines])
-        pairs = pair_devices(trainer_devices, worker_devices)
+        # split: no worker has a trainer beside it; the broadcast sync needs none
+        pairs = [None] * len(trainer_devices) if self.plan.split else pair_devices(trainer_devices, worker_devices)
         self.placement_report = {"trainer_devices": trainer_devices, "engine_worker_devices": worker_devices,
                                  "pairs": pairs, "slot_nodes": self.slot_nodes,
                                  "trainer_nodes": ray.get([t.node_id.remote() for t in self.trainers]),

@@ -154,23 +154,24 @@ class Gatherer:
 
 
 class GatherWriter:
-    """One trainer rank's side of the gather protocol for one sync: gather each group, copy the paired engine
-    worker's part of each bucket into that worker's ring (none when no worker shares this rank's device)."""
+    """One trainer rank's side of the gather protocol for one sync: gather each group, copy the part of each
+    bucket that each of its `targets` (worker, ring) takes into that ring: the engine worker on this rank's
+    device (gather), the staging rings of the TP ranks it broadcasts to (sync/broadcast.py), or none."""
 
     def __init__(self, plan: SyncPlan, groups: dict[str, GatherGroup], *, rank: int, world_size: int,
-                 device: torch.device, ring: torch.Tensor | None, worker: int | None, checksum: bool = True):
+                 device: torch.device, targets: list[tuple[int, torch.Tensor]], checksum: bool = True):
         assert not plan.in_place
-        self.plan, self.ring, self.worker, self.checksum = plan, ring, worker, checksum
+        self.plan, self.targets, self.checksum = plan, targets, checksum
         self.gatherer = Gatherer(groups, rank=rank, world_size=world_size, device=device)
-        # bucket index -> (copies, tensor spans to checksum); pure views, replayed every sync
-        self._copies: dict[int, tuple[list[Copy], list[tuple[int, int]]]] = {}
+        # (bucket index, worker) -> (copies, tensor spans to checksum); pure views, replayed every sync
+        self._copies: dict[tuple[int, int], tuple[list[Copy], list[tuple[int, int]]]] = {}
         self._gathered: str | None = None
 
     def write(self, index: int, shards: dict[str, tuple[torch.Tensor, int]], *,
               copy: bool = True) -> list[tuple[int, int, int, int]]:
-        """Bucket `index`: gather its group if it starts one, then write this rank's worker's slice. Returns one
-        (worker, start, num_bytes, checksum) per tensor of the bucket (one transfer per bucket). `copy=False`:
-        take part in the gather only (the slot is not free: the engine's load of it failed)."""
+        """Bucket `index`: gather its group if it starts one, then write each target's slice. Returns one
+        (worker, start, num_bytes, checksum) per tensor of the bucket and target (one transfer per bucket).
+        `copy=False`: take part in the gather only (the slot is not free: the engine's load of it failed)."""
         bucket = self.plan.buckets[index]
         if index == 0:  # a new sync: nothing gathered before counts (an aborted sync may have left its group)
             self.gatherer.restore()
@@ -179,24 +180,24 @@ class GatherWriter:
             self.gatherer.gather(bucket.group, shards)
             self._gathered = bucket.group
         written = []
-        if self.ring is not None and copy:
-            if index not in self._copies:
-                spans = [(s.start, s.num_bytes) for s in tensor_spans(self.plan, index, self.worker)]
-                self._copies[index] = (self._bucket_copies(index), spans)
-            copies, spans = self._copies[index]
+        for worker, ring in self.targets if copy else ():
+            if (index, worker) not in self._copies:
+                spans = [(s.start, s.num_bytes) for s in tensor_spans(self.plan, index, worker)]
+                self._copies[index, worker] = (self._bucket_copies(index, worker, ring), spans)
+            copies, spans = self._copies[index, worker]
             # per tensor, not one range per bucket: a mismatch then names its tensor (this rank wrote every row)
-            written = run_copies(copies, checksum=self.checksum, spans=spans)
+            written += run_copies(copies, checksum=self.checksum, spans=spans)
         if index == len(self.plan.buckets) - 1:
             self.gatherer.release()
             self._gathered = None
         return written
 
-    def _bucket_copies(self, index: int) -> list[Copy]:
-        bucket, w = self.plan.buckets[index], self.worker
+    def _bucket_copies(self, index: int, worker: int, ring: torch.Tensor) -> list[Copy]:
+        bucket = self.plan.buckets[index]
         copies = []
         for rows in self.gatherer.rank_shards(bucket.group):
             if self.plan.mode == "full":
-                copies += full_copies(bucket, rows, self.ring, w)
+                copies += full_copies(bucket, rows, ring, worker)
             else:
-                copies += sliced_copies(bucket.regions[w], self.plan.pieces[w], rows, self.ring, w)
+                copies += sliced_copies(bucket.regions[worker], self.plan.pieces[worker], rows, ring, worker)
         return copies

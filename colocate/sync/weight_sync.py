@@ -30,6 +30,17 @@ In place (CPU, `sync.transport=auto|in_place`): the engine workers' parameters l
                       │
     engine:        verify_in_place ── parameters still in the arena (no checksums: writer and engine share pages)
 
+Broadcast (split placement, `placement.engine_slots > 0`; sync/broadcast.py): no worker shares a device with a
+trainer rank. The ranks gather as above; the feeder of each TP rank broadcasts that rank's slice of bucket i to
+the worker of that TP rank in every engine, which receives it into its own ring slot and then loads it:
+
+    every rank:    broadcast_write(i) ── all-gather bucket i's group if it starts one; the feeders send slot i
+                      ║  (a collective: both sides run at once, neither waits for the other in Ray)
+    engine e:      receive(i)   ── every worker joins its TP rank's broadcast of bucket i
+    engine e:      load(i)      ── after the feeders' writes returned (their checksums are its arguments)
+
+An engine runs its calls in the order they were sent, so receive(i + num_slots) refills slot i only after load(i).
+
 Several syncs can be open on the same trainers and engines (the benchmark times its baselines beside the real
 one): each has its own key, plan and rings on every party.
 """
@@ -48,16 +59,19 @@ from colocate.sync.reshard import SyncPlan, build_sync_plan
 from colocate.sync.tp_layout import TPLayout
 
 MIB = 1 << 20
+DEFAULT_BROADCAST_TIMEOUT_S = 300  # a broadcast's bound when fault.sync_timeout_s is 0 (no watchdog bound)
 log = logging.getLogger("colocate")
 
 
 class WeightSync:
-    """transport: "in_place" (CPU), "ring" (CPU: every rank writes its rows into every worker's ring) or
-    "gather" (every device; needs `pairs`: per trainer rank, the (engine, tp rank) on its device, or None)."""
+    """transport: "in_place" (CPU), "ring" (CPU: every rank writes its rows into every worker's ring),
+    "gather" (every device; needs `pairs`: per trainer rank, the (engine, tp rank) on its device, or None) or
+    "broadcast" (split placement: `loopback` when every party is on this node; `timeout_s` bounds a broadcast)."""
 
     def __init__(self, trainers: list, engines: list, specs: list[TensorSpec], *, cfg: SyncConfig, hf_config,
-                 sliced: bool = True, transport: str = "ring", pairs: list[tuple[int, int] | None] | None = None):
-        assert transport in ("in_place", "ring", "gather"), transport
+                 sliced: bool = True, transport: str = "ring", pairs: list[tuple[int, int] | None] | None = None,
+                 loopback: bool = True, timeout_s: float = 0):
+        assert transport in ("in_place", "ring", "gather", "broadcast"), transport
         assert transport != "gather" or pairs is not None, "the gather protocol needs the trainer/worker pairs"
         self.trainers = trainers
         self.engines = engines
@@ -67,6 +81,8 @@ class WeightSync:
         self.sliced = sliced
         self.transport = "ring" if transport == "in_place" and not sliced else transport
         self.pairs = pairs
+        self.loopback = loopback
+        self.timeout_s = timeout_s or DEFAULT_BROADCAST_TIMEOUT_S
         self.key = uuid.uuid4().hex[:8]
         self.plan: SyncPlan | None = None
 
@@ -74,6 +90,7 @@ class WeightSync:
         """Build the plan from the engines' real parameter layout (ask the workers) and share the rings. Call it
         again after an engine restarts: the plan and rings are rebuilt, never reused stale."""
         layouts = ray.get(self.engines[0].param_layouts.remote())
+        self.tp_size = len(layouts)
         offsets = None
         if self.transport == "in_place":
             # every engine holds the same model in the same order: one plan fits all their arenas
@@ -93,8 +110,8 @@ class WeightSync:
         # memory with itself. What can go wrong there is a parameter leaving the arena, and verify_in_place
         # checks that on every sync. Through a ring, checksums guard the slot reuse and torn or stale writes.
         checksum = self.cfg.verify != "none" and not self.plan.in_place
-        if self.transport == "gather":
-            self._open_gather(checksum)
+        if self.transport in ("gather", "broadcast"):
+            self._open_gather(checksum) if self.transport == "gather" else self._open_broadcast(checksum)
             return self.plan
         for engine_index, engine in enumerate(self.engines):
             # full tensors written by every rank (CPU): one segment per engine, its workers read the same bytes
@@ -116,6 +133,25 @@ class WeightSync:
                  for t, pair in zip(self.trainers, self.pairs)])
         ray.get([engine.seal_ring.remote(self.key) for engine in self.engines])
 
+    def _open_broadcast(self, checksum: bool) -> None:
+        from colocate.sync.gather import plan_gather
+
+        groups = plan_gather(self.plan, self.specs, world_size=len(self.trainers))
+        tp = self.tp_size
+        members = 1 + len(self.engines)
+        addresses = {}
+        for stores in ray.get([t.open_broadcast_stores.remote(self.key, tp=tp, num_members=members,
+                                                                loopback=self.loopback, timeout_s=self.timeout_s)
+                               for t in self.trainers]):
+            addresses.update(stores)
+        assert sorted(addresses) == list(range(tp)), addresses
+        broadcast = {"addresses": addresses, "num_members": members, "timeout_s": self.timeout_s}
+        # every member joins at once: each join blocks until its whole group has joined
+        ray.get([t.attach_broadcast.remote(self.key, self.plan, groups, num_members=members,
+                                           timeout_s=self.timeout_s, checksum=checksum) for t in self.trainers]
+                + [engine.open_ring.remote(self.key, self.plan, engine_index=e, broadcast=broadcast)
+                   for e, engine in enumerate(self.engines)])
+
     def run(self) -> dict:
         """One full sync into every engine; returns wall time and the summed per-bucket load time."""
         plan = self.plan
@@ -123,6 +159,8 @@ class WeightSync:
         pending: list = []  # writes no load waits for (ranks feeding no worker): awaited for their errors
         if self.transport == "gather":
             loads_by_engine, pending = self._schedule_gather()
+        elif self.transport == "broadcast":
+            loads_by_engine, pending = self._schedule_broadcast()
         elif plan.in_place:
             loads_by_engine = self._schedule_in_place()
         else:
@@ -181,6 +219,23 @@ class WeightSync:
             pending += [w for w, pair in zip(writes, self.pairs) if pair is None]
             for e, engine in enumerate(self.engines):
                 loads[e].append(engine.load_bucket.remote(key, index, *[writes[r] for r in feeders[e]]))
+        return loads, pending
+
+    def _schedule_broadcast(self) -> tuple[list[list], list]:
+        """The broadcast protocol's Ray graph for one sync (see the module docstring): the loads per engine, and
+        the calls no load waits for (non-feeding ranks' writes, the receives): awaited for their errors."""
+        from colocate.sync.broadcast import feeder_of
+
+        plan, key = self.plan, self.key
+        feeders = sorted({feeder_of(t, len(self.trainers)) for t in range(self.tp_size)})
+        pending = []
+        loads: list[list] = [[] for _ in self.engines]
+        for index in range(len(plan.buckets)):
+            writes = [trainer.broadcast_write.remote(key, index) for trainer in self.trainers]
+            pending += [w for r, w in enumerate(writes) if r not in feeders]
+            for e, engine in enumerate(self.engines):
+                pending.append(engine.receive_bucket.remote(key, index))  # no dependency: it meets the writes
+                loads[e].append(engine.load_bucket.remote(key, index, *[writes[r] for r in feeders]))
         return loads, pending
 
     def verify_full(self, engine_dtype: str) -> list[str]:

@@ -51,6 +51,8 @@ class TrainerActor:
             map_large_blocks()  # the step's peak RSS is then its live tensors (host/memory.py)
         self._rings = {}
         self._gather_writers: dict = {}  # sync key -> GatherWriter (the gather protocol)
+        self._broadcast_stores: dict = {}  # sync key -> {TP rank: (TCPStore, StoreAddress)}, until attached
+        self._feeders: dict = {}  # sync key -> BroadcastFeeder (split placement)
         self._copies: dict = {}
         self._offloader = None
         self.reference = None  # the frozen ReferencePolicy, built in setup when loss.kl_coef > 0
@@ -304,8 +306,7 @@ class TrainerActor:
 
         self._gather_writers[key] = GatherWriter(
             plan, groups, rank=self.rank, world_size=self.world_size, device=self.device,
-            ring=attach(handle) if pair is not None else None, worker=pair[1] if pair is not None else None,
-            checksum=checksum)
+            targets=[(pair[1], attach(handle))] if pair is not None else [], checksum=checksum)
 
     def gather_write(self, key: str, index: int, after: list) -> list[tuple[int, int, int, int]]:
         """Bucket `index` of a gather sync (see attach_gather). `after`: [the paired engine's load of the bucket
@@ -325,6 +326,39 @@ class TrainerActor:
         self.write_times.append((index, time.perf_counter() - started))
         if failed is not None:
             raise failed
+        return written
+
+    def open_broadcast_stores(self, key: str, *, tp: int, num_members: int, loopback: bool,
+                              timeout_s: float) -> dict:
+        """Split placement, first half of opening sync `key`: a store for the group of every TP rank this rank
+        feeds (sync/broadcast.py), on a free port. Returns {TP rank: StoreAddress} for the engine workers."""
+        from colocate.sync.broadcast import fed_by, node_address, open_store
+
+        host = node_address(loopback)
+        stores = {t: open_store(host, f"{key}-tp{t}", size=num_members, timeout_s=timeout_s)
+                  for t in fed_by(self.rank, tp=tp, num_trainer_ranks=self.world_size)}
+        self._broadcast_stores[key] = stores
+        return {t: address for t, (_, address) in stores.items()}
+
+    def attach_broadcast(self, key: str, plan: SyncPlan, groups: dict, *, num_members: int, timeout_s: float,
+                         checksum: bool) -> None:
+        """Second half: join the groups (this blocks until their engine workers join too: call it beside the
+        engines' open_ring) and stage the fed TP ranks' slices. A rank that feeds none gathers only."""
+        from colocate.sync.broadcast import BroadcastChannel, BroadcastFeeder
+
+        channels = {t: BroadcastChannel.join(address, rank=0, size=num_members, device=self.device,
+                                             timeout_s=timeout_s, store=store)
+                    for t, (store, address) in self._broadcast_stores.pop(key).items()}
+        self._feeders[key] = BroadcastFeeder.create(plan, groups, rank=self.rank, world_size=self.world_size,
+                                                    device=self.device, channels=channels, checksum=checksum)
+
+    def broadcast_write(self, key: str, index: int) -> list[tuple[int, int, int, int]]:
+        """Bucket `index` of a broadcast sync: gather (every rank), then send each fed TP rank its slice; returns
+        once the engines' workers received it (their receive runs beside this call, never after it)."""
+        self.onload()  # as in write_bucket: a caller may sync an offloaded trainer
+        started = time.perf_counter()
+        written = self._feeders[key].write(index, self.shards)
+        self.write_times.append((index, time.perf_counter() - started))
         return written
 
     def cast_floor_s(self, num_bytes: int, dtype: str, *, repeats: int = 5) -> float:

@@ -58,7 +58,7 @@ def _sync_rank(rank: int, world_size: int, handles: list[ShmHandle], tp: int, ti
     worker = rank if tp == 2 else 0
     ring = attach(handles[rank])
     writer = GatherWriter(plan, plan_gather(plan, specs, world_size=world_size), rank=rank, world_size=world_size,
-                          device=torch.device("cpu"), ring=ring, worker=worker)
+                          device=torch.device("cpu"), targets=[(worker, ring)])
     engine = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s, _ in layouts[worker]["params"]}
     for sync in range(num_syncs):
         with torch.no_grad():  # training changed the weights: the next sync must carry the new values

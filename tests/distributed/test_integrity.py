@@ -47,7 +47,7 @@ def _corrupt_one_slot(rank: int, world_size: int, handle: ShmHandle, transport: 
     rings = [whole[:plan.ring_bytes], whole[plan.ring_bytes:]] if sliced else [whole[:plan.ring_bytes]] * 2
     worker = 1  # the engine worker checked here, in rank 1's process (beside it, as on one GPU)
     writer = GatherWriter(plan, plan_gather(plan, specs, world_size=world_size), rank=rank, world_size=world_size,
-                          device=torch.device("cpu"), ring=rings[rank], worker=rank) if transport == "gather" else None
+                          device=torch.device("cpu"), targets=[(rank, rings[rank])]) if transport == "gather" else None
     engine = {n: torch.full(s, OLD, dtype=torch.bfloat16) for n, s, _ in layouts[worker]["params"]}
     loaded = {}  # full plan: what load_weights received
     bad_index, bad_byte, named = _target(plan, worker)

@@ -34,7 +34,7 @@ def _gather_on_gpu(rank: int, world_size: int, port: int) -> None:
                            num_slots=2)
     ring = CudaIpcBuffer.create(plan.ring_bytes, device=device).tensor
     writer = GatherWriter(plan, plan_gather(plan, specs, world_size=world_size), rank=rank, world_size=world_size,
-                          device=device, ring=ring, worker=0)
+                          device=device, targets=[(0, ring)])
     engine = {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s, _ in layouts[0]["params"]}
     for sync in range(2):
         with torch.no_grad():

@@ -113,3 +113,55 @@ def test_across_nodes_the_sync_gathers():
     assert sync_transport(load_config(None, []), "cpu", multi_node=True) == "gather"
     with pytest.raises(ConfigError, match="sync.transport='in_place' is invalid for a job across several nodes"):
         sync_transport(load_config(None, ["sync.transport=in_place"]), "cpu", multi_node=True)
+
+
+def test_split_placement_gives_trainers_the_first_slots_and_engines_the_rest():
+    plan = plan_slots(load_config(None, ["placement.num_slots=4", "placement.engine_slots=2", "engine.tp=2"]),
+                      device="cuda", num_devices=4)
+    assert (plan.split, plan.num_trainer_ranks, plan.num_engines, plan.engine_slots(0)) == (True, 2, 1, [2, 3])
+    assert plan.describe()[1:] == ["  slot 0: trainer rank 0", "  slot 1: trainer rank 1",
+                                   "  slot 2: engine 0 tp worker 0", "  slot 3: engine 0 tp worker 1"]
+    where = engine_placement(plan, 0)  # vLLM's Ray executor puts the workers in the engines' own bundles
+    assert where.bundle == 2 and where.env["VLLM_RAY_BUNDLE_INDICES"] == "2,3"
+    two = plan_slots(load_config(None, ["placement.num_slots=3", "placement.engine_slots=2", "engine.tp=1"]),
+                     device="cpu", num_devices=3)
+    assert (two.num_trainer_ranks, two.num_engines, two.engine_slots(1)) == (1, 2, [2])
+    assert sync_transport(load_config(None, ["placement.num_slots=3", "placement.engine_slots=2", "engine.tp=1"]),
+                          "cpu") == "broadcast"
+
+
+def test_split_placement_across_nodes_keeps_engines_whole_and_trainers_on_what_is_left():
+    plan = plan_slots(load_config(None, ["placement.num_slots=6", "placement.engine_slots=4", "engine.tp=2"]),
+                      device="cuda", num_devices=6)
+    # engines fill the largest node first; the trainer ranks take the devices left, in the same order
+    assert plan_nodes(plan, {"a": 4, "b": 2}) == ["b", "b", "a", "a", "a", "a"]
+    assert plan_nodes(plan, {"a": 3, "b": 3}) == ["a", "b", "a", "a", "b", "b"]
+    with pytest.raises(ConfigError, match=r"^placement.engine_slots=4 is invalid on this Ray cluster: .* valid: "
+                                          r"placement.engine_slots <= 2$"):
+        plan_nodes(plan, {"a": 3, "b": 1, "c": 1})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["placement.num_slots=3", "placement.engine_slots=3"],
+     "placement.engine_slots=3 is invalid: a split placement leaves at least one of placement.num_slots=3 to the "
+     "trainers; valid: 0 (co-located) or 1..2"),
+    (["placement.num_slots=4", "placement.engine_slots=3", "engine.tp=2"],
+     "placement.engine_slots=3 is invalid: holds whole engines of engine.tp=2 workers each; valid: a multiple of 2 "
+     "below placement.num_slots=4"),
+    (["placement.num_slots=2", "placement.engine_slots=1", "engine.tp=1", "sync.transport=in_place"],
+     "sync.transport='in_place' is invalid: a split placement's engines share no device with a trainer, so the sync "
+     "is broadcast to them over a process group; valid with placement.engine_slots > 0: auto, broadcast"),
+    (["placement.num_slots=2", "placement.engine_slots=1", "engine.tp=1", "engine.sleep_level=2"],
+     "engine.sleep_level='2' is invalid: a split placement's engines have their devices to themselves, so they never "
+     "sleep; valid with placement.engine_slots > 0: auto or 0"),
+    (["placement.num_slots=2", "placement.engine_slots=1", "engine.tp=1", "trainer.offload=true"],
+     "trainer.offload='true' is invalid: a split placement's trainers have their devices to themselves, so their "
+     "state stays; valid with placement.engine_slots > 0: auto or false"),
+    (["sync.transport=broadcast"],
+     "sync.transport='broadcast' is invalid: is the split placement's sync (placement.engine_slots > 0); valid "
+     "co-located: auto, gather, in_place, ring"),
+])
+def test_a_bad_split_is_one_line(overrides, message):
+    with pytest.raises(ConfigError) as raised:
+        load_config(None, overrides)
+    assert str(raised.value) == message

@@ -1,0 +1,126 @@
+"""The split placement's sync on gloo: trainer ranks (an FSDP2 group of their own) all-gather each layer group,
+and the feeder of each TP rank broadcasts that TP rank's slice of every bucket to the worker of that TP rank in
+every engine, each a process of its own with no trainer beside it. Every worker then holds exactly its TP slice
+of the trainer's weights, bit for bit, after every sync: one engine of TP=2 fed by two ranks, two engines of
+TP=1 fed by one broadcast (rank 1 gathers only), one rank feeding both TP ranks, and the full-tensor plan."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+
+from colocate.sync.broadcast import fed_by, feeder_of, slot_extent
+from tests.distributed.conftest import run_distributed
+from tests.distributed.test_gather import HD, NKV, NQ, VOCAB, _expected, _plan
+from tests.unit.test_reshard import hf_state
+
+TIMEOUT_S = 60
+
+
+def _member(rank: int, world_size: int, port: int, num_trainers: int, tp: int, num_engines: int, sliced: bool):
+    """Processes 0 .. num_trainers - 1: trainer ranks; the rest: engine e's worker t, in engine-major order."""
+    import torch.distributed as dist
+    from torch.distributed import PrefixStore, TCPStore
+
+    from colocate.sync.broadcast import BroadcastChannel, BroadcastFeeder, open_store, receive
+    from colocate.sync.load import verify_then_load
+
+    # the test's own rendezvous, where each feeder publishes its group's store (Ray carries it in a job)
+    board = TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
+                     timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    full = hf_state(VOCAB, tied=False, num_layers=2)
+    plan, specs, layouts = _plan(full, tp, False, 0, sliced)
+    size = 1 + num_engines
+    if rank < num_trainers:
+        from colocate.sync.gather import plan_gather
+        from colocate.sync.shards import local_shards
+        from tests.distributed.test_shards import _sharded
+
+        dist.init_process_group("gloo", store=PrefixStore("fsdp", board), rank=rank, world_size=num_trainers)
+        params, specs = _sharded(full, num_trainers)
+        stores = {t: open_store("127.0.0.1", f"t{t}", size=size, timeout_s=TIMEOUT_S)
+                  for t in fed_by(rank, tp=tp, num_trainer_ranks=num_trainers)}
+        for t, (_, address) in stores.items():
+            board.set(f"port{t}", str(address.port))
+        channels = {t: BroadcastChannel.join(address, rank=0, size=size, device=torch.device("cpu"),
+                                             timeout_s=TIMEOUT_S, store=store) for t, (store, address) in stores.items()}
+        feeder = BroadcastFeeder.create(plan, plan_gather(plan, specs, world_size=num_trainers), rank=rank,
+                                        world_size=num_trainers, device=torch.device("cpu"), channels=channels,
+                                        checksum=True)
+        for sync in range(2):
+            with torch.no_grad():  # training changed the weights: the next sync must carry the new values
+                for p in params.values():
+                    p.to_local().add_(0.25 * (sync + 1))
+            shards = local_shards(params)
+            for index in range(len(plan.buckets)):
+                written = feeder.write(index, shards)
+                for t in channels:
+                    board.set(f"sums{sync}/{index}/{t}", repr(written))
+            current = {n: p.full_tensor() for n, p in params.items()}  # a collective of the trainers
+            if rank == 0:
+                for t in range(tp):
+                    board.set(f"expected{sync}/{t}", repr({n: v.float().tolist() for n, v in
+                                                          _expected(current, layouts[t], False).items()}))
+        dist.destroy_process_group()
+        board.wait(["done"])  # the workers have read everything
+        return
+    member = rank - num_trainers
+    engine, worker = divmod(member, tp)
+    from colocate.sync.broadcast import StoreAddress
+
+    board.wait([f"port{worker}"])
+    address = StoreAddress("127.0.0.1", int(board.get(f"port{worker}")), f"t{worker}")
+    channel = BroadcastChannel.join(address, rank=1 + engine, size=size, device=torch.device("cpu"),
+                                    timeout_s=TIMEOUT_S)
+    ring = torch.zeros(plan.ring_bytes, dtype=torch.uint8)
+    weights = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s, _ in layouts[worker]["params"]}
+    for sync in range(2):
+        for v in weights.values():
+            v.zero_()
+        received = {}  # full mode: the full tensors as each bucket delivered them
+        for index in range(len(plan.buckets)):
+            receive(plan, index, ring, channel, worker)
+            board.wait([f"sums{sync}/{index}/{worker}"])
+            sums = eval(board.get(f"sums{sync}/{index}/{worker}").decode())  # noqa: S307 (the test's own repr)
+            assert sums, "the feeder checksums what it sends"
+            _, _, error = verify_then_load(plan, index, ring, sums, worker=worker, params=weights, engine=engine,
+                                           load_weights=lambda weights, into=received: into.update(
+                                               (name, view.clone()) for name, view in weights))
+            assert error is None, error
+        if not sliced:  # sliced here by the layout oracle, as vLLM's load_weights slices full tensors
+            from colocate.sync.tp_layout import TPLayout, engine_tensor
+
+            for name in weights:
+                value = engine_tensor(name, received, TPLayout(worker, tp, NQ, NKV, HD, VOCAB))
+                weights[name][:value.shape[0]] = value
+        board.wait([f"expected{sync}/{worker}"])
+        expected = eval(board.get(f"expected{sync}/{worker}").decode())  # noqa: S307
+        for name, values in expected.items():
+            want = torch.tensor(values).to(torch.bfloat16)
+            assert torch.equal(weights[name][:want.shape[0]], want), (sync, engine, worker, name)
+    if board.add("finished", 1) == world_size - num_trainers:
+        board.set("done", "1")
+
+
+@pytest.mark.parametrize("num_trainers, tp, num_engines, sliced", [
+    pytest.param(2, 2, 1, True, id="tp2_engine_two_feeders"),
+    pytest.param(2, 1, 2, True, id="tp1_two_engines_one_broadcast"),
+    pytest.param(1, 2, 1, True, id="one_rank_feeds_both_tp_ranks"),
+    pytest.param(2, 2, 1, False, id="tp2_full_tensors"),
+])
+def test_broadcast_sync_is_bit_exact_after_every_sync(num_trainers, tp, num_engines, sliced):
+    run_distributed(_member, num_trainers, tp, num_engines, sliced, world_size=num_trainers + tp * num_engines,
+                    init=False)
+
+
+def test_feeders_spread_over_the_ranks_and_cover_every_tp_rank():
+    assert [feeder_of(t, 2) for t in range(4)] == [0, 1, 0, 1]
+    assert fed_by(0, tp=4, num_trainer_ranks=2) == [0, 2] and fed_by(1, tp=1, num_trainer_ranks=2) == []
+    assert fed_by(0, tp=2, num_trainer_ranks=1) == [0, 1]
+    full = hf_state(VOCAB, tied=False, num_layers=2)
+    plan, _, _ = _plan(full, 2, False, 0, True)
+    for index, bucket in enumerate(plan.buckets):  # what is broadcast lies in the bucket's slot
+        start, end = slot_extent(plan, index, 1)
+        assert bucket.slot * plan.slot_bytes <= start < end <= (bucket.slot + 1) * plan.slot_bytes
