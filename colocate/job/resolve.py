@@ -75,6 +75,8 @@ def resolve_job(cfg: JobConfig, *, switch: SwitchPlan | None = None, device: str
                    (cfg.engine.enforce_eager == "auto" and device == "cpu") else "false",
                    "CUDA graphs on a GPU" if device == "cuda" else "eager on the CPU: starts in seconds, not minutes")
     transport = decide("sync.transport", sync_transport(cfg, device, multi_node=multi_node),
+                       "split placement: each TP rank's slice broadcast to every engine over a process group"
+                       if cfg.placement.split else
                        "the gather protocol: every handover stays on its rank's node" if multi_node else
                        ("in place: every rank writes into the engine's shared memory" if device == "cpu" else
                         "all-gathered, each rank feeding the engine worker on its GPU"))
