@@ -1,4 +1,5 @@
-"""`colocate bench async`: sync against one_step_off and async (algo.mode) on identical work, in one runtime.
+"""`colocate bench async`: sync against one_step_off and async (algo.mode) on identical work, in one runtime,
+and async once more on a split placement (half the slots for the engines, the sync broadcast between them).
 
     colocate bench async                      # tiny model, long-tailed answers, 4 timed steps per mode
     colocate bench async --repeats 8 rollout.max_tokens=240
@@ -8,8 +9,9 @@ the engine decodes exactly that many (`ignore_eos`), so rollout is long-tailed a
 The modes run in one runtime with nothing moved (engine awake, trainer resident: one_step_off's plan), on the
 same prompt stream and the same lengths, so the only difference is the schedule. Async runs its passes in
 segments of a third of rollout.max_tokens (rollout.partial_tokens), with rollout.max_lag=2 so the longest answer
-fits in three passes. Per mode: wall seconds per step,
-trained tokens per second, the seconds each side sits idle per step, and the staleness of the tokens trained.
+fits in three passes. The split run (`async_split`) is a second runtime on the same slots: the first half
+hold the trainer ranks, the rest the engines (TP as large as fits), so each side has its own cores and the
+same total. Per mode: wall seconds per step, trained tokens per second, the seconds each side sits idle per step, and the staleness of the tokens trained.
 
 Next to the measurement, labelled a model: the schedule's own prediction from the sync mode's measured phase
 times, one_step_off taking max(rollout, train) + the rest where sync takes rollout + train + the rest. It is the
@@ -36,6 +38,7 @@ from colocate.rl.tasks import PromptStream, make_task
 ASYNC_DEFAULTS = [d for d in ROLLOUT_DEFAULTS if not d.startswith(("engine.sleep_level", "trainer.offload"))] + \
     ["engine.sleep_level=0", "trainer.offload=false", "rollout.max_tokens=240"]
 MODES = ("sync", "one_step_off", "async")
+SPLIT = "async_split"  # async on a split placement (placement.engine_slots): a runtime of its own
 ENGINE_PHASES = ("rollout", "rollout.ahead", "rollout.pass", "eval")  # the spans in which the engines generate
 TRAINER_PHASES = ("train",)
 
@@ -44,43 +47,68 @@ def run_async_bench(cfg: JobConfig, *, num_steps: int, out_dir: str, name: str) 
     rows, timelines = {}, {}
     with Runtime(cfg) as rt:
         for mode in MODES:
-            segments = {"partial_tokens": -(-cfg.rollout.max_tokens // 3), "max_lag": 2} if mode == "async" else {}
-            job = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, mode=mode),
-                                      rollout=dataclasses.replace(cfg.rollout, ignore_eos=True, **segments))
-            job.check()
-            task = make_task(job.rollout.task, length=job.rollout.task_length)
-            rollouts = Rollouts(job, rt.engines, rt.tokenizer, PromptStream(task, seed=job.rollout.seed),
-                                budgets=lognormal_budgets(job.rollout.max_tokens, seed=job.rollout.seed))
-            controller = Controller(job, rt, rollouts=rollouts)
-            total = num_steps + 1  # the first step warms up (and, in one_step_off, generates its own answers)
-            try:
-                records = [controller.step(step, num_steps=total) for step in range(total)][1:-1]
-            finally:
-                controller.close()
-            spans = [s for s in controller.spans if s[1] is not None and 1 <= s[1] < total - 1]
-            rows[mode] = _row(records, spans)
-            timelines[mode] = spans
-            print(f"{mode:<13} {rows[mode]['step_s']:.2f} s/step, {rows[mode]['trained_tokens_per_s']:.0f} trained "
-                  f"tokens/s, idle: engine {rows[mode]['engine_idle_s']:.2f} s, trainer "
-                  f"{rows[mode]['trainer_idle_s']:.2f} s per step, max lag {rows[mode]['max_lag']}")
+            rows[mode], timelines[mode] = _run_mode(rt, cfg, mode, num_steps)
+    # async again with the engines on devices of their own: half the slots, the sync broadcast across
+    split = split_config(cfg)
+    with Runtime(split) as rt:
+        rows[SPLIT], timelines[SPLIT] = _run_mode(rt, split, "async", num_steps)
     sync, off = rows["sync"], rows["one_step_off"]
     measured = sync["step_s"] / off["step_s"]
     measured_async = sync["step_s"] / rows["async"]["step_s"]
+    measured_split = sync["step_s"] / rows[SPLIT]["step_s"]
     model = _schedule_model(sync)
     result = {"config": {"model": cfg.model.preset or cfg.model.path, "engine_tp": cfg.engine.tp,
                          "num_slots": cfg.placement.num_slots, "num_prompts": cfg.rollout.num_prompts,
                          "num_samples": cfg.rollout.num_samples, "lengths": f"log-normal, median {MEDIAN_TOKENS}, "
-                         f"sigma {SIGMA}, at most {cfg.rollout.max_tokens}", "timed_steps_per_mode": num_steps - 1},
+                         f"sigma {SIGMA}, at most {cfg.rollout.max_tokens}", "timed_steps_per_mode": num_steps - 1,
+                         SPLIT: {"engine_slots": split.placement.engine_slots, "engine_tp": split.engine.tp,
+                                 "num_trainer_ranks": split.placement.num_trainer_ranks}},
               "modes": rows,
               "one_step_off_speedup_measured": measured,
               "async_speedup_measured": measured_async,
+              "async_split_speedup_measured": measured_split,
               "schedule_model": model}
     path = write_result(result, out_dir, name)
     _plot(timelines, Path(out_dir) / f"{name}.png")
     print(f"one_step_off over sync: {measured:.2f}x measured here; {model['speedup']:.2f}x by the schedule model "
-          f"(no contention between the sides); async over sync: {measured_async:.2f}x measured here")
+          f"(no contention between the sides); async over sync: {measured_async:.2f}x, async on a split "
+          f"placement over sync: {measured_split:.2f}x, measured here")
     print(f"wrote {path}")
     return result
+
+
+def split_config(cfg: JobConfig) -> JobConfig:
+    """The bench's job on a split placement: the last half of its slots for the engines (TP as large as fits)."""
+    engine_slots = max(1, cfg.placement.num_slots // 2)
+    tp = max(t for t in range(1, min(cfg.engine.tp, engine_slots) + 1) if engine_slots % t == 0)
+    split = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, engine_slots=engine_slots),
+                                engine=dataclasses.replace(cfg.engine, tp=tp))
+    split.check()
+    return split
+
+
+def _run_mode(rt: Runtime, cfg: JobConfig, mode: str, num_steps: int) -> tuple[dict, list[tuple]]:
+    """`num_steps` timed steps of `mode` on the runtime's engines and trainers: the row and the phase spans."""
+    segments = {"partial_tokens": -(-cfg.rollout.max_tokens // 3), "max_lag": 2} if mode == "async" else {}
+    job = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, mode=mode),
+                              rollout=dataclasses.replace(cfg.rollout, ignore_eos=True, **segments))
+    job.check()
+    task = make_task(job.rollout.task, length=job.rollout.task_length)
+    rollouts = Rollouts(job, rt.engines, rt.tokenizer, PromptStream(task, seed=job.rollout.seed),
+                        budgets=lognormal_budgets(job.rollout.max_tokens, seed=job.rollout.seed))
+    controller = Controller(job, rt, rollouts=rollouts)
+    total = num_steps + 1  # the first step warms up (and, in one_step_off, generates its own answers)
+    try:
+        records = [controller.step(step, num_steps=total) for step in range(total)][1:-1]
+    finally:
+        controller.close()
+    spans = [s for s in controller.spans if s[1] is not None and 1 <= s[1] < total - 1]
+    row = _row(records, spans)
+    label = SPLIT if job.placement.split else mode
+    print(f"{label:<13} {row['step_s']:.2f} s/step, {row['trained_tokens_per_s']:.0f} trained tokens/s, idle: "
+          f"engine {row['engine_idle_s']:.2f} s, trainer {row['trainer_idle_s']:.2f} s per step, max lag "
+          f"{row['max_lag']}, sync {row['phase_s'].get('sync', 0.0):.3f} s")
+    return row, spans
 
 
 def _row(records: list[dict], spans: list[tuple]) -> dict:
@@ -147,7 +175,8 @@ def _plot(timelines: dict, path: Path) -> None:
             bars = [(s[2] - origin, s[3] - s[2]) for s in spans if s[0] in names]
             ax.broken_barh(bars, (row - 0.4, 0.8), color=color)
         ax.set_yticks([0, 1], ["engine busy", "trainer busy"])
-        ax.set_title(f"algo.mode={mode}", fontsize=9)
+        ax.set_title("algo.mode=async, split placement (engines on slots of their own)" if mode == SPLIT
+                     else f"algo.mode={mode}, co-located", fontsize=9)
         ax.set_xlabel("seconds")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
