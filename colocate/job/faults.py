@@ -75,7 +75,6 @@ class Member:
 
 def job_members(runtime) -> list[Member]:
     """Every process of the job that does its work: trainer ranks, engine actors and their vLLM workers."""
-    tp = runtime.cfg.engine.tp
     report = runtime.placement_report
     trainer_pids = ray.get([t.pid.remote() for t in runtime.trainers])
     engine_pids = ray.get([e.pid.remote() for e in runtime.engines])
@@ -83,7 +82,7 @@ def job_members(runtime) -> list[Member]:
     members = [Member(f"trainer rank {r}", pid, (r,), report["trainer_nodes"][r], t._actor_id.hex())
                for r, (t, pid) in enumerate(zip(runtime.trainers, trainer_pids))]
     for e, (engine, pid, workers) in enumerate(zip(runtime.engines, engine_pids, worker_pids)):
-        slots = tuple(range(e * tp, (e + 1) * tp))
+        slots = tuple(runtime.plan.engine_slots(e))  # after the trainers' slots on a split placement
         node = report["engine_nodes"][e]
         members.append(Member(f"engine {e}", pid, slots, node, engine._actor_id.hex(), engine=e))
         members += [Member(f"engine {e} TP worker {rank}", wpid, (slots[rank],), node, engine=e)
