@@ -75,6 +75,10 @@ class RewardError(ColocateError, RuntimeError):
     """The reward function raised on a (prompt, response), or returned something that is not a finite number."""
 
 
+class EnvError(ColocateError, RuntimeError):
+    """A multi-turn environment (rollout.env) raised, hung or returned the wrong type; names the sample and turn."""
+
+
 class NonFiniteError(ColocateError, RuntimeError):
     """A gradient or weight of the trainer holds NaN or Inf."""
 

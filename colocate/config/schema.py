@@ -182,6 +182,18 @@ class RolloutConfig:
     """Partial rollout: the most new tokens an answer gets in one pass (a step makes another pass only while none of its groups is complete); an answer still unfinished keeps its tokens and continues next step under the newer policy. 0: answers run to their end within the step."""
     max_lag: int = 1
     """An answer (finished or not) whose oldest token was sampled more than this many policy versions ago is restarted from its prompt; tokens within the lag are trained, corrected by the loss's ratio to their behaviour logprobs."""
+    env: str = ""
+    """Multi-turn episodes (docs/environments.md): an environment, built-in (copy_turns) or `module:factory` returning an object with reset(sample) and step(action_text); each answer is an episode of turns, the engine's tokens and the environment's observations, up to rollout.max_turns turns within rollout.max_tokens tokens; its reward is the environment's. Empty: single-turn answers scored by the reward function."""
+    max_turns: int = 4
+    """rollout.env: the most turns (model answers) an episode has; the episode ends sooner when the environment says done or its tokens run out."""
+    max_turn_tokens: int = 0
+    """rollout.env: the most tokens of one turn of the model; reaching it ends the turn (the environment steps on what it has). 0: a turn ends only at the model's EOS or when the episode's rollout.max_tokens run out."""
+    turn_reward: str = "sum"
+    """rollout.env: an episode's reward from its turns' rewards: sum, or last (only the final turn's)."""
+    env_errors: str = "fail"
+    """rollout.env: an environment that raises, hangs past rollout.env_timeout_s or returns the wrong type: fail (the step stops, naming the sample and turn) or drop (that sample's group is dropped and counted, the step goes on)."""
+    env_timeout_s: float = 30.0
+    """rollout.env: the longest one reset or step may take; 0: no bound."""
     max_refill_passes: int = 4
     """algo.dynamic_sampling: the most extra rollouts a step makes to replace the groups it dropped (each asks the pool for the missing groups over the fraction informative so far); a step still short after them trains the informative groups it has, and says so in its metrics."""
 
@@ -194,6 +206,10 @@ class RolloutConfig:
             raise bad("rollout.oversample", self.oversample,
                        "must be >= 1 (a multiple of rollout.num_prompts groups in flight)")
         one_of(self, "rollout", "leftover", ["carry", "drop"])
+        positive(self, "rollout", "max_turns")
+        non_negative(self, "rollout", "env_timeout_s", "max_turn_tokens")
+        one_of(self, "rollout", "turn_reward", ["sum", "last"])
+        one_of(self, "rollout", "env_errors", ["fail", "drop"])
         if self.partial_tokens and self.leftover == "drop":
             raise bad("rollout.leftover", "drop", "partial rollout (rollout.partial_tokens > 0) carries unfinished "
                        "answers over; valid with it: carry")
@@ -206,6 +222,17 @@ class RolloutConfig:
         if self.rewards and self.reward_fn:
             raise bad("rollout.rewards", self.rewards, "rollout.reward_fn is set too; give one of them "
                        "(a module:function can be a component of rollout.rewards)")
+        if self.env:
+            self._check_env()
+
+    def _check_env(self) -> None:
+        for key in ("reward_fn", "rewards"):
+            if getattr(self, key):
+                raise bad(f"rollout.{key}", getattr(self, key), "rollout.env is set: an episode's reward is its "
+                          "environment's (rollout.turn_reward); valid with it: empty")
+        if self.ignore_eos:
+            raise bad("rollout.ignore_eos", True, "a turn of rollout.env ends at the model's EOS; valid with it: "
+                      "false")
 
 
 @dataclass

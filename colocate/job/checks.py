@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +51,12 @@ def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> None:
     _check_model_path(cfg.model.path)
     _check_chunked_head(cfg)
     _check_activation_checkpointing(cfg)
-    make_task(cfg.rollout.task, length=cfg.rollout.task_length)
+    task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
+    if cfg.rollout.env:  # the first prompt of the job's stream (data files are read later; the toy task's here)
+        from colocate.rl.environments import check_env
+
+        check_env(cfg.rollout.env, task.sample(random.Random(0)), length=cfg.rollout.task_length,
+                  timeout_s=cfg.rollout.env_timeout_s)
     if cfg.rollout.reward_fn:
         load_reward_fn(cfg.rollout.reward_fn)
     if cfg.rollout.rewards:

@@ -227,7 +227,8 @@ class Controller:
 
     def score(self, groups: list[Rollout]) -> list[ScoredGroup]:
         scored = reward_groups(groups, reward_fn=self.reward_fn, decode=self.rt.tokenizer.decode,
-                               eos_id=self.rt.tokenizer.eos_token_id, algo=self.cfg.algo)
+                               eos_id=self.rt.tokenizer.eos_token_id, algo=self.cfg.algo,
+                               turn_reward=self.cfg.rollout.turn_reward if self.cfg.rollout.env else None)
         self.events.append("score")
         return scored
 

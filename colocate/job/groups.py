@@ -36,7 +36,7 @@ class TrainerGroup(ActorGroup):
             return TrainStats()
         shares = deal(sequences, len(self))
         num_micro_batches = max(len(trainer_micro_batches(share, cfg)) for share in shares)
-        num_tokens = sum(len(s.response_ids) for s in sequences)
+        num_tokens = sum(s.num_trained_tokens for s in sequences)
         results = ray.get([t.train_step.remote(share, step=step, num_tokens_all_ranks=num_tokens,
                                                num_micro_batches=num_micro_batches,
                                                num_seqs_all_ranks=len(sequences))

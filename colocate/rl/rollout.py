@@ -46,7 +46,8 @@ class Rollouts:
                  budgets: BudgetFn | None = None):
         r = cfg.rollout
         self.engines, self.tokenizer, self.prompts = engines, tokenizer, prompts
-        self.pool = RolloutPool(r, max_model_len=cfg.engine.max_model_len, seed=cfg.engine.seed)
+        self.pool = RolloutPool(r, max_model_len=cfg.engine.max_model_len, seed=cfg.engine.seed,
+                                episodes=_episodes(cfg, tokenizer), eos_token_id=tokenizer.eos_token_id)
         self.budgets = budgets or (lambda sample, n: [r.max_tokens] * n)
         self.sampling = {"temperature": r.temperature, "top_p": r.top_p, "ignore_eos": r.ignore_eos}
         self.timelines: list[list[list[tuple[float, int]]]] = []  # last generate: per pass, per engine
@@ -113,10 +114,12 @@ class Rollouts:
         return self._plan_pass(version, len(pool.groups))
 
     def _top_up(self) -> None:
-        """New prompts from the stream into the places of the groups trained or dropped."""
+        """New prompts from the stream into the places of the groups trained or dropped (multi-turn: the pool
+        takes each episode's prompt from its environment's reset)."""
         pool = self.pool
         samples = self.prompts.next_batch(pool.num_missing)
-        prompt_ids = [self.tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples]
+        prompt_ids = [[] if pool.episodes else self.tokenizer(s.prompt, add_special_tokens=False).input_ids
+                      for s in samples]
         pool.top_up([(s, p, self.budgets(s, pool.rollout.num_samples)) for s, p in zip(samples, prompt_ids)])
 
     def run_pass(self, plan: Pass) -> list[dict]:
@@ -172,6 +175,7 @@ class Rollouts:
             "num_aborted": self.pool.stats.num_aborted,
             "num_lag_restarts": self.pool.stats.num_lag_restarts,
             "num_dropped_groups": self.pool.stats.num_dropped_groups,
+            **(turn_stats(answers, self.pool.stats.num_env_dropped) if self.pool.episodes is not None else {}),
             **staleness(rollouts, version),
             # prefix sharing, from the engine's own count of prompt tokens served by its prefix cache
             "prefill_computed_per_group": sum(a.num_prefill_computed for a in answers) / max(len(groups), 1),
@@ -183,10 +187,30 @@ class Rollouts:
         }
 
 
+def _episodes(cfg: JobConfig, tokenizer):
+    """rollout.env's episodes (rl/environments.py), or None for single-turn answers."""
+    if not cfg.rollout.env:
+        return None
+    from colocate.rl.environments import Episodes, make_env_factory
+
+    return Episodes(make_env_factory(cfg.rollout.env, length=cfg.rollout.task_length),
+                    tokenize=lambda text: tokenizer(text, add_special_tokens=False).input_ids,
+                    decode=tokenizer.decode, timeout_s=cfg.rollout.env_timeout_s)
+
+
+def turn_stats(answers: list, num_env_dropped: int) -> dict:
+    """Multi-turn: turns per episode, and the observation tokens the environments added (not trained)."""
+    turns = [len(a.turn_rewards) for a in answers]
+    return {"turns_per_episode": statistics.fmean(turns) if turns else 0.0, "most_turns": max(turns, default=0),
+            "num_observation_tokens": sum(len(a.mask) - sum(a.mask) for a in answers),
+            "num_env_dropped": num_env_dropped}
+
+
 def staleness(rollouts: list[Rollout], trained_version: int) -> dict:
     """How old the tokens trained by policy `trained_version` are (partial rollout, over-sampling and
-    one_step_off make them older than it)."""
-    versions = [v for r in rollouts for a in r.completions for v in a.versions]
+    one_step_off make them older than it). An environment's observation tokens are not trained: not counted."""
+    versions = [v for r in rollouts for a in r.completions
+                for v, sampled in zip(a.versions, a.mask or [1] * len(a.versions)) if sampled]
     return {"stale_token_fraction": sum(v < trained_version for v in versions) / max(len(versions), 1),
             "max_lag": max((trained_version - v for v in versions), default=0),  # the age of the oldest token
             "token_lags": lag_histogram(versions, trained_version)}

@@ -18,6 +18,10 @@ finish: RolloutConfig.check refuses it).
 Over-sampling: `oversample` x the groups a step trains are in flight; the pass stops once enough are complete.
 Context guard: an answer's budget is fixed when it is created, from the model's length, and every segment is
 cut to what is left of it: a continued answer never gets a fresh budget.
+Multi-turn (`episodes`, rl/environments.py): each answer is an episode. A turn ends where the engine stops (EOS);
+the environment then steps on the turn's text, and its observation's tokens are appended to the answer (mask 0),
+which goes on in the next pass from there. The episode ends when the environment says done, after
+rollout.max_turns turns, or when its budget cannot hold the observation and one more token ("length").
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 
 from colocate.config import RolloutConfig
 from colocate.engine.requests import EngineRequest, RequestResult, segment_seed
+from colocate.errors import EnvError
 from colocate.rl.samples import Answer
 from colocate.rl.tasks import Sample
 
@@ -51,17 +56,23 @@ class PoolStats:
     num_aborted: int = 0
     num_dropped_groups: int = 0
     num_tokens_generated: int = 0
+    num_env_dropped: int = 0
+    """Multi-turn, rollout.env_errors=drop: groups dropped because their environment failed."""
 
     def reset(self) -> None:
         self.num_lag_restarts = self.num_aborted = self.num_dropped_groups = self.num_tokens_generated = 0
+        self.num_env_dropped = 0
 
 
 class RolloutPool:
-    def __init__(self, rollout: RolloutConfig, *, max_model_len: int, seed: int = 0):
+    def __init__(self, rollout: RolloutConfig, *, max_model_len: int, seed: int = 0, episodes=None,
+                 eos_token_id: int | None = None):
         """`rollout`: the job's section (num_prompts complete groups a step trains, num_samples, oversample,
         partial_tokens, max_lag, leftover); each answer's budget is cut to what `max_model_len` leaves after its
-        prompt; `seed`: the answers' seeds derive from it (engine.seed)."""
+        prompt; `seed`: the answers' seeds derive from it (engine.seed). `episodes` (rl.environments.Episodes):
+        multi-turn, with `eos_token_id` ending a turn's text."""
         self.rollout, self.max_model_len, self.seed = rollout, max_model_len, seed
+        self.episodes, self.eos_token_id = episodes, eos_token_id
         self.groups: list[Group] = []
         self.stats = PoolStats()
         self._next_group_id = 0
@@ -81,6 +92,15 @@ class RolloutPool:
         """Add groups: (sample, prompt ids, each answer's token budget before the context guard)."""
         for sample, prompt_ids, budgets in new_groups:
             assert len(budgets) == self.rollout.num_samples
+            if self.episodes is not None:
+                try:
+                    prompt_ids = self._start_episodes(self._next_group_id, sample, len(budgets))
+                except EnvError:
+                    if self.rollout.env_errors == "fail":
+                        raise
+                    self._next_group_id += 1
+                    self.stats.num_env_dropped += 1
+                    continue
             room = self.max_model_len - len(prompt_ids)
             if room < 1:
                 raise ValueError(f"prompt {sample.prompt!r} is {len(prompt_ids)} tokens, leaving no room to answer "
@@ -92,6 +112,14 @@ class RolloutPool:
             self.groups.append(Group(gid, sample, prompt_ids,
                                      [Answer(seed, min(budget, room)) for seed, budget in zip(seeds, budgets)]))
 
+    def _start_episodes(self, group_id: int, sample: Sample, num_answers: int) -> list[int]:
+        prompts = [self.episodes.start((group_id, i), sample) for i in range(num_answers)]
+        if any(p != prompts[0] for p in prompts):
+            self.episodes.forget((group_id, i) for i in range(num_answers))
+            raise EnvError(f"environment (rollout.env) reset gave the answers of sample {sample.prompt!r} different "
+                           "prompts; reset must depend on the sample only (a group's answers share their prompt)")
+        return prompts[0]
+
     # ------------------------------------------------------------------------------------------ a pass
 
     def expire(self, version: int, *, complete_only: bool = False) -> None:
@@ -102,10 +130,12 @@ class RolloutPool:
         for group in self.groups:
             if complete_only and not group.complete:
                 continue
-            for answer in group.answers:
+            for i, answer in enumerate(group.answers):
                 if answer.versions and version - answer.versions[0] > self.rollout.max_lag:
                     answer.restart()
                     self.stats.num_lag_restarts += 1
+                    if self.episodes is not None:  # its episode starts again too (the same prompt)
+                        self.episodes.start((group.group_id, i), group.sample)
 
     def requests(self, version: int) -> list[EngineRequest]:
         """The next segment of every unfinished answer, under policy `version`."""
@@ -116,15 +146,29 @@ class RolloutPool:
                     continue
                 left = answer.max_tokens - len(answer.token_ids)
                 assert left > 0, "an answer with no budget left must have been finished"
-                segment = min(left, self.rollout.partial_tokens or left)
+                # the turn's end (multi-turn, rollout.max_turn_tokens) ends a request as the budget's end does
+                turn_left = min(left, self._turn_tokens_left(answer))
+                segment = min(turn_left, self.rollout.partial_tokens or left)
                 out.append(EngineRequest(
                     request_id=f"g{group.group_id}-a{i}-v{version}-t{len(answer.token_ids)}", group=group.group_id,
-                    index=i, prompt_ids=group.prompt_ids + answer.token_ids, max_tokens=segment, final=segment == left,
-                    seed=segment_seed(answer.seed, len(answer.token_ids))))
+                    index=i, prompt_ids=group.prompt_ids + answer.token_ids, max_tokens=segment,
+                    final=segment == turn_left, seed=segment_seed(answer.seed, len(answer.token_ids))))
         return out
+
+    def _turn_tokens_left(self, answer: Answer) -> int:
+        limit = self.rollout.max_turn_tokens if self.episodes is not None else 0
+        if not limit:
+            return answer.max_tokens
+        in_turn = 0  # the trailing run of sampled tokens: this turn's so far
+        for sampled in reversed(answer.mask):
+            if not sampled:
+                break
+            in_turn += 1
+        return limit - in_turn
 
     def apply(self, requests: list[EngineRequest], results: list[RequestResult], version: int) -> None:
         groups = {g.group_id: g for g in self.groups}
+        failed: set[int] = set()  # multi-turn, env_errors=drop: groups whose environment failed
         for request, result in zip(requests, results):
             assert request.request_id == result.request_id
             group = groups[request.group]
@@ -134,11 +178,48 @@ class RolloutPool:
             answer.versions += [version] * len(result.token_ids)
             answer.num_prefill_computed += len(request.prompt_ids) - result.num_cached_tokens
             answer.num_prefill_cached += result.num_cached_tokens
-            if result.done(request):
-                answer.finish_reason = result.finish_reason
+            if self.episodes is not None:
+                answer.mask += [1] * len(result.token_ids)
+            if result.done(request) and group.group_id not in failed:
+                if self.episodes is None:
+                    answer.finish_reason = result.finish_reason
+                else:
+                    try:
+                        self._end_turn(group, request.index, version)
+                    except EnvError:
+                        if self.rollout.env_errors == "fail":
+                            raise
+                        failed.add(group.group_id)
             self.stats.num_aborted += result.finish_reason is None
             self.stats.num_tokens_generated += len(result.token_ids)
             assert len(group.prompt_ids) + len(answer.token_ids) <= self.max_model_len
+        if failed:
+            self.stats.num_env_dropped += len(failed)
+            self.episodes.forget((g, i) for g in failed for i in range(self.rollout.num_samples))
+            self.groups = [g for g in self.groups if g.group_id not in failed]
+
+    def _end_turn(self, group: Group, index: int, version: int) -> None:
+        """Multi-turn: the engine ended a turn of answer `index`. Step its environment on the turn's text, then
+        finish the episode or append the observation for the next turn."""
+        answer = group.answers[index]
+        action = answer.actions()[-1] if answer.mask and answer.mask[-1] else []
+        if self.eos_token_id in action:  # the EOS ends the turn in the tokens, not in the text
+            action = action[:action.index(self.eos_token_id)]
+        turn = self.episodes.step((group.group_id, index), group.sample, len(answer.turn_rewards),
+                                  self.episodes.decode(action))
+        answer.turn_rewards.append(turn.reward)
+        room = answer.max_tokens - len(answer.token_ids)
+        # "length" only when the episode's budget ran out (a turn cut at rollout.max_turn_tokens is a turn's end)
+        if turn.done or len(answer.turn_rewards) >= self.rollout.max_turns:
+            answer.finish_reason = "length" if room == 0 else "stop"
+        elif len(turn.observation) >= room:  # no room for the observation and one token of the next turn
+            answer.finish_reason = "length"
+        else:
+            n = len(turn.observation)
+            answer.token_ids += turn.observation
+            answer.logprobs += [0.0] * n  # not sampled: masked out of the loss, never compared
+            answer.versions += [version] * n
+            answer.mask += [0] * n
 
     def num_complete(self) -> int:
         return sum(g.complete for g in self.groups)
@@ -166,9 +247,13 @@ class RolloutPool:
         complete = [g for g in self.groups if g.complete][:wanted]
         taken = {g.group_id for g in complete}
         self.groups = [g for g in self.groups if g.group_id not in taken]
+        gone = list(complete)
         if self.rollout.leftover == "drop":
             self.stats.num_dropped_groups += len(self.groups)
+            gone += self.groups
             self.groups = []
+        if self.episodes is not None:
+            self.episodes.forget((g.group_id, i) for g in gone for i in range(len(g.answers)))
         return complete
 
     # ------------------------------------------------------------------------------------------ checkpoints
@@ -190,6 +275,22 @@ class RolloutPool:
         self._next_group_id = state["next_group_id"]
         self.groups = [Group(g["group_id"], Sample(**g["sample"]), g["prompt_ids"], [answer(a) for a in g["answers"]])
                        for g in state["groups"]]
+        if self.episodes is not None:
+            self._replay_episodes()
+
+    def _replay_episodes(self) -> None:
+        """Multi-turn, after loading a checkpoint: a new environment for every unfinished answer, reset and
+        stepped again through the turns it had finished (the environment must be deterministic in its sample
+        and actions). A finished answer's environment is not needed again."""
+        for group in self.groups:
+            for i, answer in enumerate(group.answers):
+                if answer.done:
+                    continue
+                self.episodes.start((group.group_id, i), group.sample)
+                for turn, action in enumerate(answer.actions()[:len(answer.turn_rewards)]):
+                    if self.eos_token_id in action:
+                        action = action[:action.index(self.eos_token_id)]
+                    self.episodes.step((group.group_id, i), group.sample, turn, self.episodes.decode(action))
 
     def carried(self) -> dict:
         """What stays in flight: answers and tokens carried to the next step."""

@@ -29,14 +29,30 @@ class Answer:
     finish_reason: str | None = None
     num_prefill_computed: int = 0
     num_prefill_cached: int = 0
+    mask: list[int] = field(default_factory=list)
+    """Multi-turn (rollout.env): 1 for each token the engine sampled, 0 for each observation token the
+    environment gave (no loss, no behaviour logprob); empty for a single-turn answer (every token sampled)."""
+    turn_rewards: list[float] = field(default_factory=list)
+    """Multi-turn: each finished turn's reward, as the environment gave it."""
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
     def restart(self) -> None:
-        self.token_ids, self.logprobs, self.versions = [], [], []
+        self.token_ids, self.logprobs, self.versions, self.mask, self.turn_rewards = [], [], [], [], []
         self.finish_reason = None
+
+    def actions(self) -> list[list[int]]:
+        """Multi-turn: the tokens of each turn of the model, in order (the runs of sampled tokens)."""
+        runs, current = [], []
+        for token, sampled in zip(self.token_ids, self.mask):
+            if sampled:
+                current.append(token)
+            elif current:
+                runs.append(current)
+                current = []
+        return runs + ([current] if current else [])
 
 
 @dataclass
@@ -52,3 +68,9 @@ class Sequence:
     response_ids: list[int]
     logprobs: list[float]  # the engine's logprob of each response token when it was sampled
     advantage: float
+    mask: list[int] | None = None
+    """Multi-turn: 1 for each response token to train, 0 for an environment's observation token; None: all 1."""
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return len(self.response_ids) if self.mask is None else sum(self.mask)

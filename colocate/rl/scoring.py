@@ -111,7 +111,8 @@ class Scored:
                 if masked(answer):
                     num_masked += 1
                     continue
-                sequences.append(TrainSequence(group.rollout.prompt_ids, answer.token_ids, answer.logprobs, advantage))
+                sequences.append(TrainSequence(group.rollout.prompt_ids, answer.token_ids, answer.logprobs, advantage,
+                                               mask=answer.mask or None))
         names = {name for g in groups for name in g.components}
         return cls(sequences, [r for g in groups for r in g.rewards], [t for g in groups for t in g.responses],
                    {name: [v for g in groups for v in g.components[name]] for name in names},
@@ -130,7 +131,7 @@ class Scored:
             "response_len_mean": statistics.fmean(num_tokens),
             "num_response_tokens": sum(num_tokens),
             "num_trained_sequences": len(self.sequences),
-            "num_trained_tokens": sum(len(s.response_ids) for s in self.sequences),
+            "num_trained_tokens": sum(s.num_trained_tokens for s in self.sequences),
             "truncated_fraction": self.num_truncated / len(self.rewards),
             "num_masked_truncated": self.num_masked,
         }
@@ -197,9 +198,11 @@ def overlong_punishment(num_tokens: int, *, max_tokens: int, buffer: int, penalt
 
 
 def reward_groups(groups: list[Rollout], *, reward_fn: Reward, decode, eos_id: int | None,
-                  algo: AlgoConfig | None = None) -> list[ScoredGroup]:
+                  algo: AlgoConfig | None = None, turn_reward: str | None = None) -> list[ScoredGroup]:
     """Every answer's reward, one call for the whole step (a batched reward sees every sample at once), split back
-    into groups; with algo.overlong_buffer, DAPO's overlong punishment (against each answer's budget) added."""
+    into groups; with algo.overlong_buffer, DAPO's overlong punishment (against each answer's budget) added.
+    `turn_reward` (multi-turn, rollout.turn_reward): each episode's reward is its environment's, the sum or the
+    last of its turns' rewards, and `reward_fn` is not called."""
     responses, prompts, answers, lengths, budgets = [], [], [], [], []
     for group in groups:
         for completion in group.completions:
@@ -211,7 +214,12 @@ def reward_groups(groups: list[Rollout], *, reward_fn: Reward, decode, eos_id: i
             answers.append(group.sample.answer)
             lengths.append(len(tokens))
             budgets.append(completion.max_tokens)
-    rewards, components = apply_reward(reward_fn, prompts, responses, answers)
+    if turn_reward is None:
+        rewards, components = apply_reward(reward_fn, prompts, responses, answers)
+    else:
+        turns = [c.turn_rewards for g in groups for c in g.completions]
+        rewards = [sum(t) if turn_reward == "sum" else (t[-1] if t else 0.0) for t in turns]
+        components = {}
     task_rewards = None
     if algo is not None and algo.overlong_buffer:
         shaping = [overlong_punishment(n, max_tokens=budget, buffer=algo.overlong_buffer,

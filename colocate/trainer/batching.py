@@ -40,15 +40,18 @@ class MicroBatch:
     advantages: torch.Tensor  # [rows, T-1], each target's sequence's advantage
     seq_ids: torch.Tensor  # [rows, T-1] long, the sequence (0..num_seqs-1) of each target; 0 off the mask
     spans: list[tuple[int, int, int]]  # per sequence: (row, first target position, number of response tokens)
+    num_trained: list[int] | None = None
+    """Per sequence, its response tokens on the mask (fewer than the span's when an environment's observations
+    are in it); None: the spans' counts."""
 
     @property
     def num_seqs(self) -> int:
         return len(self.spans)
 
     def token_lengths(self) -> torch.Tensor:
-        """[rows, T-1] the response length of each target's sequence (1 off the mask, never a divisor of 0)."""
-        lengths = torch.tensor([num for _, _, num in self.spans], dtype=self.target_mask.dtype,
-                               device=self.target_mask.device)
+        """[rows, T-1] the trained length of each target's sequence (1 off the mask, never a divisor of 0)."""
+        counts = self.num_trained if self.num_trained is not None else [num for _, _, num in self.spans]
+        lengths = torch.tensor(counts, dtype=self.target_mask.dtype, device=self.target_mask.device)
         return lengths.clamp(min=1)[self.seq_ids]
 
     def per_sequence(self, values: torch.Tensor) -> torch.Tensor:
@@ -82,7 +85,7 @@ def collate(seqs: list[Sequence], *, pad_id: int, device: torch.device, packed: 
     old_logprobs = torch.zeros((rows, width - 1))
     advantages = torch.zeros((rows, width - 1))
     seq_ids = torch.zeros((rows, width - 1), dtype=torch.long)
-    spans, offset = [], 0
+    spans, num_trained, offset = [], [], 0
     for i, (s, length) in enumerate(zip(seqs, lengths)):
         row, start = (0, offset) if packed else (i, 0)
         input_ids[row, start:start + length] = torch.tensor(s.prompt_ids + s.response_ids)
@@ -91,14 +94,17 @@ def collate(seqs: list[Sequence], *, pad_id: int, device: torch.device, packed: 
         else:
             attention_mask[row, :length] = 1
         first, num = start + len(s.prompt_ids) - 1, len(s.response_ids)
-        target_mask[row, first:first + num] = 1
+        # multi-turn: an environment's observation tokens are context, never targets (rl.samples.Sequence.mask)
+        target_mask[row, first:first + num] = 1 if s.mask is None else torch.tensor(s.mask, dtype=target_mask.dtype)
         old_logprobs[row, first:first + num] = torch.tensor(s.logprobs)
         advantages[row, first:first + num] = s.advantage
         seq_ids[row, first:first + num] = i
         spans.append((row, first, num))
+        num_trained.append(s.num_trained_tokens)
         offset += length
     tensors = (input_ids, attention_mask, position_ids, target_mask, old_logprobs, advantages, seq_ids)
-    return MicroBatch(*(t.to(device) if t is not None else None for t in tensors), spans=spans)
+    return MicroBatch(*(t.to(device) if t is not None else None for t in tensors), spans=spans,
+                      num_trained=num_trained)
 
 
 def micro_batch_tokens(lengths: list[int], *, packed: bool) -> int:
