@@ -14,7 +14,7 @@ from pathlib import Path
 
 from colocate.checkpoint.layout import checkpoint_root, complete_checkpoints, resume_point
 from colocate.config import JobConfig, to_dict
-from colocate.errors import EXIT_FAILED, JobFault, UserError
+from colocate.errors import EXIT_FAILED, EnvError, JobFault, RewardError, UserError
 from colocate.host.signals import Terminated, catch_stop_signals, stop_outcome, stop_received
 from colocate.job.checks import CheckedJob, check_job, read_inputs
 from colocate.job.controller import Controller
@@ -79,7 +79,8 @@ def run_job(cfg: JobConfig, checked: CheckedJob | None = None) -> int:
         num_done = _num_steps(started[-1] if started else None)
         metrics.write({"event": "error", "step": num_done, "error": one_line(e)})
         print(f"colocate: error: {one_line(e)}\ncolocate: {num_done} finished step(s) kept in {metrics.path}"
-              + (_resume_hint(cfg) if isinstance(e, JobFault) else ""), file=sys.stderr)
+              # user code that failed mid-run (a reward, an environment) is fixed and the job resumed, as after a fault
+              + (_resume_hint(cfg) if isinstance(e, JobFault | RewardError | EnvError) else ""), file=sys.stderr)
         log.debug("job failed", exc_info=True)
         return EXIT_FAILED
     finally:
