@@ -72,7 +72,15 @@ class CopyTurns:
         return ("" if done else f"{self.targets[self.turn]}="), reward, done
 
 
-BUILTIN_ENVS: dict[str, Callable[..., Any]] = {"copy_turns": CopyTurns}
+def _calculator(length: int):
+    from colocate.rl.tools import Calculator
+
+    return Calculator()
+
+
+# name -> a factory of the toy task's operand length (rollout.task_length)
+BUILTIN_ENVS: dict[str, Callable[[int], Any]] = {"copy_turns": lambda length: CopyTurns(length=length),
+                                                 "calculator": _calculator}
 
 
 def make_env_factory(spec: str, *, length: int) -> Callable[[], Any]:
@@ -80,7 +88,7 @@ def make_env_factory(spec: str, *, length: int) -> Callable[[], Any]:
     `module:factory`. ConfigError names rollout.env when it cannot be imported or called."""
     if spec in BUILTIN_ENVS:
         builtin = BUILTIN_ENVS[spec]
-        return lambda: builtin(length=length)
+        return lambda: builtin(length)
     factory = _import_object(spec, "rollout.env", f"valid: {', '.join(sorted(BUILTIN_ENVS))}, or module:factory")
     return factory
 

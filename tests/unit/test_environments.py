@@ -49,11 +49,12 @@ class Scripted:
         return f"{len(self.actions)}=", float(len(action)), len(self.actions) == 3
 
 
-def make_pool(factory=Scripted, *, num_samples=2, max_tokens=40, env_errors="fail", timeout_s=5.0, **rollout):
+def make_pool(factory=Scripted, *, num_samples=2, max_tokens=40, env_errors="fail", timeout_s=5.0, max_model_len=128,
+              **rollout):
     cfg = RolloutConfig(num_prompts=1, num_samples=num_samples, max_tokens=max_tokens, env="x:y",
                         env_errors=env_errors, **rollout)
     episodes = Episodes(factory, tokenize=tokenize, decode=decode, timeout_s=timeout_s)
-    return RolloutPool(cfg, max_model_len=128, episodes=episodes, eos_token_id=EOS)
+    return RolloutPool(cfg, max_model_len=max_model_len, episodes=episodes, eos_token_id=EOS)
 
 
 def engine_pass(pool: RolloutPool, turns: dict, version: int = 0) -> list[EngineRequest]:
