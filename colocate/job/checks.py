@@ -52,11 +52,8 @@ def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> None:
     _check_chunked_head(cfg)
     _check_activation_checkpointing(cfg)
     task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
-    if cfg.rollout.env:  # the first prompt of the job's stream (data files are read later; the toy task's here)
-        from colocate.rl.environments import check_env
-
-        check_env(cfg.rollout.env, task.sample(random.Random(0)), length=cfg.rollout.task_length,
-                  timeout_s=cfg.rollout.env_timeout_s)
+    if cfg.rollout.env and not cfg.data.train_files:  # on data rows, read_inputs checks it with the first one
+        _check_env(cfg, task.sample(random.Random(0)))
     if cfg.rollout.reward_fn:
         load_reward_fn(cfg.rollout.reward_fn)
     if cfg.rollout.rewards:
@@ -117,9 +114,18 @@ class JobInputs:
     resume_from: Path | None
 
 
+def _check_env(cfg: JobConfig, sample) -> None:
+    """One episode's reset and one step of rollout.env, on a sample of the job's own prompts."""
+    from colocate.rl.environments import check_env
+
+    check_env(cfg.rollout.env, sample, length=cfg.rollout.task_length, timeout_s=cfg.rollout.env_timeout_s)
+
+
 def read_inputs(cfg: JobConfig) -> JobInputs:
     model_path = models.ensure_model(cfg.model)
     prompts = make_prompt_source(cfg, models.load_tokenizer(model_path)) if cfg.data.train_files else None
+    if cfg.rollout.env and prompts is not None:  # an environment may expect the data's own fields
+        _check_env(cfg, prompts.samples[0])
     if cfg.data.val_files and evaluation_enabled(cfg.eval):
         load_val_samples(cfg, models.load_tokenizer(model_path))
     return JobInputs(model_path, prompts, resume_point(cfg, model_path))

@@ -127,6 +127,7 @@ class RolloutPool:
         max_lag versions old, finished ones too (a group waiting on its longest answer, or a complete group
         carried over, must not train stale tokens). `complete_only`: only complete groups' (algo.mode=async
         takes groups while a pass runs, whose unfinished answers must stay as its requests found them)."""
+        failed = set()  # multi-turn, env_errors=drop: groups whose environment failed to start again
         for group in self.groups:
             if complete_only and not group.complete:
                 continue
@@ -135,7 +136,13 @@ class RolloutPool:
                     answer.restart()
                     self.stats.num_lag_restarts += 1
                     if self.episodes is not None:  # its episode starts again too (the same prompt)
-                        self.episodes.start((group.group_id, i), group.sample)
+                        try:
+                            self.episodes.start((group.group_id, i), group.sample)
+                        except EnvError:
+                            if self.rollout.env_errors == "fail":
+                                raise
+                            failed.add(group.group_id)
+        self._drop_failed(failed)
 
     def requests(self, version: int) -> list[EngineRequest]:
         """The next segment of every unfinished answer, under policy `version`."""
@@ -193,6 +200,9 @@ class RolloutPool:
             self.stats.num_aborted += result.finish_reason is None
             self.stats.num_tokens_generated += len(result.token_ids)
             assert len(group.prompt_ids) + len(answer.token_ids) <= self.max_model_len
+        self._drop_failed(failed)
+
+    def _drop_failed(self, failed: set[int]) -> None:
         if failed:
             self.stats.num_env_dropped += len(failed)
             self.episodes.forget((g, i) for g in failed for i in range(self.rollout.num_samples))

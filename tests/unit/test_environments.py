@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -273,3 +274,37 @@ def reset_returns_a_number():
 
 def step_returns_a_list():
     return _StepReturnsAList()
+
+
+class _NeedsDataAnswers(Scripted):
+    def reset(self, sample):
+        if not str(sample.answer).startswith("row-"):
+            raise ValueError(f"not a row of my data: {sample.answer!r}")
+        return sample.prompt
+
+
+def needs_data_answers():
+    return _NeedsDataAnswers()
+
+
+def test_an_environment_on_data_rows_is_checked_on_the_first_row(tmp_path, monkeypatch):
+    """On data.train_files the probe takes a row of the data (an environment may read its own fields), not a
+    toy prompt: before any actor, in read_inputs, once the rows are read."""
+    import json
+
+    import datasets
+
+    from colocate.job.checks import read_inputs
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")
+    path = tmp_path / "train.jsonl"
+    cache = f"model.cache_dir={Path(__file__).parents[2] / '.cache' / 'models'}"
+    path.write_text("".join(json.dumps({"prompt": f"{i}=", "answer": f"row-{i}"}) + "\n" for i in range(16)))
+    good = load_config(None, ["rollout.env=tests.unit.test_environments:needs_data_answers", cache,
+                              f"data.train_files={path}"])
+    check_sources(good, writes_here=False)  # no toy prompt was tried
+    read_inputs(good)
+    path.write_text("".join(json.dumps({"prompt": f"{i}=", "answer": str(i)}) + "\n" for i in range(16)))
+    with pytest.raises(ConfigError, match=r"^rollout.env='tests.unit.test_environments:needs_data_answers' is "
+                                          r"invalid: environment \(rollout.env\) reset raised ValueError: not a row"):
+        read_inputs(good)
