@@ -28,11 +28,16 @@ import ray
 
 from colocate.bench.common import memcpy_floor_s, summary, write_result
 from colocate.config import JobConfig
+from colocate.errors import ConfigError
 from colocate.job.runtime import Runtime
 from colocate.sync.weight_sync import WeightSync
 
 
 def run_sync_bench(cfg: JobConfig, *, num_syncs: int, num_warmup: int, out_dir: str, name: str) -> dict:
+    if cfg.placement.split:  # its methods pair each engine worker with the trainer rank on its device
+        raise ConfigError(f"placement.engine_slots={cfg.placement.engine_slots} is invalid for colocate bench sync: "
+                          "it times the co-located transports side by side; a split placement's broadcast sync is "
+                          "timed in a job's metrics (sync_s) and by colocate bench async; valid: 0")
     with Runtime(cfg) as rt:
         worker_memory = [w for e in ray.get([e.memory.remote() for e in rt.engines]) for w in e]
         engine_bytes = sum(w["weight_bytes"] for w in worker_memory)

@@ -76,7 +76,7 @@ def model_signature(model_path: str | Path) -> dict:
 def job_signature(cfg: JobConfig, model_path: str | Path) -> dict:
     """The facts a checkpoint must share with the job resuming from it."""
     return {"model": model_signature(model_path), "num_trainer_ranks": cfg.placement.num_trainer_ranks,
-            "num_samples": cfg.rollout.num_samples}
+            "num_samples": cfg.rollout.num_samples, "multi_turn": bool(cfg.rollout.env)}
 
 
 def resume_point(cfg: JobConfig, model_path: str | Path) -> Path | None:
@@ -114,3 +114,9 @@ def check_compatible(path: Path, mine: dict) -> None:
         if theirs[key] != mine[key]:
             raise ConfigError(f"checkpoint.resume={str(path)!r} is invalid: it was saved with {theirs[key]} {what}, "
                               f"this job has {mine[key]}")
+    # answers in flight carry observation masks, or none: one kind cannot go on as the other (a checkpoint of an
+    # earlier release has no such key: single-turn)
+    if theirs.get("multi_turn", False) != mine["multi_turn"]:
+        kinds = {True: "multi-turn episodes (rollout.env set)", False: "single-turn answers (rollout.env empty)"}
+        raise ConfigError(f"checkpoint.resume={str(path)!r} is invalid: it was saved with "
+                          f"{kinds[theirs.get('multi_turn', False)]}, this job has {kinds[mine['multi_turn']]}")

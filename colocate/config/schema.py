@@ -233,6 +233,16 @@ class RolloutConfig:
         if self.ignore_eos:
             raise bad("rollout.ignore_eos", True, "a turn of rollout.env ends at the model's EOS; valid with it: "
                       "false")
+        if self.partial_tokens:
+            # each turn's end ends a request, so an episode takes at least a pass per turn, plus a pass per
+            # segment: beyond max_lag + 1 passes (policy versions) it would be restarted forever
+            passes = self.max_turns - 1 + -(-self.max_tokens // self.partial_tokens)
+            if passes > self.max_lag + 1:
+                raise bad("rollout.max_turns", self.max_turns, f"with partial rollout an episode can take "
+                          f"max_turns - 1 + ceil(max_tokens / partial_tokens) = {passes} passes, more than "
+                          f"rollout.max_lag + 1 = {self.max_lag + 1} policy versions, and would be restarted by the "
+                          f"lag cap; valid: a rollout.max_lag >= {passes - 1}, fewer turns, or a larger "
+                          "rollout.partial_tokens")
 
 
 @dataclass

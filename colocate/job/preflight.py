@@ -232,15 +232,20 @@ def _cpu_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan) -> list[Phase
 
 
 def _split_cuda_phases(cfg: JobConfig, dims: ModelDims) -> list[Phase]:
-    """A trainer rank's GPU in a split placement: its shard, its training, the gather and the broadcast staging;
-    no engine (vLLM checks its own GPUs against engine.gpu_memory_utilization as it starts)."""
+    """A trainer rank's GPU in a split placement: its shard, its training, the gather and the broadcast staging.
+    The engines' GPUs are not predicted here: vLLM checks its own against engine.gpu_memory_utilization as it
+    starts, and what it does not count (each worker's ring, num_bucket_slots x the slot, and its broadcast
+    communicator) must fit in the rest of the GPU."""
     world, tp = cfg.placement.num_trainer_ranks, cfg.engine.tp
     engine_dtype = DTYPE_BYTES[cfg.engine.dtype]
     shard = 4 * dims.num_params // world
+    fed = -(-tp // world)  # the TP ranks the busiest rank feeds: a broadcast group and a staging ring each
+    num_communicators = (world > 1) + fed
     contexts = {"cuda context (est.)": CUDA_CONTEXT_BYTES,
-                "nccl communicators (fsdp2, broadcast; est.)": 2 * NCCL_COMMUNICATOR_BYTES}
+                f"nccl communicators ({num_communicators}: fsdp2, broadcast; est.)":
+                    num_communicators * NCCL_COMMUNICATOR_BYTES}
     slot = int(cfg.sync.bucket_mb * MIB) if cfg.sync.bucket_mb > 0 else dims.largest_sync_group * engine_dtype // tp
-    staging = {"broadcast staging (the TP ranks it feeds)": -(-tp // world) * cfg.sync.num_bucket_slots * slot}
+    staging = {"broadcast staging (the TP ranks it feeds)": fed * cfg.sync.num_bucket_slots * slot}
     gathered = dims.largest_sync_group * engine_dtype
     transient = 4 * max(dims.layer_params, kept_group_params(dims))
     return [

@@ -26,6 +26,7 @@ import concurrent.futures
 import inspect
 import math
 import random
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,6 +39,9 @@ class Environment(Protocol):
     def reset(self, sample: Sample) -> str | list[int]: ...
 
     def step(self, action: str) -> tuple[str | list[int], float, bool]: ...
+
+
+_thread_state = threading.local()
 
 
 @dataclass
@@ -139,7 +143,14 @@ class Episodes:
     def _call(self, fn, sample: Sample, turn: int, what: str, *args):
         def run():
             result = fn(*args)
-            return asyncio.run(result) if inspect.isawaitable(result) else result
+            if not inspect.isawaitable(result):
+                return result
+            # one event loop per worker thread, kept: what an async environment binds to its loop in reset (a
+            # client session) still works in step
+            loop = getattr(_thread_state, "loop", None)
+            if loop is None:
+                loop = _thread_state.loop = asyncio.new_event_loop()
+            return loop.run_until_complete(result)
 
         future = self._pool.submit(run)
         try:

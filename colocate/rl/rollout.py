@@ -24,10 +24,12 @@ import ray
 
 from colocate.config import JobConfig
 from colocate.engine.requests import EngineRequest
+from colocate.errors import EnvError
 from colocate.rl.rollout_pool import Group, RolloutPool
 from colocate.rl.samples import Rollout
 from colocate.rl.tasks import PromptStream, Sample
 
+MAX_ENV_DROPS = 4  # rollout.env_errors=drop: groups dropped per step, as a multiple of those in flight, before failing
 BudgetFn = Callable[[Sample, int], list[int]]
 """(sample, number of answers) -> each answer's token budget; the long-tail benchmark draws them."""
 
@@ -71,12 +73,13 @@ class Rollouts:
         wanted = pool.rollout.num_prompts if num_groups is None else num_groups
         if not refill:
             pool.stats.reset()
-        self._top_up()
+        self._fill()
         if not refill:
             pool.expire(version if trained_version is None else trained_version)
         self.timelines = []
         started = time.perf_counter()
         while pool.num_complete() < wanted:
+            self._fill()  # multi-turn: the places of groups dropped for their environment's failure
             self.timelines.append(self._pass(version, wanted))
             if pool.rollout.partial_tokens and pool.num_complete():
                 break  # partial rollout: the step ends with what is complete; the rest goes on next step
@@ -107,16 +110,27 @@ class Rollouts:
         advances every unfinished answer by one segment (rollout.partial_tokens); None when every group in
         flight is complete (the pool is full and waits for a step to take some)."""
         pool = self.pool
-        self._top_up()
+        self._fill()
         pool.expire(version)
         if pool.num_complete() == len(pool.groups):
             return None
         return self._plan_pass(version, len(pool.groups))
 
+    def _fill(self) -> None:
+        """Top up; with an environment that drops groups (rollout.env_errors=drop), again until every place is
+        taken: each round draws new prompts, and _top_up ends it once too many were dropped."""
+        self._top_up()
+        while self.pool.episodes is not None and self.pool.num_missing:
+            self._top_up()
+
     def _top_up(self) -> None:
         """New prompts from the stream into the places of the groups trained or dropped (multi-turn: the pool
         takes each episode's prompt from its environment's reset)."""
         pool = self.pool
+        if pool.stats.num_env_dropped > MAX_ENV_DROPS * pool.num_in_flight:
+            raise EnvError(f"rollout.env_errors=drop dropped {pool.stats.num_env_dropped} groups since the last step "
+                           f"took its own, more than {MAX_ENV_DROPS}x the {pool.num_in_flight} in flight: the "
+                           f"environment fails on most samples; the last failure: {pool.stats.last_env_error}")
         samples = self.prompts.next_batch(pool.num_missing)
         prompt_ids = [[] if pool.episodes else self.tokenizer(s.prompt, add_special_tokens=False).input_ids
                       for s in samples]

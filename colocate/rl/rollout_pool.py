@@ -58,10 +58,11 @@ class PoolStats:
     num_tokens_generated: int = 0
     num_env_dropped: int = 0
     """Multi-turn, rollout.env_errors=drop: groups dropped because their environment failed."""
+    last_env_error: str = ""
 
     def reset(self) -> None:
         self.num_lag_restarts = self.num_aborted = self.num_dropped_groups = self.num_tokens_generated = 0
-        self.num_env_dropped = 0
+        self.num_env_dropped, self.last_env_error = 0, ""
 
 
 class RolloutPool:
@@ -95,11 +96,12 @@ class RolloutPool:
             if self.episodes is not None:
                 try:
                     prompt_ids = self._start_episodes(self._next_group_id, sample, len(budgets))
-                except EnvError:
+                except EnvError as e:
                     if self.rollout.env_errors == "fail":
                         raise
                     self._next_group_id += 1
                     self.stats.num_env_dropped += 1
+                    self.stats.last_env_error = str(e)
                     continue
             room = self.max_model_len - len(prompt_ids)
             if room < 1:
@@ -138,10 +140,11 @@ class RolloutPool:
                     if self.episodes is not None:  # its episode starts again too (the same prompt)
                         try:
                             self.episodes.start((group.group_id, i), group.sample)
-                        except EnvError:
+                        except EnvError as e:
                             if self.rollout.env_errors == "fail":
                                 raise
                             failed.add(group.group_id)
+                            self.stats.last_env_error = str(e)
         self._drop_failed(failed)
 
     def requests(self, version: int) -> list[EngineRequest]:
@@ -166,12 +169,7 @@ class RolloutPool:
         limit = self.rollout.max_turn_tokens if self.episodes is not None else 0
         if not limit:
             return answer.max_tokens
-        in_turn = 0  # the trailing run of sampled tokens: this turn's so far
-        for sampled in reversed(answer.mask):
-            if not sampled:
-                break
-            in_turn += 1
-        return limit - in_turn
+        return limit - answer.num_turn_tokens()
 
     def apply(self, requests: list[EngineRequest], results: list[RequestResult], version: int) -> None:
         groups = {g.group_id: g for g in self.groups}
@@ -186,6 +184,7 @@ class RolloutPool:
             answer.num_prefill_computed += len(request.prompt_ids) - result.num_cached_tokens
             answer.num_prefill_cached += result.num_cached_tokens
             if self.episodes is not None:
+                answer.turn_starts = answer.turn_starts or [0]  # a new (or restarted) episode's first turn
                 answer.mask += [1] * len(result.token_ids)
             if result.done(request) and group.group_id not in failed:
                 if self.episodes is None:
@@ -193,10 +192,11 @@ class RolloutPool:
                 else:
                     try:
                         self._end_turn(group, request.index, version)
-                    except EnvError:
+                    except EnvError as e:
                         if self.rollout.env_errors == "fail":
                             raise
                         failed.add(group.group_id)
+                        self.stats.last_env_error = str(e)
             self.stats.num_aborted += result.finish_reason is None
             self.stats.num_tokens_generated += len(result.token_ids)
             assert len(group.prompt_ids) + len(answer.token_ids) <= self.max_model_len
@@ -212,7 +212,7 @@ class RolloutPool:
         """Multi-turn: the engine ended a turn of answer `index`. Step its environment on the turn's text, then
         finish the episode or append the observation for the next turn."""
         answer = group.answers[index]
-        action = answer.actions()[-1] if answer.mask and answer.mask[-1] else []
+        action = answer.actions()[-1]
         if self.eos_token_id in action:  # the EOS ends the turn in the tokens, not in the text
             action = action[:action.index(self.eos_token_id)]
         turn = self.episodes.step((group.group_id, index), group.sample, len(answer.turn_rewards),
@@ -230,6 +230,7 @@ class RolloutPool:
             answer.logprobs += [0.0] * n  # not sampled: masked out of the loss, never compared
             answer.versions += [version] * n
             answer.mask += [0] * n
+            answer.turn_starts.append(len(answer.token_ids))
 
     def num_complete(self) -> int:
         return sum(g.complete for g in self.groups)

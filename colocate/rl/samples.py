@@ -34,25 +34,28 @@ class Answer:
     environment gave (no loss, no behaviour logprob); empty for a single-turn answer (every token sampled)."""
     turn_rewards: list[float] = field(default_factory=list)
     """Multi-turn: each finished turn's reward, as the environment gave it."""
+    turn_starts: list[int] = field(default_factory=list)
+    """Multi-turn: where each turn of the model starts in `token_ids` (after the observation before it; an empty
+    observation leaves no token between two turns, so the mask alone cannot tell them apart)."""
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
     def restart(self) -> None:
-        self.token_ids, self.logprobs, self.versions, self.mask, self.turn_rewards = [], [], [], [], []
+        self.token_ids, self.logprobs, self.versions, self.mask = [], [], [], []
+        self.turn_rewards, self.turn_starts = [], []
         self.finish_reason = None
 
     def actions(self) -> list[list[int]]:
-        """Multi-turn: the tokens of each turn of the model, in order (the runs of sampled tokens)."""
-        runs, current = [], []
-        for token, sampled in zip(self.token_ids, self.mask):
-            if sampled:
-                current.append(token)
-            elif current:
-                runs.append(current)
-                current = []
-        return runs + ([current] if current else [])
+        """Multi-turn: the tokens the model sampled in each of its turns, in order (the last may be going on)."""
+        ends = self.turn_starts[1:] + [len(self.token_ids)]
+        return [[t for t, sampled in zip(self.token_ids[start:end], self.mask[start:end]) if sampled]
+                for start, end in zip(self.turn_starts, ends)]
+
+    def num_turn_tokens(self) -> int:
+        """Multi-turn: the tokens the model has sampled in its current turn."""
+        return sum(self.mask[self.turn_starts[-1]:]) if self.turn_starts else 0
 
 
 @dataclass

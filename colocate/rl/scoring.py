@@ -104,7 +104,8 @@ class Scored:
         # trainer's KL-shaped returns (a group baseline still counts it: DAPO's overlong filter)
         advantages = estimate_advantages(
             [g.rewards for g in trained], estimator=algo.advantage, kl_in_reward=algo.kl_in_reward,
-            num_tokens=[[0 if masked(a) else len(a.token_ids) for a in g.rollout.completions] for g in trained])
+            num_tokens=[[0 if masked(a) else sum(a.mask) if a.mask else len(a.token_ids)  # observations untrained
+                         for a in g.rollout.completions] for g in trained])
         sequences, num_masked = [], 0
         for group, group_advantages in zip(trained, advantages):
             for answer, advantage in zip(group.rollout.completions, group_advantages):

@@ -83,34 +83,49 @@ def parse_tool_calls(text: str) -> list[ToolCall | MalformedCall]:
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
               ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
               ast.USub: operator.neg, ast.UAdd: operator.pos}
-MAX_EXPONENT = 64  # 10**64 is plenty for arithmetic; 9**9**9 would hang the controller
+MAX_EXPONENT = 64  # 10**64 is plenty for arithmetic
+MAX_BITS = 256  # every value stays below 2**256: model-written input must not cost the controller time or memory
+MAX_LENGTH = 1000  # characters of an expression
 
 
 def evaluate(expression: str) -> int | float:
-    """Arithmetic only: numbers, + - * / // % **, parentheses. ValueError says what is not allowed."""
+    """Arithmetic only: numbers, + - * / // % **, parentheses, every value below 2**256 in magnitude and real.
+    ValueError says what is not allowed; nothing else escapes, whatever the expression."""
+    if len(expression) > MAX_LENGTH:
+        raise ValueError(f"an expression longer than {MAX_LENGTH} characters is not allowed")
     try:
         tree = ast.parse(expression, mode="eval")
-    except SyntaxError:
+    except (SyntaxError, ValueError):  # ValueError: a null byte
         raise ValueError(f"{expression!r} is not an arithmetic expression") from None
+
+    def bounded(number):
+        if isinstance(number, complex):
+            raise ValueError("the result is not a real number")
+        if isinstance(number, float) and not math.isfinite(number) or abs(number) >= 2.0 ** MAX_BITS:
+            raise ValueError(f"a value of 2**{MAX_BITS} or more is not allowed")
+        return number
 
     def value(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
-            return node.value
+            return bounded(node.value)
         if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
             left, right = value(node.left), value(node.right)
             if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
                 raise ValueError(f"an exponent above {MAX_EXPONENT} is not allowed")
-            return _OPERATORS[type(node.op)](left, right)
+            if isinstance(node.op, ast.Pow) and abs(left) > 1 and right > 0 and \
+                    right * math.log2(abs(left)) >= MAX_BITS:  # refused before it is computed
+                raise ValueError(f"a value of 2**{MAX_BITS} or more is not allowed")
+            return bounded(_OPERATORS[type(node.op)](left, right))
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
-            return _OPERATORS[type(node.op)](value(node.operand))
+            return bounded(_OPERATORS[type(node.op)](value(node.operand)))
         raise ValueError(f"{ast.unparse(node)!r} is not allowed: numbers and + - * / // % ** only")
 
     try:
         result = value(tree.body)
     except ZeroDivisionError:
         raise ValueError("division by zero") from None
-    if isinstance(result, float) and not math.isfinite(result):
-        raise ValueError("the result is not a finite number")
+    except (ArithmeticError, TypeError, RecursionError) as e:  # overflow, a complex power, deep nesting
+        raise ValueError(f"{type(e).__name__}: {e}") from None
     return int(result) if isinstance(result, float) and result.is_integer() else result
 
 

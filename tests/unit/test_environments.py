@@ -198,10 +198,11 @@ def test_a_wrong_type_from_step_is_named(returned, message):
 def test_an_async_environment_and_token_observations():
     class Async(Scripted):
         async def reset(self, sample):
-            await asyncio.sleep(0)
+            self.loop = asyncio.get_running_loop()  # what a client session binds to
             return tokenize(sample.prompt)
 
         async def step(self, action):
+            assert asyncio.get_running_loop() is self.loop, "step runs on reset's event loop"
             self.actions.append(action)
             return [TEXT["9"]], 1.0, len(self.actions) == 2
 
@@ -308,3 +309,86 @@ def test_an_environment_on_data_rows_is_checked_on_the_first_row(tmp_path, monke
     with pytest.raises(ConfigError, match=r"^rollout.env='tests.unit.test_environments:needs_data_answers' is "
                                           r"invalid: environment \(rollout.env\) reset raised ValueError: not a row"):
         read_inputs(good)
+
+
+def test_an_empty_observation_still_separates_two_turns():
+    class Silent(Scripted):
+        def step(self, action):
+            self.actions.append(action)
+            return "", 1.0, len(self.actions) == 3
+
+    pool = make_pool(Silent, max_turn_tokens=2)
+    pool.top_up([(Sample("7=", "7"), [], [40, 40])])
+    turns = {0: ["11", "22", "33"], 1: ["44", "55", "66"]}
+    for _ in range(2):
+        engine_pass(pool, turns)
+    answer = pool.groups[0].answers[0]
+    assert answer.actions() == [tokenize("11"), tokenize("22"), []] and answer.turn_starts == [0, 2, 4]
+    assert pool.requests(0)[0].max_tokens == 2  # the turn going on is the third, not the first two run together
+    restored = make_pool(Silent, max_turn_tokens=2)
+    restored.load_state(pool.state())
+    assert restored.episodes.envs[(0, 0)].actions == ["11", "22"]
+    engine_pass(pool, turns)
+    assert pool.episodes.envs[(0, 0)].actions == ["11", "22", "33"] and pool.num_complete() == 1
+
+
+def test_with_partial_rollout_an_episode_must_fit_the_lag_cap():
+    with pytest.raises(ConfigError, match=r"^rollout.max_turns=4 is invalid: with partial rollout an episode can take "
+                                          r"max_turns - 1 \+ ceil\(max_tokens / partial_tokens\) = 5 passes, more "
+                                          r"than rollout.max_lag \+ 1 = 2 policy versions"):
+        load_config(None, ["rollout.env=copy_turns", "rollout.max_turns=4", "rollout.max_tokens=12",
+                           "rollout.partial_tokens=6", "rollout.max_lag=1"])
+    load_config(None, ["rollout.env=copy_turns", "rollout.max_turns=4", "rollout.max_tokens=12",
+                       "rollout.partial_tokens=6", "rollout.max_lag=4"])
+
+
+def test_drop_mode_tops_the_step_up_and_fails_when_most_samples_fail():
+    """Through Rollouts.generate, with a scripted engine: a dropped group is replaced within the step; an
+    environment that fails on every sample ends the step in one line after 4x the groups in flight."""
+    from colocate.rl.rollout import Rollouts
+    from colocate.rl.tasks import PromptStream, make_task
+
+    calls = {"n": 0}
+
+    class FailsOnce(Scripted):
+        def step(self, action):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("flaky")
+            return "", 1.0, True
+
+    class Always(Scripted):
+        def reset(self, sample):
+            raise RuntimeError("down")
+
+    for factory, fails in ((FailsOnce, False), (Always, True)):
+        cfg = load_config(None, ["rollout.env=copy_turns", "rollout.env_errors=drop", "rollout.num_prompts=2",
+                                 "rollout.num_samples=2", "rollout.max_tokens=8"])
+        rollouts = Rollouts(cfg, engines=[None], tokenizer=_Tokenizer(),
+                            prompts=PromptStream(make_task("copy", length=3)))
+        rollouts.pool.episodes.factory = factory
+        rollouts.run_pass = lambda plan: [{"results": _say(plan.per_engine[0], "1"), "timeline": []}]
+        if fails:
+            with pytest.raises(EnvError, match=r"^rollout.env_errors=drop dropped 10 groups since the last step took "
+                                               r"its own, more than 4x the 2 in flight: .* reset raised RuntimeError: "
+                                               r"down"):
+                rollouts.generate(0)
+        else:
+            rollouts.generate(0)
+            assert rollouts.pool.num_complete() == 2 and rollouts.pool.stats.num_env_dropped == 1
+
+
+class _Tokenizer:
+    eos_token_id = EOS
+
+    def __call__(self, text, add_special_tokens=False):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(input_ids=tokenize(text))
+
+    def decode(self, tokens):
+        return decode(tokens)
+
+
+def _say(requests, text):
+    return [RequestResult(r.request_id, tokenize(text) + [EOS], [-0.1] * (len(text) + 1), "stop", 0) for r in requests]

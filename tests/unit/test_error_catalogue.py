@@ -239,6 +239,9 @@ def test_resume_from_an_unfinished_save(tmp_path):
                  id="other_rank_count"),
     pytest.param({"num_samples": 4}, "saved with 4 samples per prompt (rollout.num_samples), this job has 8",
                  id="other_group_size"),
+    pytest.param({"multi_turn": True}, "saved with multi-turn episodes (rollout.env set), this job has single-turn "
+                 "answers (rollout.env empty)",
+                 id="multi_turn_into_single_turn"),
 ])
 def test_resume_from_a_checkpoint_of_another_job(changes, needle, tmp_path):
     cfg = load_config(None, [])

@@ -42,6 +42,14 @@ def test_arithmetic(expression, result):
     ("9**9**9", "an exponent above 64 is not allowed"),
     ("1/0", "division by zero"),
     ("1 +", "is not an arithmetic expression"),
+    # model-written input must never escape as another error, nor cost the controller time or memory
+    ("(10.0**64)**64", "a value of 2\\*\\*256 or more is not allowed"),
+    ("(-8)**0.5", "the result is not a real number"),
+    ("(99**64)**64", "a value of 2\\*\\*256 or more is not allowed"),
+    ("((((9**64)**64)**64)**64)**64", "a value of 2\\*\\*256 or more is not allowed"),
+    ("1e300*1e300", "a value of 2\\*\\*256 or more is not allowed"),
+    ("1+" * 600 + "1", "longer than 1000 characters"),
+    ("\x00", "is not an arithmetic expression"),
 ])
 def test_what_is_not_arithmetic_is_refused(expression, message):
     with pytest.raises(ValueError, match=message):
