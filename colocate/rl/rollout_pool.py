@@ -97,11 +97,9 @@ class RolloutPool:
                 try:
                     prompt_ids = self._start_episodes(self._next_group_id, sample, len(budgets))
                 except EnvError as e:
-                    if self.rollout.env_errors == "fail":
-                        raise
+                    self._env_failed(e)
                     self._next_group_id += 1
                     self.stats.num_env_dropped += 1
-                    self.stats.last_env_error = str(e)
                     continue
             room = self.max_model_len - len(prompt_ids)
             if room < 1:
@@ -141,10 +139,8 @@ class RolloutPool:
                         try:
                             self.episodes.start((group.group_id, i), group.sample)
                         except EnvError as e:
-                            if self.rollout.env_errors == "fail":
-                                raise
+                            self._env_failed(e)
                             failed.add(group.group_id)
-                            self.stats.last_env_error = str(e)
         self._drop_failed(failed)
 
     def requests(self, version: int) -> list[EngineRequest]:
@@ -193,14 +189,18 @@ class RolloutPool:
                     try:
                         self._end_turn(group, request.index, version)
                     except EnvError as e:
-                        if self.rollout.env_errors == "fail":
-                            raise
+                        self._env_failed(e)
                         failed.add(group.group_id)
-                        self.stats.last_env_error = str(e)
             self.stats.num_aborted += result.finish_reason is None
             self.stats.num_tokens_generated += len(result.token_ids)
             assert len(group.prompt_ids) + len(answer.token_ids) <= self.max_model_len
         self._drop_failed(failed)
+
+    def _env_failed(self, error: EnvError) -> None:
+        """An environment failed: raise it (rollout.env_errors=fail), or note it for the caller to drop the group."""
+        if self.rollout.env_errors == "fail":
+            raise error
+        self.stats.last_env_error = str(error)
 
     def _drop_failed(self, failed: set[int]) -> None:
         if failed:
@@ -212,11 +212,8 @@ class RolloutPool:
         """Multi-turn: the engine ended a turn of answer `index`. Step its environment on the turn's text, then
         finish the episode or append the observation for the next turn."""
         answer = group.answers[index]
-        action = answer.actions()[-1]
-        if self.eos_token_id in action:  # the EOS ends the turn in the tokens, not in the text
-            action = action[:action.index(self.eos_token_id)]
         turn = self.episodes.step((group.group_id, index), group.sample, len(answer.turn_rewards),
-                                  self.episodes.decode(action))
+                                  self._action_text(answer.actions()[-1]))
         answer.turn_rewards.append(turn.reward)
         room = answer.max_tokens - len(answer.token_ids)
         # "length" only when the episode's budget ran out (a turn cut at rollout.max_turn_tokens is a turn's end)
@@ -299,9 +296,13 @@ class RolloutPool:
                     continue
                 self.episodes.start((group.group_id, i), group.sample)
                 for turn, action in enumerate(answer.actions()[:len(answer.turn_rewards)]):
-                    if self.eos_token_id in action:
-                        action = action[:action.index(self.eos_token_id)]
-                    self.episodes.step((group.group_id, i), group.sample, turn, self.episodes.decode(action))
+                    self.episodes.step((group.group_id, i), group.sample, turn, self._action_text(action))
+
+    def _action_text(self, action: list[int]) -> str:
+        """A turn's text for its environment: the EOS ends the turn in the tokens, not in the text."""
+        if self.eos_token_id in action:
+            action = action[:action.index(self.eos_token_id)]
+        return self.episodes.decode(action)
 
     def carried(self) -> dict:
         """What stays in flight: answers and tokens carried to the next step."""
