@@ -19,6 +19,7 @@ one line (exit 2) within seconds, not a traceback after minutes. See docs/jobs.m
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -326,10 +327,22 @@ def _job_info(client, job_id: str):
 
 def entrypoint(cfg: JobConfig) -> str:
     """`colocate launch` with every resolved key as an override: the cluster runs exactly what was validated."""
-    overrides = [f"{section}.{key}={'null' if value is None else value}" for section, fields in to_dict(cfg).items()
+    overrides = [f"{section}.{key}={_override_value(value)}" for section, fields in to_dict(cfg).items()
                  for key, value in fields.items() if key != "ray_address"]
     # `python -m`: the cluster's Python must have colocate installed; its console script need not be on PATH
     return " ".join(["python", "-m", "colocate.cli", "launch", "--address", "auto", *map(shlex.quote, overrides)])
+
+
+def _override_value(value) -> str:
+    """`value` as an override reads it back: a string that the override's YAML would turn into something else
+    (a mapping like reward_model.judge_prompt's "question: {prompt}", a number, a boolean) goes double-quoted."""
+    from omegaconf import OmegaConf
+
+    if value is None:
+        return "null"
+    if isinstance(value, str) and OmegaConf.to_container(OmegaConf.from_dotlist([f"k={value}"]))["k"] != value:
+        return json.dumps(value)  # a JSON string is a YAML double-quoted scalar
+    return str(value)
 
 
 # --- jobs, logs, stop --------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from colocate.config.algo import GREEDY_TEMPERATURE, GROUP_ADVANTAGES, OVERLAPPED_MODES, AlgoConfig
 from colocate.config.fields import bad, non_negative, one_of, positive
+from colocate.config.reward_model import RewardModelConfig, reward_models_in
 
 
 @dataclass
@@ -157,7 +158,7 @@ class RolloutConfig:
     reward_fn: str = ""
     """Dotted path `module:function(prompt, response, answer) -> float`; empty uses the task's reward."""
     rewards: str = ""
-    """Weighted sum of rewards, e.g. math:1.0,format:0.1: built-ins math, exact, format, char, or module:function (weight 1 when omitted); each one's mean is logged as reward_<name>_mean. Empty: rollout.reward_fn or the task's reward."""
+    """Weighted sum of rewards, e.g. math:1.0,format:0.1: built-ins math, exact, format, char, module:function, or a reward model served by the job, model:PATH (a sequence classifier) or judge:PATH (a generative judge; section reward_model) (weight 1 when omitted); each one's mean is logged as reward_<name>_mean. Empty: rollout.reward_fn or the task's reward."""
     num_prompts: int = 16
     """Prompts per RL step."""
     num_samples: int = 8
@@ -402,6 +403,7 @@ class JobConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -454,11 +456,32 @@ class JobConfig:
                        f"valid: >= {longest}, or a shorter longest sequence (engine.max_model_len, or "
                        "data.max_prompt_tokens + rollout.max_tokens)")
         self._check_algo_against_sampling()
+        self._check_reward_model()
         if (self.eval.every_steps or self.eval.at_start or self.eval.at_end) and self.data.train_files \
                 and not self.data.val_files:
             raise bad("data.val_files", "", "evaluation (eval.every_steps, eval.at_start, eval.at_end) of a run on "
                        "data.train_files needs validation prompts; give data.val_files or turn evaluation off")
 
+
+    def _check_reward_model(self) -> None:
+        specs = reward_models_in(self.rollout.rewards)
+        if len(specs) > 1:
+            raise bad("rollout.rewards", self.rollout.rewards, "names more than one reward model; a job serves one "
+                      "(model:PATH or judge:PATH)")
+        if not specs:
+            return
+        if not specs[0].path:
+            raise bad("rollout.rewards", self.rollout.rewards, f"{specs[0].kind}: needs the reward model's path, "
+                      f"e.g. {specs[0].kind}:/models/my-rm or the embedded {specs[0].kind}:tiny-rm")
+        engine_slots = self.placement.engine_slots or self.placement.num_slots
+        if self.reward_model.tp > engine_slots:
+            raise bad("reward_model.tp", self.reward_model.tp, f"the reward model runs on the policy engines' "
+                      f"slots, {engine_slots} here; valid: 1 to {engine_slots}")
+        max_len = self.reward_model.max_model_len or self.engine.max_model_len
+        if specs[0].kind == "judge" and self.reward_model.judge_max_tokens >= max_len:
+            raise bad("reward_model.judge_max_tokens", self.reward_model.judge_max_tokens,
+                      f"must be smaller than the judge's context, {max_len} tokens (reward_model.max_model_len, "
+                      "else engine.max_model_len)")
 
     def _check_algo_against_sampling(self) -> None:
         """What makes every advantage 0, so that nothing can learn: one sample per group for a group baseline, or

@@ -84,6 +84,16 @@ class EngineActor:
 
             stop_busy_polling()
 
+        started = time.perf_counter()
+        try:
+            self.llm = LLM(**self._llm_kwargs())
+        except Exception as e:  # vLLM raises many types; the controller needs one clear line
+            raise EngineStartError(f"vLLM engine failed to start for {self.model_path!r}: {_root_cause(e)}") from None
+        self._watch_workers()
+        return {"start_s": time.perf_counter() - started, **self.memory()[0]}
+
+    def _llm_kwargs(self) -> dict:
+        """vLLM's engine arguments for the policy: generation from token ids, with the sampled tokens' logprobs."""
         assert self.cfg.enforce_eager in ("true", "false"), "decided in the driver (job/resolve.py)"
         kwargs = dict(
             model=self.model_path,
@@ -109,13 +119,7 @@ class EngineActor:
             kwargs.update(distributed_executor_backend="ray" if self.cfg.tp > 1 else None,
                           gpu_memory_utilization=self.cfg.gpu_memory_utilization,
                           enable_sleep_mode=self.sleep_backend == "vllm")
-        started = time.perf_counter()
-        try:
-            self.llm = LLM(**kwargs)
-        except Exception as e:  # vLLM raises many types; the controller needs one clear line
-            raise EngineStartError(f"vLLM engine failed to start for {self.model_path!r}: {_root_cause(e)}") from None
-        self._watch_workers()
-        return {"start_s": time.perf_counter() - started, **self.memory()[0]}
+        return kwargs
 
     def shutdown(self) -> None:
         if self.llm is not None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from colocate.checkpoint.layout import checkpoint_root, resume_point
 from colocate.config import JobConfig
 from colocate.config.fields import bad
+from colocate.config.reward_model import RewardModelSpec, reward_models_in
 from colocate.errors import ConfigError
 from colocate.job.faults import parse_injection
 from colocate.job.placement import SlotPlan, local_device_count, plan_slots, resolve_device
@@ -58,6 +59,8 @@ def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> None:
         load_reward_fn(cfg.rollout.reward_fn)
     if cfg.rollout.rewards:
         parse_rewards(cfg.rollout.rewards)
+        for spec in reward_models_in(cfg.rollout.rewards):
+            _check_reward_model(spec)
     data_files(cfg.data.train_files, "data.train_files")
     data_files(cfg.data.val_files, "data.val_files")
     if cfg.fault.inject:
@@ -112,6 +115,7 @@ class JobInputs:
     model_path: str
     prompts: object | None  # a DatasetPrompts when data.train_files is set; None: the task's own stream
     resume_from: Path | None
+    reward_model_path: str | None = None  # model:PATH or judge:PATH of rollout.rewards, fetched or built
 
 
 def _check_env(cfg: JobConfig, sample) -> None:
@@ -128,7 +132,19 @@ def read_inputs(cfg: JobConfig) -> JobInputs:
         _check_env(cfg, prompts.samples[0])
     if cfg.data.val_files and evaluation_enabled(cfg.eval):
         load_val_samples(cfg, models.load_tokenizer(model_path))
-    return JobInputs(model_path, prompts, resume_point(cfg, model_path))
+    return JobInputs(model_path, prompts, resume_point(cfg, model_path), reward_model_path(cfg))
+
+
+def reward_model_path(cfg: JobConfig) -> str | None:
+    """The directory of the job's reward model (fetched from the hub or built from a preset once), checked
+    for its kind; None when rollout.rewards names none."""
+    specs = reward_models_in(cfg.rollout.rewards)
+    if not specs:
+        return None
+    path = models.ensure_reward_model(specs[0].kind, specs[0].path, cache_dir=cfg.model.cache_dir,
+                                      seed=cfg.model.seed)
+    _check_reward_model(RewardModelSpec(specs[0].kind, path))
+    return path
 
 
 # ------------------------------------------------------------------------------------------------ paths
@@ -220,6 +236,35 @@ def _check_model_path(path: str) -> None:
         # "org/name" may be a hub id; anything path-like must exist.
         raise bad("model.path", path, "no such directory (give a Hugging Face model directory or hub id, or "
                    "leave empty for the embedded preset)")
+
+
+def _check_reward_model(spec: RewardModelSpec) -> None:
+    """A local reward model must be the kind its component says: `model:` a sequence classifier with one label
+    (its logit is the score), `judge:` a causal LM. An embedded preset or a hub id not fetched yet passes here
+    (read_inputs checks it once it is on this machine); a path-like PATH that does not exist does not."""
+    key, value = "rollout.rewards", f"{spec.kind}:{spec.path}"
+    local = Path(spec.path).expanduser()
+    presets = models.REWARD_PRESETS if spec.kind == "model" else models.PRESETS
+    if not local.is_dir():
+        if spec.path not in presets and (spec.path.startswith((".", "/", "~")) or spec.path.count("/") != 1):
+            raise bad(key, value, f"no such directory; give a model directory, a hub id (ORG/NAME) or an embedded "
+                      f"preset ({', '.join(presets)})")
+        return
+    if not (local / "config.json").is_file():
+        raise bad(key, value, "the directory has no config.json (not a Hugging Face model directory)")
+    config = json.loads((local / "config.json").read_text())
+    architectures = config.get("architectures") or ["(none)"]
+    if spec.kind == "model":
+        if not architectures[0].endswith("ForSequenceClassification"):
+            raise bad(key, value, f"{architectures[0]} is not a sequence classifier (*ForSequenceClassification); "
+                      "a causal LM can judge instead: judge:PATH")
+        num_labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+        if num_labels != 1:
+            raise bad(key, value, f"the classifier has {num_labels} labels; a reward model has one (num_labels=1), "
+                      "whose logit is the reward")
+    elif not architectures[0].endswith(("ForCausalLM", "ForConditionalGeneration")):
+        raise bad(key, value, f"{architectures[0]} does not generate; a judge is a causal LM (*ForCausalLM), a "
+                  "sequence classifier scores as model:PATH")
 
 
 def _check_bucket_size(cfg: JobConfig) -> None:

@@ -69,7 +69,7 @@ class Controller:
         self.rt = runtime
         self.metrics = metrics
         self.task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
-        self.reward_fn = make_reward(cfg, self.task)
+        self.reward_fn = make_reward(cfg, self.task, runtime.reward_model)
         # the prompt source is built only when no Rollouts (which holds its own) is given
         self.rollouts = rollouts or Rollouts(cfg, runtime.engines, runtime.tokenizer,
                                              prompts or make_prompt_source(cfg, runtime.tokenizer, self.task))
@@ -155,6 +155,8 @@ class Controller:
             memory = self.memory()
         self.resume_rollout(step, num_steps)  # async: the passes go on under the weights just synced
         record = self._record(step, times, scored, rollout_stats, train_stats, sync_stats, memory)
+        if self.rt.reward_model is not None:  # its scoring this step, refills included (evaluate takes its own)
+            record["reward_model"] = self.rt.reward_model.take_stats()
         if evaluation is not None:
             record["eval"] = evaluation
         self.history.append(record)
@@ -277,6 +279,9 @@ class Controller:
         if self.rt.switch.engine_sleep_level:
             self.rt.engines.sleep(self.rt.switch.engine_sleep_level)
             self.events.append("engine.sleep")
+            if self.rt.reward_model is not None:  # asleep with the policy's engines, on their devices
+                self.rt.reward_model.sleep()
+                self.events.append("reward_model.sleep")
         if self.rt.switch.trainer_offload:
             self.rt.trainers.onload()
             self.events.append("trainer.onload")
@@ -323,11 +328,16 @@ class Controller:
         if self.rt.switch.engine_sleep_level:
             self.rt.engines.wake(["kv_cache"])
             self.events.append("engine.wake.kv_cache")
+            if self.rt.reward_model is not None:  # awake for the next step's scoring, and for evaluation
+                self.rt.reward_model.wake()
+                self.events.append("reward_model.wake")
 
     def evaluate(self, num_done: int) -> dict:
         """pass@k of the policy the engines hold now (awake: between steps, or before the first), after
         `num_done` steps; every answer goes to <output_dir>/eval/after_<num_done>_steps.jsonl."""
         result = self.evaluator.run()
+        if self.rt.reward_model is not None:
+            result["reward_model"] = self.rt.reward_model.take_stats()
         self.events.append("eval")
         out = Path(self.cfg.logging.output_dir) / "eval"
         out.mkdir(parents=True, exist_ok=True)
@@ -407,6 +417,8 @@ class Controller:
         trainers = self.rt.trainers.call("memory")
         record = {"engine_rss_bytes": sum(w["rss_bytes"] for w in engines),
                   "trainer_rss_bytes": sum(t["rss_bytes"] for t in trainers)}
+        if self.rt.reward_model is not None:
+            record["reward_model_rss_bytes"] = sum(w["rss_bytes"] for w in self.rt.reward_model.memory())
         if "device_free_bytes" in trainers[0]:
             keys = ("device_allocated_bytes", "device_reserved_bytes", "device_free_bytes")
             record["trainers"] = [{k: t[k] for k in keys} for t in trainers]

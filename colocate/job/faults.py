@@ -60,7 +60,7 @@ def _raise_watchdog_interrupt(signum, frame):
 
 @dataclass(frozen=True)
 class Member:
-    name: str  # "trainer rank 1", "engine 0", "engine 0 TP worker 1"
+    name: str  # "trainer rank 1", "engine 0", "engine 0 TP worker 1", "reward model"
     pid: int
     slots: tuple[int, ...]
     node: str  # Ray node id
@@ -87,6 +87,12 @@ def job_members(runtime) -> list[Member]:
         members.append(Member(f"engine {e}", pid, slots, node, engine._actor_id.hex(), engine=e))
         members += [Member(f"engine {e} TP worker {rank}", wpid, (slots[rank],), node, engine=e)
                     for rank, wpid in workers]
+    if runtime.reward_model is not None:  # on the first slots of the policy's engines (placement)
+        actor = runtime.reward_model.actor
+        pid, workers, node = ray.get([actor.pid.remote(), actor.worker_pids.remote(), actor.node_id.remote()])
+        slots = tuple(runtime.plan.reward_model_slots())
+        members.append(Member("reward model", pid, slots, node, actor._actor_id.hex()))
+        members += [Member(f"reward model TP worker {rank}", wpid, (slots[rank],), node) for rank, wpid in workers]
     return members
 
 

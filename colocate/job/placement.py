@@ -33,12 +33,16 @@ import os
 from dataclasses import dataclass
 
 from colocate.config import JobConfig
+from colocate.config.reward_model import reward_models_in
 from colocate.errors import ConfigError, PlacementError
 from colocate.host.devices import cpu_bf16_features
 
-# Fractions of a slot's GPU (or CPU) asked for by each co-located actor; they must sum to <= 1.
+# Fractions of a slot's GPU (or CPU) asked for by each co-located actor; they must sum to <= 1. A reward model
+# (rollout.rewards=model:PATH) takes its share from the engines' on its slots: Ray's accounting only (which
+# bundle's device an actor sees), the device memory each engine uses is its gpu_memory_utilization.
 TRAINER_SHARE = 0.5
 ENGINE_SHARE = 0.5
+REWARD_MODEL_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class SlotPlan:
     num_slots: int
     tp: int
     num_split_engine_slots: int = 0
+    reward_model_tp: int = 0  # rollout.rewards serves a reward model: TP workers on the engines' first slots
 
     @property
     def split(self) -> bool:
@@ -76,6 +81,10 @@ class SlotPlan:
             return [{"GPU": 1.0, "CPU": 1.0} for _ in range(self.num_slots)]
         return [{"CPU": 1.0} for _ in range(self.num_slots)]
 
+    def reward_model_slots(self) -> list[int]:
+        first = self.engine_slots(0)[0]
+        return list(range(first, first + self.reward_model_tp))
+
     def describe(self) -> list[str]:
         lines = [f"{self.num_slots} {self.device} slot(s), {self.num_engines} engine(s) x TP={self.tp}, "
                  f"FSDP2 over {self.num_trainer_ranks} rank(s)" + (", split: no slot holds both" if self.split else "")]
@@ -87,6 +96,8 @@ class SlotPlan:
             else:
                 engine_slot = slot - self.num_trainer_ranks
                 lines.append(f"  slot {slot}: engine {engine_slot // self.tp} tp worker {engine_slot % self.tp}")
+        for rank, slot in enumerate(self.reward_model_slots()):
+            lines[1 + slot] += f" | reward model tp worker {rank}"
         return lines
 
 
@@ -129,7 +140,8 @@ def plan_slots(cfg: JobConfig, *, device: str, num_devices: int, where: str = "t
         raise ConfigError("sync.transport='ring' is invalid on a CUDA run: every trainer rank would map every "
                           "engine worker's ring, but each rank sees only its own GPU; valid: auto, gather")
     return SlotPlan(device=device, num_slots=cfg.placement.num_slots, tp=cfg.engine.tp,
-                    num_split_engine_slots=cfg.placement.engine_slots)
+                    num_split_engine_slots=cfg.placement.engine_slots,
+                    reward_model_tp=cfg.reward_model.tp if reward_models_in(cfg.rollout.rewards) else 0)
 
 
 def plan_nodes(plan: SlotPlan, node_devices: dict[str, int]) -> list[str]:
@@ -190,20 +202,31 @@ class EnginePlacement:
     """Where one engine's driver actor goes and what it asks of Ray; `env` reaches vLLM's executor."""
 
     bundle: int  # the driver actor's bundle (the engine's first slot)
-    driver_share: float  # GPUs (or CPUs) the driver actor asks for
+    driver_share: float  # GPUs the driver actor asks for (CUDA)
     env: dict[str, str]
+    cpu_share: float  # CPUs the driver actor asks for
 
 
-def engine_placement(plan: SlotPlan, engine: int) -> EnginePlacement:
-    slots = plan.engine_slots(engine)
+def engine_placement(plan: SlotPlan, engine: int, *, reward_model: bool = False) -> EnginePlacement:
+    """`reward_model`: the job serves one, which takes REWARD_MODEL_SHARE of the engines' share."""
+    return _placement(plan.device, plan.engine_slots(engine),
+                      ENGINE_SHARE - REWARD_MODEL_SHARE if reward_model else ENGINE_SHARE)
+
+
+def reward_model_placement(plan: SlotPlan) -> EnginePlacement:
+    """The reward model's engine: on the policy engines' first slots (JobConfig.check: there are enough)."""
+    return _placement(plan.device, plan.reward_model_slots(), REWARD_MODEL_SHARE)
+
+
+def _placement(device: str, slots: list[int], share: float) -> EnginePlacement:
     env = {"COLOCATE_ENGINE_SLOTS": ",".join(map(str, slots))}
-    driver_share = ENGINE_SHARE
-    if plan.device == "cuda" and plan.tp > 1:
+    driver_share = share
+    if device == "cuda" and len(slots) > 1:
         # vLLM's Ray executor starts one worker per slot, in exactly these bundles, each with our share of the
         # bundle's GPU; the driver computes nothing on a GPU, so it holds none (a share would be stranded).
-        env.update(VLLM_RAY_BUNDLE_INDICES=",".join(map(str, slots)), VLLM_RAY_PER_WORKER_GPUS=str(ENGINE_SHARE))
+        env.update(VLLM_RAY_BUNDLE_INDICES=",".join(map(str, slots)), VLLM_RAY_PER_WORKER_GPUS=str(share))
         driver_share = 0.0
-    return EnginePlacement(bundle=slots[0], driver_share=driver_share, env=env)
+    return EnginePlacement(bundle=slots[0], driver_share=driver_share, env=env, cpu_share=share)
 
 
 def pair_devices(trainer_devices: list[str], worker_devices: list[list[str]]) -> list[tuple[int, int] | None]:

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from colocate.config import JobConfig
+from colocate.config.reward_model import reward_models_in
 from colocate.errors import ConfigError
 from colocate.host.node_checks import host_needs
 from colocate.job.placement import sync_in_place, sync_transport
@@ -216,6 +217,7 @@ def _cpu_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan) -> list[Phase
                                                                     + ENGINE_ACTOR_PROCESS_BYTES)
             + RAY_DAEMONS_BYTES + DRIVER_PROCESS_BYTES}
     awake = plan.engine_sleep_level == 0
+    base.update(_cpu_reward_model(cfg))
     engine_in_train = {"engine awake (weights + kv cache)": engine_weights + kv} if awake else \
         {"engine host copy (sleep level 1)": engine_weights if plan.engine_sleep_level == 1 else 0}
     return [
@@ -229,6 +231,29 @@ def _cpu_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan) -> list[Phase
         Phase("sync", {**base, "trainer params + optimizer": 3 * params, "engine weights": engine_weights,
                        "engine kv cache (awake)": kv if awake else 0, "sync ring": ring}),
     ]
+
+
+def _cpu_reward_model(cfg: JobConfig) -> dict[str, int]:
+    """rollout.rewards=model:PATH or judge:PATH on the CPU: its engine's processes and KV cache, in every phase
+    (asleep at level 1 on the CPU, its weights' host copy sits in the same memory). Its weights are not counted:
+    its dimensions are read once it is fetched, after this check; the embedded tiny-rm's are a few MiB."""
+    if not reward_models_in(cfg.rollout.rewards):
+        return {}
+    tp = cfg.reward_model.tp
+    return {"reward model (processes + kv cache)": ENGINE_ACTOR_PROCESS_BYTES + tp * ENGINE_WORKER_PROCESS_BYTES
+            + tp * int(cfg.reward_model.kv_cache_gib * GIB)}
+
+
+def _cuda_reward_model(cfg: JobConfig, gpu_bytes: int, *, asleep: bool) -> dict[str, int]:
+    """The reward model's part of one of its GPUs (the first reward_model.tp slots of the policy's engines): its
+    budget while awake, a context and vLLM's residue while it sleeps with the policy's engines (level 1)."""
+    if not reward_models_in(cfg.rollout.rewards):
+        return {}
+    if asleep:
+        return {"reward model asleep (context + residue, est.)": CUDA_CONTEXT_BYTES + ENGINE_ASLEEP_BYTES}
+    return {"reward model (context, est.)": CUDA_CONTEXT_BYTES,
+            "reward model (reward_model.gpu_memory_utilization)": int(cfg.reward_model.gpu_memory_utilization
+                                                                       * gpu_bytes)}
 
 
 def _split_cuda_phases(cfg: JobConfig, dims: ModelDims) -> list[Phase]:
@@ -292,13 +317,14 @@ def _cuda_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan, gpu_bytes: i
                           **({"sharding transient (largest group, fp32)": transient}
                              if transient > sum(engine_share.values()) + sum(ring.values())
                              else {**engine_share, **ring})}),
-        Phase("rollout", {**contexts, **engine_share, **ring,
+        Phase("rollout", {**contexts, **engine_share, **ring, **_cuda_reward_model(cfg, gpu_bytes, asleep=False),
                           **({} if plan.trainer_offload else {"trainer params + optimizer": 3 * shard})}),
         Phase("train", {**contexts, "trainer params + grads + optimizer": 4 * shard,
-                        **micro_batch_bytes(cfg, dims, "cuda"),
+                        **micro_batch_bytes(cfg, dims, "cuda"), **_cuda_reward_model(cfg, gpu_bytes, asleep=not awake),
                         **(engine_share if awake else residue), **ring}),
         # grads were released; the engine woke its weights only, the KV cache stays asleep
         Phase("sync", {**contexts, "trainer params + optimizer": 3 * shard,
+                       **_cuda_reward_model(cfg, gpu_bytes, asleep=not awake),
                        **(engine_share if awake else
                           {"engine weights (woken)": dims.num_params * engine_dtype // tp, **residue}),
                        **ring, "gather buffer (largest group + send chunk)": gathered + gathered // world}),
@@ -435,6 +461,9 @@ def check_fits(phases: list[Phase], *, available_bytes: int, cfg: JobConfig, dev
 
 
 def _advice(phase: Phase, largest: str, cfg: JobConfig, plan: SwitchPlan) -> str:
+    if largest.startswith("reward model"):
+        return (f"lower reward_model.gpu_memory_utilization (now {cfg.reward_model.gpu_memory_utilization}) or "
+                f"reward_model.kv_cache_gib (now {cfg.reward_model.kv_cache_gib}), or serve a smaller reward model")
     if cfg.placement.split:  # nothing moves between phases, whatever the mode
         return ("a split placement moves nothing between phases: give the trainers more slots (placement.num_slots "
                 f"- placement.engine_slots, now {cfg.placement.num_trainer_ranks}), lower engine.kv_cache_gib, or "

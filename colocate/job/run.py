@@ -97,7 +97,8 @@ def _attempt(cfg: JobConfig, metrics: MetricsWriter, prompts, resume_from, start
                        "sync_bytes": runtime.sync.plan.num_bytes, "placement": runtime.placement_report,
                        "switch": {"engine_sleep_level": runtime.switch.engine_sleep_level,
                                   "trainer_offload": runtime.switch.trainer_offload,
-                                  "reason": runtime.switch.reason}})
+                                  "reason": runtime.switch.reason},
+                       **({"reward_model": runtime.reward_model_info} if runtime.reward_model_info else {})})
         if cfg.logging.progress:
             print(f"switch plan: {runtime.switch.reason}", file=sys.stderr, flush=True)
         started.append(Controller(cfg, runtime, metrics, prompts=prompts, resume_from=resume_from))

@@ -28,13 +28,14 @@ import time
 import ray
 
 from colocate.config import JobConfig
+from colocate.config.reward_model import reward_models_in
 from colocate.engine.actor import EngineActor, engine_env
+from colocate.engine.reward_engine import RewardEngineActor, reward_engine_config
 from colocate.host.clean import JobRecord
 from colocate.host.procfs import actor_processes, process_tree, same_process, stop_processes
 from colocate.host.rpc_dirs import remove_stale_rpc_dirs
 from colocate.job.groups import EngineGroup, TrainerGroup
 from colocate.job.placement import (
-    ENGINE_SHARE,
     TRAINER_SHARE,
     actor_options,
     cluster_nodes,
@@ -45,9 +46,11 @@ from colocate.job.placement import (
     plan_nodes,
     plan_slots,
     resolve_device,
+    reward_model_placement,
 )
 from colocate.job.resolve import ResolvedJob, resolve_job
-from colocate.models.sources import ensure_model, load_tokenizer
+from colocate.models.sources import ensure_model, ensure_reward_model, load_tokenizer
+from colocate.rl.reward_model import RewardModel
 from colocate.sync.transport import (
     JOB_ENV,
     mapped_by,
@@ -78,6 +81,8 @@ class Runtime:
         self.group = None
         self.slot_nodes: list[str] | None = None  # on a Ray cluster: each slot's node (placement.plan_nodes)
         self.sync: WeightSync | None = None
+        self.reward_model: RewardModel | None = None  # rollout.rewards=model:PATH or judge:PATH: its engine
+        self.reward_model_info: dict | None = None  # where it runs and its start-up figures
         self._started_ray = False
         self._shm_before = shm_entries()  # what /dev/shm held before us: close() leaves those alone
         self.job = new_job_token()
@@ -132,8 +137,10 @@ class Runtime:
         self.group = create_placement_group(self.plan, slot_nodes=self.slot_nodes)
         self._create_trainers()
         self._create_engines()  # vLLM imports in the engine actors while the trainers load
+        self._create_reward_model()
         self._setup_trainers()
         self._start_engines()
+        self._start_reward_model()  # after the policy's engines: on CUDA each measures the memory left at start
         specs = ray.get(self.trainers[0].param_specs.remote(cfg.engine.dtype))
         from transformers import AutoConfig
 
@@ -192,7 +199,8 @@ class Runtime:
         entries that appeared since the job began and that those processes or this one map (vLLM's: their names
         say nothing of the job; an entry of another job started meanwhile is mapped by that job's processes)."""
         here = socket.gethostname()
-        trees = ray.get([a.__ray_call__.remote(actor_processes) for a in self.trainers + self.engines])
+        trees = ray.get([a.__ray_call__.remote(actor_processes) for a in self.trainers + self.engines +
+                         self._reward_model_actors()])
         processes = {e["pid"]: e for tree in trees if tree["host"] == here for e in tree["processes"]}
         if self._started_ray:
             processes.update({e["pid"]: e for e in process_tree(os.getpid())[1:] if self._started_for_job(e)})
@@ -217,7 +225,11 @@ class Runtime:
 
     def _actor_names(self) -> list[str]:
         return [self._trainer_name(r) for r in range(len(self.trainers))] + \
-            [self._engine_name(e) for e in range(len(self.engines))]
+            [self._engine_name(e) for e in range(len(self.engines))] + \
+            [self._reward_model_name() for _ in self._reward_model_actors()]
+
+    def _reward_model_actors(self) -> list:
+        return [self.reward_model.actor] if self.reward_model is not None else []
 
     def _trainer_name(self, rank: int) -> str:
         return f"colocate-{self.job}-trainer-{rank}"
@@ -260,14 +272,43 @@ class Runtime:
         self.engines = EngineGroup()
         self._engine_generation += 1
         for e in range(self.plan.num_engines):
-            where = engine_placement(self.plan, e)
+            where = engine_placement(self.plan, e, reward_model=bool(reward_models_in(cfg.rollout.rewards)))
             env = {**engine_env(cfg.engine, self.device, where.env), JOB_ENV: self.job}
-            options = actor_options(self.group, where.bundle, cpu_share=ENGINE_SHARE, env=env,
+            options = actor_options(self.group, where.bundle, cpu_share=where.cpu_share, env=env,
                                     gpu_share=where.driver_share if self.device == "cuda" else 0.0)
             self.engines.append(actor.options(name=self._engine_name(e), **options).remote(
                 cfg.engine, self.model_path, device=self.device, sleep_backend=self.resolved.sleep_backend,
                 eos_token_id=self.tokenizer.eos_token_id, placement_env=where.env))
         self._engines_prepared = [e.prepare.remote() for e in self.engines]
+
+    def _create_reward_model(self) -> None:
+        """rollout.rewards=model:PATH or judge:PATH: the reward model's engine actor, on the policy engines' first
+        slots, preparing at once (RewardEngineActor); it serves rl.reward_model.RewardModel."""
+        specs = reward_models_in(self.cfg.rollout.rewards)
+        if not specs:
+            return
+        cfg, spec = self.cfg, specs[0]
+        path = ensure_reward_model(spec.kind, spec.path, cache_dir=cfg.model.cache_dir, seed=cfg.model.seed)
+        engine_cfg = reward_engine_config(cfg.engine, cfg.reward_model)
+        where = reward_model_placement(self.plan)
+        env = {**engine_env(engine_cfg, self.device, where.env), JOB_ENV: self.job}
+        options = actor_options(self.group, where.bundle, cpu_share=where.cpu_share, env=env,
+                                gpu_share=where.driver_share if self.device == "cuda" else 0.0)
+        actor = ray.remote(RewardEngineActor).options(name=self._reward_model_name(), **options).remote(
+            engine_cfg, path, kind=spec.kind, rm_cfg=cfg.reward_model, device=self.device,
+            sleep_backend=self.resolved.sleep_backend, placement_env=where.env)
+        self.reward_model = RewardModel(actor, kind=spec.kind, cfg=cfg.reward_model)
+        self.reward_model_info = {"kind": spec.kind, "path": path, "slots": self.plan.reward_model_slots()}
+        self._reward_model_prepared = actor.prepare.remote()
+
+    def _start_reward_model(self) -> None:
+        if self.reward_model is not None:
+            ray.get(self._reward_model_prepared)
+            actor = self.reward_model.actor
+            self.reward_model_info.update(ray.get(actor.start.remote()), devices=ray.get(actor.device_names.remote()))
+
+    def _reward_model_name(self) -> str:
+        return f"colocate-{self.job}-reward-model"
 
     def _start_engines(self) -> None:
         if not self.engines:
@@ -304,14 +345,14 @@ class Runtime:
 
     def close(self, *, engine_timeout_s: float = 60) -> None:
         """Idempotent teardown; every step tolerates a half-started runtime."""
-        for engine in self.engines:
+        for engine in self.engines + self._reward_model_actors():
             try:
                 ray.get(engine.shutdown.remote(), timeout=engine_timeout_s)
             except Exception as e:  # a dead engine is what we are cleaning up after
                 log.debug("engine shutdown: %s", e)
-        for actor in self.engines + self.trainers:
+        for actor in self.engines + self.trainers + self._reward_model_actors():
             ray.kill(actor, no_restart=True)
-        self.engines, self.trainers = EngineGroup(), TrainerGroup()
+        self.engines, self.trainers, self.reward_model = EngineGroup(), TrainerGroup(), None
         if self.group is not None:
             ray.util.remove_placement_group(self.group)
             self.group = None

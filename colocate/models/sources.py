@@ -11,6 +11,10 @@ Presets:
 - ``tiny``: 2 layers, hidden 128, 4,096 positions; for tests and the default CPU job (seconds to build, learns
   in minutes).
 - ``bench``: 24 layers, hidden 1024, vocab 32768; >= 0.4 GB of bf16 weights, for the sync/switch benchmarks.
+
+Reward presets (`rollout.rewards=model:tiny-rm`): ``tiny-rm``, tiny's body under a one-logit sequence
+classification head (Qwen2ForSequenceClassification), random, so CI serves a reward model without downloads.
+A generative judge can be any causal preset (`judge:tiny`).
 """
 
 from __future__ import annotations
@@ -75,13 +79,19 @@ PRESETS: dict[str, Preset] = {
 
 
 PRESETS["tiny-tied"] = replace(PRESETS["tiny"], tie_word_embeddings=True)
+# reward presets: a preset's body with a one-logit classification head (vLLM's pooling runner serves it)
+REWARD_PRESETS: dict[str, Preset] = {"tiny-rm": PRESETS["tiny"]}
 
 
 def preset_dir(config: ModelConfig) -> Path:
     """Where a preset is cached: one directory per preset, its dimensions and seed, so presets never overwrite
     each other and a preset whose dimensions change (a newer colocate) is built anew, not read stale."""
-    fingerprint = hashlib.sha1(json.dumps(asdict(PRESETS[config.preset]), sort_keys=True).encode()).hexdigest()[:8]
-    return Path(config.cache_dir).expanduser() / f"qwen2-{config.preset}-{fingerprint}-seed{config.seed}"
+    return _cache_dir(config.cache_dir, config.preset, PRESETS[config.preset], config.seed)
+
+
+def _cache_dir(cache_dir: str, name: str, preset: Preset, seed: int) -> Path:
+    fingerprint = hashlib.sha1(json.dumps(asdict(preset), sort_keys=True).encode()).hexdigest()[:8]
+    return Path(cache_dir).expanduser() / f"qwen2-{name}-{fingerprint}-seed{seed}"
 
 
 def ensure_model(config: ModelConfig) -> str:
@@ -92,7 +102,27 @@ def ensure_model(config: ModelConfig) -> str:
         if local.is_dir():
             return str(local)
         return hub_snapshot(config.path)
-    target = preset_dir(config)
+    return _built(preset_dir(config), PRESETS[config.preset], seed=config.seed)
+
+
+def ensure_reward_model(kind: str, path: str, *, cache_dir: str, seed: int, key: str = "rollout.rewards") -> str:
+    """The directory of a reward model named by `model:PATH` or `judge:PATH`: a directory, an embedded preset
+    (a reward preset for `model`, a causal one for `judge`), built once into `cache_dir`, or a hub id's
+    snapshot. Raises ConfigError naming `key`."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return str(local)
+    presets = REWARD_PRESETS if kind == "model" else PRESETS
+    if path in presets:
+        head = "classifier" if kind == "model" else "causal_lm"
+        return _built(_cache_dir(cache_dir, path, presets[path], seed), presets[path], seed=seed, head=head)
+    if path.startswith((".", "/", "~")) or path.count("/") != 1:  # a path, not an ORG/NAME hub id
+        raise ConfigError(f"{key}={kind}:{path} is invalid: {path!r} is not a directory; give a model directory, "
+                          f"a hub id (ORG/NAME) or an embedded preset ({', '.join(presets)})")
+    return hub_snapshot(path, key=f"{key} ({kind}:)")
+
+
+def _built(target: Path, preset: Preset, *, seed: int, head: str = "causal_lm") -> str:
     if (target / "config.json").exists():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -103,14 +133,14 @@ def ensure_model(config: ModelConfig) -> str:
         if not (target / "config.json").exists():
             tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
             try:
-                build_model(PRESETS[config.preset], tmp, seed=config.seed)
+                build_model(preset, tmp, seed=seed, head=head)
                 os.rename(tmp, target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
 
 
-def hub_snapshot(repo_id: str) -> str:
+def hub_snapshot(repo_id: str, *, key: str = "model.path") -> str:
     """The local directory of a Hugging Face hub model: the cached snapshot, downloaded first when missing
     (weights, config, tokenizer; not other formats' files). Raises ConfigError naming model.path if it cannot."""
     from huggingface_hub import snapshot_download
@@ -119,15 +149,16 @@ def hub_snapshot(repo_id: str) -> str:
     try:
         return snapshot_download(repo_id, allow_patterns=patterns)
     except Exception as e:  # offline, no such repository, no access: one line, before any actor
-        raise ConfigError(f"model.path={repo_id!r} is invalid: not a local directory, and the Hugging Face hub "
+        raise ConfigError(f"{key}={repo_id!r} is invalid: not a local directory, and the Hugging Face hub "
                          f"did not give it ({type(e).__name__}: {str(e).strip().splitlines()[0][:160]}); give a "
                          "model directory, e.g. after `hf download ORG/NAME --local-dir DIR`") from None
 
 
-def build_model(preset: Preset, out_dir: Path, *, seed: int) -> None:
-    """Write a random-initialised Qwen2ForCausalLM (safetensors, float32) and the character tokenizer."""
+def build_model(preset: Preset, out_dir: Path, *, seed: int, head: str = "causal_lm") -> None:
+    """Write a random-initialised Qwen2ForCausalLM (head "causal_lm") or Qwen2ForSequenceClassification with one
+    label (head "classifier": a reward model), safetensors in float32, and the character tokenizer."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
     hf_config = Qwen2Config(
         vocab_size=preset.vocab_size,
@@ -142,9 +173,10 @@ def build_model(preset: Preset, out_dir: Path, *, seed: int) -> None:
         eos_token_id=VOCAB.index("<eos>"),
         pad_token_id=VOCAB.index("<pad>"),
         torch_dtype="float32",
+        **({"num_labels": 1} if head == "classifier" else {}),
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(hf_config)
+    model = (Qwen2ForSequenceClassification if head == "classifier" else Qwen2ForCausalLM)(hf_config)
     model.save_pretrained(out_dir, safe_serialization=True)
     build_tokenizer().save_pretrained(out_dir)
     (out_dir / "colocate_preset.json").write_text(json.dumps(asdict(preset), indent=2))

@@ -16,6 +16,10 @@ Built-ins (each `f(prompt, response, answer) -> float`):
 - ``char``:   the toy tasks' dense character match (`tasks.char_match_reward`), partial credit a tiny model can
   climb before it ever gets an answer exactly right.
 
+And a reward model the job serves (rl/reward_model.py): ``model:PATH`` (a sequence classifier) or ``judge:PATH``
+(a generative judge), logged as ``reward_model_mean`` or ``reward_judge_mean``. The runtime starts its engine;
+`make_reward` binds it to the component.
+
 `score()` logs each component's unweighted mean as `reward_<name>_mean` beside the weighted total's
 `reward_mean`. A weight of 0 keeps a component in the metrics without training on it.
 """
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from colocate.config import JobConfig
+from colocate.config.reward_model import reward_model_spec
 from colocate.errors import ConfigError
 from colocate.rl.scoring import Reward, RewardBreakdown, apply_reward
 from colocate.rl.tasks import Task, _import_object, char_match_reward, load_reward_fn
@@ -130,14 +135,16 @@ def format_reward(prompt: str, response: str, answer: str) -> float:
 
 BUILTIN_REWARDS: dict[str, Callable[[str, str, str], float]] = {
     "math": math_reward, "exact": exact_reward, "format": format_reward, "char": char_match_reward}
-_VALID = f"valid: comma-separated name[:weight] with names {', '.join(BUILTIN_REWARDS)} or module:function"
+_VALID = (f"valid: comma-separated name[:weight] with names {', '.join(BUILTIN_REWARDS)}, module:function, "
+          "model:PATH or judge:PATH")
 
 
 @dataclass(frozen=True)
 class Component:
     name: str  # as in the metrics: reward_<name>_mean
-    fn: Reward
+    fn: Reward | None  # None: a reward model's, bound by make_reward to the engine the runtime started
     weight: float
+    model_path: str = ""  # model:PATH or judge:PATH: the reward model's PATH
 
 
 def parse_rewards(spec: str) -> list[Component]:
@@ -147,6 +154,9 @@ def parse_rewards(spec: str) -> list[Component]:
     for item in (part.strip() for part in spec.split(",")):
         if not item:
             raise ConfigError(f"rollout.rewards={spec!r} is invalid: an empty component; {_VALID}")
+        if (model := reward_model_spec(item)) is not None:  # JobConfig.check refused a second one
+            components.append(Component(model.kind, None, model.weight, model_path=model.path))
+            continue
         head, colon, tail = item.rpartition(":")
         weight = _weight(tail) if colon else None
         if weight is None and head in BUILTIN_REWARDS:
@@ -196,11 +206,17 @@ class CombinedReward:
         return RewardBreakdown(total, parts)
 
 
-def make_reward(cfg: JobConfig, task: Task) -> Reward:
-    """The job's reward: rollout.rewards (weighted built-ins and plug-ins), else rollout.reward_fn, else the
-    task's own reward; the last two unchanged, so a job without rollout.rewards scores as before."""
+def make_reward(cfg: JobConfig, task: Task, reward_model=None) -> Reward:
+    """The job's reward: rollout.rewards (weighted built-ins, plug-ins and the reward model, `reward_model`: the
+    runtime's rl.reward_model.RewardModel), else rollout.reward_fn, else the task's own reward; the last two
+    unchanged, so a job without rollout.rewards scores as before."""
     if cfg.rollout.rewards:
-        return CombinedReward(parse_rewards(cfg.rollout.rewards))
+        components = parse_rewards(cfg.rollout.rewards)
+        for i, c in enumerate(components):
+            if c.fn is None:
+                assert reward_model is not None and reward_model.kind == c.name, "the runtime serves the model"
+                components[i] = Component(c.name, reward_model, c.weight, c.model_path)
+        return CombinedReward(components)
     if cfg.rollout.reward_fn:
         return load_reward_fn(cfg.rollout.reward_fn)
     return task.reward

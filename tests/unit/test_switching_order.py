@@ -79,6 +79,7 @@ class FakeTrainer(FakeActor):
         assert self.state["trainers"][self.name] == "resident"
         if plan.engine_sleep_level:  # the engine's weights and KV cache are off the device while the trainer works
             assert self.state["engine"] == {"weights": False, "kv_cache": False}
+            assert self.state.get("reward_model", "asleep") == "asleep"
         self.state["grads"][self.name] = True
         self.record("train_step")
         num = sum(len(s.response_ids) for s in seqs)
@@ -114,6 +115,37 @@ class FakeEngine(FakeActor):
         self.record("wake", *tags)
 
     def do_memory(self):
+        return [{"rss_bytes": 0}]
+
+
+class FakeRewardModel:
+    """rl.reward_model.RewardModel at its boundary: scores only awake, and is asleep while the trainer trains."""
+
+    batched, kind = True, "model"
+
+    def __init__(self, log, state):
+        self.log, self.state = log, state
+        state["reward_model"] = "awake"
+
+    def __call__(self, prompts, responses, answers):
+        assert self.state["reward_model"] == "awake"
+        self.log.append(("reward model", "score"))
+        return [0.5] * len(prompts)
+
+    def sleep(self):
+        assert self.state["reward_model"] == "awake" and not self.state["engine"]["kv_cache"]
+        self.state["reward_model"] = "asleep"
+        self.log.append(("reward model", "sleep"))
+
+    def wake(self):
+        assert self.state["reward_model"] == "asleep" and not any_grads(self.state)
+        self.state["reward_model"] = "awake"
+        self.log.append(("reward model", "wake"))
+
+    def take_stats(self):
+        return {"kind": "model", "num_scored": 0}
+
+    def memory(self):
         return [{"rss_bytes": 0}]
 
 
@@ -167,7 +199,7 @@ class FakeEvaluator:
         return {"pass@1": 0.0}
 
 
-def expected_order(plan: SwitchPlan, *, checkpoint: bool, evaluate: bool) -> list[tuple]:
+def expected_order(plan: SwitchPlan, *, checkpoint: bool, evaluate: bool, reward_model: bool = False) -> list[tuple]:
     """The order docs/rollout.md and the controller's docstring give, written out from the plan."""
     trainers = [f"trainer {r}" for r in range(NUM_TRAINERS)]
 
@@ -177,7 +209,9 @@ def expected_order(plan: SwitchPlan, *, checkpoint: bool, evaluate: bool) -> lis
     order = each("offload") if plan.trainer_offload else []
     for _ in range(NUM_STEPS):
         order += [("engines", "rollout")]
+        order += [("reward model", "score")] if reward_model else []
         order += [("engine 0", "sleep", plan.engine_sleep_level)] if plan.engine_sleep_level else []
+        order += [("reward model", "sleep")] if reward_model and plan.engine_sleep_level else []
         order += each("onload") if plan.trainer_offload else []
         order += each("train_step") + each("release_grads")
         order += [("engine 0", "wake", "weights")] if plan.engine_sleep_level else []
@@ -185,6 +219,7 @@ def expected_order(plan: SwitchPlan, *, checkpoint: bool, evaluate: bool) -> lis
         order += each("save_checkpoint") if checkpoint else []
         order += each("offload") if plan.trainer_offload else []
         order += [("engine 0", "wake", "kv_cache")] if plan.engine_sleep_level else []
+        order += [("reward model", "wake")] if reward_model and plan.engine_sleep_level else []
         order += [("engines", "eval")] if evaluate else []
     return order
 
@@ -197,7 +232,7 @@ PLANS = [pytest.param(level, offload, checkpoint, evaluate,
 
 
 def make_controller(plan: SwitchPlan, log: list, monkeypatch, tmp_path, *, checkpoint: bool, evaluate: bool,
-                    on_get=lambda: None, overrides=(), num_steps=NUM_STEPS) -> Controller:
+                    on_get=lambda: None, overrides=(), num_steps=NUM_STEPS, reward_model=False) -> Controller:
     """The real controller over fake actors; `on_get` runs at each ray.get (an actor call's return)."""
     model = tmp_path / "model"  # what a checkpoint records of the model: its config.json
     model.mkdir()
@@ -219,7 +254,8 @@ def make_controller(plan: SwitchPlan, log: list, monkeypatch, tmp_path, *, check
     runtime = SimpleNamespace(
         switch=plan, trainers=TrainerGroup(FakeTrainer(name, log, state) for name in names),
         engines=EngineGroup([FakeEngine("engine 0", log, state)]), sync=FakeSync(log, state), model_path=str(model),
-        tokenizer=SimpleNamespace(decode=lambda ids: "2", eos_token_id=None))
+        tokenizer=SimpleNamespace(decode=lambda ids: "2", eos_token_id=None),
+        reward_model=FakeRewardModel(log, state) if reward_model else None)
     return Controller(cfg, runtime, rollouts=FakeRollouts(log, state))
 
 
@@ -233,6 +269,20 @@ def test_the_switching_order(level, offload, checkpoint, evaluate, monkeypatch, 
     assert len(controller.history) == NUM_STEPS
     if checkpoint:
         assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000000", "step_00000001"]
+
+
+@pytest.mark.parametrize("level, offload", [(0, False), (1, False), (2, True)])
+def test_the_reward_model_sleeps_with_the_engines(level, offload, monkeypatch, tmp_path):
+    """rollout.rewards=model:PATH: the reward model scores awake, sleeps after the policy's engines and before the
+    trainer onloads, and wakes after their KV cache, before the next rollout; with nothing asleep it never moves."""
+    plan = SwitchPlan(level, offload, "test")
+    log: list[tuple] = []
+    controller = make_controller(plan, log, monkeypatch, tmp_path, checkpoint=False, evaluate=True,
+                                 overrides=["rollout.rewards=model:tiny-rm"], reward_model=True)
+    controller.run_steps(NUM_STEPS)
+    assert log == expected_order(plan, checkpoint=False, evaluate=True, reward_model=True)
+    assert controller.history[0]["reward_model"] == {"kind": "model", "num_scored": 0}
+    assert controller.history[0]["reward_model_mean"] == 0.5
 
 
 class PhaseWatch:

@@ -1,0 +1,45 @@
+"""Rewards from a model as a user launches them: the policy's engine (TP=2) and a reward model's engine on its
+first slot, the reward model asleep while the trainer trains (engine.sleep_level=1 makes the switch move on
+this small job). A sequence classifier (the embedded tiny-rm) beside a rule reward, and a generative judge (the
+tiny causal preset, its verdict's digit read as the score)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.e2e.conftest import launch
+
+pytestmark = pytest.mark.e2e
+
+NUM_PROMPTS, NUM_SAMPLES = 4, 4  # launch()'s small job
+
+
+@pytest.mark.parametrize("rewards, extra", [
+    pytest.param("char:1,model:tiny-rm:0.5", (), id="classifier"),
+    pytest.param("judge:tiny", (r"reward_model.verdict_pattern=\d", "reward_model.judge_max_tokens=4"),
+                 id="judge"),
+])
+def test_a_served_reward_model_scores_every_answer_and_sleeps_while_training(tmp_path, rewards, extra):
+    result = launch(tmp_path, f"rollout.rewards={rewards}", *extra, "engine.sleep_level=1", "algo.num_steps=2",
+                    "logging.progress=false", "checkpoint.at_end=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    startup = next(r for r in records if r.get("event") == "startup")
+    kind = rewards.split(",")[-1].split(":")[0]
+    served = startup["reward_model"]
+    assert served["kind"] == kind and served["slots"] == [0] and served["devices"] == ["cpu-slot0"]
+    steps = [r for r in records if "event" not in r]
+    assert [r["step"] for r in steps] == [0, 1]
+    for r in steps:
+        stats = r["reward_model"]
+        assert stats["kind"] == kind and stats["num_scored"] == NUM_PROMPTS * NUM_SAMPLES
+        assert stats["sleep_freed_bytes"] > 0  # it slept (its KV cache freed) while the trainer trained
+        assert r["memory"]["reward_model_rss_bytes"] > 0
+        assert math.isfinite(r[f"reward_{kind}_mean"])
+        if kind == "model":  # the weighted sum of the rule's and the classifier's means
+            assert r["reward_mean"] == pytest.approx(r["reward_char_mean"] + 0.5 * r["reward_model_mean"])
+        else:  # a digit, or the unparsed reward (0) for a verdict without one
+            assert 0 <= r["reward_judge_mean"] <= 9 and 0 <= stats["num_unparsed"] <= stats["num_scored"]
