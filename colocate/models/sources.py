@@ -10,6 +10,7 @@ Face model directory: `transformers`, vLLM and colocate's trainer all load it by
 Presets:
 - ``tiny``: 2 layers, hidden 128, 4,096 positions; for tests and the default CPU job (seconds to build, learns
   in minutes).
+- ``tiny-chat``: tiny over every printable ASCII character and the newline, for chat and tool-call formats.
 - ``bench``: 24 layers, hidden 1024, vocab 32768; >= 0.4 GB of bf16 weights, for the sync/switch benchmarks.
 
 Reward presets (`rollout.rewards=model:tiny-rm`): ``tiny-rm``, tiny's body under a one-logit sequence
@@ -47,6 +48,7 @@ class Preset:
     vocab_size: int  # may exceed the tokenizer's vocabulary (rows beyond it are never sampled in tasks)
     tie_word_embeddings: bool
     max_position_embeddings: int = 512
+    characters: str = ""  # the tokenizer's characters after the special tokens; empty: the toy tasks' CHARACTERS
 
     @property
     def head_dim(self) -> int:
@@ -79,6 +81,11 @@ PRESETS: dict[str, Preset] = {
 
 
 PRESETS["tiny-tied"] = replace(PRESETS["tiny"], tie_word_embeddings=True)
+# tiny over every printable ASCII character and the newline: the characters of chat and tool-call formats
+# (`<tool_call>{"name": ...}`), which the toy vocabulary lacks (the calculator environment's e2e test)
+CHAT_CHARACTERS = "".join(c for c in map(chr, range(32, 127))) + "\n"
+PRESETS["tiny-chat"] = replace(PRESETS["tiny"], vocab_size=len(SPECIAL_TOKENS) + len(CHAT_CHARACTERS),
+                               characters=CHAT_CHARACTERS)
 # reward presets: a preset's body with a one-logit classification head (vLLM's pooling runner serves it)
 REWARD_PRESETS: dict[str, Preset] = {"tiny-rm": PRESETS["tiny"]}
 
@@ -90,7 +97,8 @@ def preset_dir(config: ModelConfig) -> Path:
 
 
 def _cache_dir(cache_dir: str, name: str, preset: Preset, seed: int) -> Path:
-    fingerprint = hashlib.sha1(json.dumps(asdict(preset), sort_keys=True).encode()).hexdigest()[:8]
+    dims = {k: v for k, v in asdict(preset).items() if k != "characters" or v}  # the toy vocabulary's as before
+    fingerprint = hashlib.sha1(json.dumps(dims, sort_keys=True).encode()).hexdigest()[:8]
     return Path(cache_dir).expanduser() / f"qwen2-{name}-{fingerprint}-seed{seed}"
 
 
@@ -160,6 +168,7 @@ def build_model(preset: Preset, out_dir: Path, *, seed: int, head: str = "causal
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
+    vocab = preset_vocab(preset)
     hf_config = Qwen2Config(
         vocab_size=preset.vocab_size,
         hidden_size=preset.hidden_size,
@@ -169,25 +178,29 @@ def build_model(preset: Preset, out_dir: Path, *, seed: int, head: str = "causal
         num_key_value_heads=preset.num_key_value_heads,
         max_position_embeddings=preset.max_position_embeddings,
         tie_word_embeddings=preset.tie_word_embeddings,
-        bos_token_id=VOCAB.index("<bos>"),
-        eos_token_id=VOCAB.index("<eos>"),
-        pad_token_id=VOCAB.index("<pad>"),
+        bos_token_id=vocab.index("<bos>"),
+        eos_token_id=vocab.index("<eos>"),
+        pad_token_id=vocab.index("<pad>"),
         torch_dtype="float32",
         **({"num_labels": 1} if head == "classifier" else {}),
     )
     torch.manual_seed(seed)
     model = (Qwen2ForSequenceClassification if head == "classifier" else Qwen2ForCausalLM)(hf_config)
     model.save_pretrained(out_dir, safe_serialization=True)
-    build_tokenizer().save_pretrained(out_dir)
+    build_tokenizer(vocab).save_pretrained(out_dir)
     (out_dir / "colocate_preset.json").write_text(json.dumps(asdict(preset), indent=2))
 
 
-def build_tokenizer():
+def preset_vocab(preset: Preset) -> list[str]:
+    return SPECIAL_TOKENS + list(preset.characters) if preset.characters else VOCAB
+
+
+def build_tokenizer(tokens: list[str] = VOCAB):
     """A character-level fast tokenizer in Hugging Face format (one token per character)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(VOCAB)}
+    vocab = {token: i for i, token in enumerate(tokens)}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()

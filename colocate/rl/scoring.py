@@ -198,6 +198,18 @@ def overlong_punishment(num_tokens: int, *, max_tokens: int, buffer: int, penalt
     return -penalty * min(excess, buffer) / buffer if buffer and excess > 0 else 0.0
 
 
+def response_text_tokens(answer: Answer, eos_id: int | None) -> list[int]:
+    """The tokens of an answer's text. The EOS token stays in the trained sequence (the model must learn to stop)
+    but not in the text: a single-turn answer ends at its first; a multi-turn episode keeps every turn and
+    observation, less the EOS that ended each of the model's turns (an observation's own tokens stay as given)."""
+    tokens = answer.token_ids
+    if eos_id is None or eos_id not in tokens:
+        return tokens
+    if not answer.turn_starts:
+        return tokens[:tokens.index(eos_id)]
+    return [t for t, sampled in zip(tokens, answer.mask) if not (sampled and t == eos_id)]
+
+
 def reward_groups(groups: list[Rollout], *, reward_fn: Reward, decode, eos_id: int | None,
                   algo: AlgoConfig | None = None, turn_reward: str | None = None) -> list[ScoredGroup]:
     """Every answer's reward, one call for the whole step (a batched reward sees every sample at once), split back
@@ -207,10 +219,8 @@ def reward_groups(groups: list[Rollout], *, reward_fn: Reward, decode, eos_id: i
     responses, prompts, answers, lengths, budgets = [], [], [], [], []
     for group in groups:
         for completion in group.completions:
+            responses.append(decode(response_text_tokens(completion, eos_id)))
             tokens = completion.token_ids
-            # The EOS token stays in the trained sequence (the model must learn to stop) but not in the text.
-            text_tokens = tokens[:tokens.index(eos_id)] if eos_id is not None and eos_id in tokens else tokens
-            responses.append(decode(text_tokens))
             prompts.append(group.sample.prompt)
             answers.append(group.sample.answer)
             lengths.append(len(tokens))

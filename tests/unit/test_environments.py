@@ -94,6 +94,8 @@ def test_turns_append_the_engines_tokens_and_the_observations_masked():
     [group] = reward_groups([Rollout(g.sample, g.prompt_ids, g.answers) for g in pool.take()], reward_fn=None,
                             decode=decode, eos_id=EOS, turn_reward="sum")
     assert group.rewards == [6.0, 6.0]
+    # the episode's text: every turn and observation, less the EOS ending each turn (not cut at the first)
+    assert group.responses[0] == "11=222=333"
     assert pool.episodes.envs == {}  # taken: their environments are let go
 
 

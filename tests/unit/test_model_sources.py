@@ -57,3 +57,28 @@ def test_a_local_directory_is_used_as_is(tmp_path):
     from colocate.models.sources import ensure_model
 
     assert ensure_model(ModelConfig(path=str(tmp_path))) == str(tmp_path)
+
+
+def test_tiny_chat_writes_tool_calls_and_the_toy_presets_keep_their_cache(tmp_path):
+    """tiny-chat's vocabulary holds every character of a tool call (the toy one lacks <, {, "); adding the
+    characters field left the toy presets' cache directories where they were (no rebuild after an upgrade)."""
+    path = ensure_model(ModelConfig(preset="tiny-chat", cache_dir=str(tmp_path)))
+    tokenizer = load_tokenizer(path)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "(1+2)*3"}}</tool_call>\nOK!'
+    ids = tokenizer(call, add_special_tokens=False).input_ids
+    assert len(ids) == len(call) and tokenizer.unk_token_id not in ids and tokenizer.decode(ids) == call
+    assert tokenizer.eos_token_id == VOCAB.index("<eos>")
+    assert preset_dir(ModelConfig(preset="tiny", cache_dir="/c")).name == "qwen2-tiny-fa104fde-seed0"
+
+
+def test_the_reward_preset_is_a_one_label_classifier(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from colocate.models.sources import ensure_reward_model
+
+    path = ensure_reward_model("model", "tiny-rm", cache_dir=str(tmp_path), seed=0)
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    assert model.config.architectures == ["Qwen2ForSequenceClassification"] and model.config.num_labels == 1
+    assert model(input_ids=torch.tensor([[5, 6, 7]])).logits.shape == (1, 1)
+    assert ensure_reward_model("judge", "tiny", cache_dir=str(tmp_path), seed=0) == \
+        ensure_model(ModelConfig(preset="tiny", cache_dir=str(tmp_path)))  # a judge may be a causal preset
