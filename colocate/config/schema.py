@@ -195,6 +195,8 @@ class RolloutConfig:
     """rollout.env: an environment that raises, hangs past rollout.env_timeout_s or returns the wrong type: fail (the step stops, naming the sample and turn) or drop (that sample's group is dropped and counted, the step goes on)."""
     env_timeout_s: float = 30.0
     """rollout.env: the longest one reset or step may take; 0: no bound."""
+    env_workers: int = 0
+    """rollout.env: Ray actors that hold the environments (each episode's in one), stepping a pass's turn ends in parallel so a slow environment does not hold the engines; 0: in the controller's process, one call at a time."""
     max_refill_passes: int = 4
     """algo.dynamic_sampling: the most extra rollouts a step makes to replace the groups it dropped (each asks the pool for the missing groups over the fraction informative so far); a step still short after them trains the informative groups it has, and says so in its metrics."""
 
@@ -208,7 +210,10 @@ class RolloutConfig:
                        "must be >= 1 (a multiple of rollout.num_prompts groups in flight)")
         one_of(self, "rollout", "leftover", ["carry", "drop"])
         positive(self, "rollout", "max_turns")
-        non_negative(self, "rollout", "env_timeout_s", "max_turn_tokens")
+        non_negative(self, "rollout", "env_timeout_s", "max_turn_tokens", "env_workers")
+        if self.env_workers and not self.env:
+            raise bad("rollout.env_workers", self.env_workers, "holds rollout.env's environments, and rollout.env is "
+                      "empty; set rollout.env, or rollout.env_workers=0")
         one_of(self, "rollout", "turn_reward", ["sum", "last"])
         one_of(self, "rollout", "env_errors", ["fail", "drop"])
         if self.partial_tokens and self.leftover == "drop":

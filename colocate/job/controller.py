@@ -72,7 +72,8 @@ class Controller:
         self.reward_fn = make_reward(cfg, self.task, runtime.reward_model)
         # the prompt source is built only when no Rollouts (which holds its own) is given
         self.rollouts = rollouts or Rollouts(cfg, runtime.engines, runtime.tokenizer,
-                                             prompts or make_prompt_source(cfg, runtime.tokenizer, self.task))
+                                             prompts or make_prompt_source(cfg, runtime.tokenizer, self.task),
+                                             env_workers=runtime.env_workers)
         self.evaluator = make_evaluator(cfg, runtime.engines, runtime.tokenizer, self.reward_fn, self.task)
         self.checkpointer = Checkpointer(cfg, runtime.model_path)
         self.resume_from = resume_from

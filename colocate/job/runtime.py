@@ -83,6 +83,7 @@ class Runtime:
         self.sync: WeightSync | None = None
         self.reward_model: RewardModel | None = None  # rollout.rewards=model:PATH or judge:PATH: its engine
         self.reward_model_info: dict | None = None  # where it runs and its start-up figures
+        self.env_workers: list = []  # rollout.env_workers: the actors holding the environments (rl/env_workers.py)
         self._started_ray = False
         self._shm_before = shm_entries()  # what /dev/shm held before us: close() leaves those alone
         self.job = new_job_token()
@@ -138,6 +139,7 @@ class Runtime:
         self._create_trainers()
         self._create_engines()  # vLLM imports in the engine actors while the trainers load
         self._create_reward_model()
+        self._create_env_workers()
         self._setup_trainers()
         self._start_engines()
         self._start_reward_model()  # after the policy's engines: on CUDA each measures the memory left at start
@@ -200,7 +202,7 @@ class Runtime:
         say nothing of the job; an entry of another job started meanwhile is mapped by that job's processes)."""
         here = socket.gethostname()
         trees = ray.get([a.__ray_call__.remote(actor_processes) for a in self.trainers + self.engines +
-                         self._reward_model_actors()])
+                         self._reward_model_actors() + self.env_workers])
         processes = {e["pid"]: e for tree in trees if tree["host"] == here for e in tree["processes"]}
         if self._started_ray:
             processes.update({e["pid"]: e for e in process_tree(os.getpid())[1:] if self._started_for_job(e)})
@@ -226,7 +228,8 @@ class Runtime:
     def _actor_names(self) -> list[str]:
         return [self._trainer_name(r) for r in range(len(self.trainers))] + \
             [self._engine_name(e) for e in range(len(self.engines))] + \
-            [self._reward_model_name() for _ in self._reward_model_actors()]
+            [self._reward_model_name() for _ in self._reward_model_actors()] + \
+            [f"colocate-{self.job}-env-worker-{w}" for w in range(len(self.env_workers))]
 
     def _reward_model_actors(self) -> list:
         return [self.reward_model.actor] if self.reward_model is not None else []
@@ -307,6 +310,18 @@ class Runtime:
             actor = self.reward_model.actor
             self.reward_model_info.update(ray.get(actor.start.remote()), devices=ray.get(actor.device_names.remote()))
 
+    def _create_env_workers(self) -> None:
+        """rollout.env_workers actors, outside the placement group and reserving no CPU (rl/env_workers.py)."""
+        from colocate.rl.env_workers import EnvWorker
+
+        r = self.cfg.rollout
+        actor = ray.remote(EnvWorker)
+        self.env_workers = [
+            actor.options(name=f"colocate-{self.job}-env-worker-{w}", num_cpus=0,
+                          runtime_env={"env_vars": {JOB_ENV: self.job, "TOKENIZERS_PARALLELISM": "false"}}).remote(
+                r.env, length=r.task_length, model_path=self.model_path, timeout_s=r.env_timeout_s)
+            for w in range(r.env_workers if r.env else 0)]
+
     def _reward_model_name(self) -> str:
         return f"colocate-{self.job}-reward-model"
 
@@ -350,9 +365,9 @@ class Runtime:
                 ray.get(engine.shutdown.remote(), timeout=engine_timeout_s)
             except Exception as e:  # a dead engine is what we are cleaning up after
                 log.debug("engine shutdown: %s", e)
-        for actor in self.engines + self.trainers + self._reward_model_actors():
+        for actor in self.engines + self.trainers + self._reward_model_actors() + self.env_workers:
             ray.kill(actor, no_restart=True)
-        self.engines, self.trainers, self.reward_model = EngineGroup(), TrainerGroup(), None
+        self.engines, self.trainers, self.reward_model, self.env_workers = EngineGroup(), TrainerGroup(), None, []
         if self.group is not None:
             ray.util.remove_placement_group(self.group)
             self.group = None

@@ -127,6 +127,14 @@ class Episodes:
             raise self._error(sample, turn, f"step returned done {done!r}; expected True or False")
         return Turn(self._tokens(observation, sample, turn, "step"), float(reward), done)
 
+    def start_many(self, items: list[tuple[tuple[int, int], Sample]]) -> list[list[int] | EnvError]:
+        """`start` for each (key, sample), one at a time; a failure comes back as its EnvError, in its place."""
+        return [_outcome(self.start, *item) for item in items]
+
+    def step_many(self, items: list[tuple[tuple[int, int], Sample, int, str]]) -> list[Turn | EnvError]:
+        """`step` for each (key, sample, turn, action), one at a time; a failure comes back as its EnvError."""
+        return [_outcome(self.step, *item) for item in items]
+
     def forget(self, keys) -> None:
         for key in keys:
             self.envs.pop(key, None)
@@ -168,6 +176,13 @@ class Episodes:
     @staticmethod
     def _error(sample: Sample, turn: int, what: str) -> EnvError:
         return EnvError(f"environment (rollout.env) {what}, on sample {sample.prompt!r} at turn {turn}")
+
+
+def _outcome(call, *args):
+    try:
+        return call(*args)
+    except EnvError as e:
+        return e
 
 
 def _shown(value) -> str:

@@ -45,11 +45,13 @@ class Pass:
 
 class Rollouts:
     def __init__(self, cfg: JobConfig, engines: list, tokenizer, prompts: PromptStream, *,
-                 budgets: BudgetFn | None = None):
+                 budgets: BudgetFn | None = None, env_workers: list | None = None):
+        """`env_workers`: the runtime's EnvWorker actors (rollout.env_workers), which hold the environments."""
         r = cfg.rollout
         self.engines, self.tokenizer, self.prompts = engines, tokenizer, prompts
         self.pool = RolloutPool(r, max_model_len=cfg.engine.max_model_len, seed=cfg.engine.seed,
-                                episodes=_episodes(cfg, tokenizer), eos_token_id=tokenizer.eos_token_id)
+                                episodes=_episodes(cfg, tokenizer, env_workers or []),
+                                eos_token_id=tokenizer.eos_token_id)
         self.budgets = budgets or (lambda sample, n: [r.max_tokens] * n)
         self.sampling = {"temperature": r.temperature, "top_p": r.top_p, "ignore_eos": r.ignore_eos}
         self.timelines: list[list[list[tuple[float, int]]]] = []  # last generate: per pass, per engine
@@ -201,10 +203,15 @@ class Rollouts:
         }
 
 
-def _episodes(cfg: JobConfig, tokenizer):
-    """rollout.env's episodes (rl/environments.py), or None for single-turn answers."""
+def _episodes(cfg: JobConfig, tokenizer, env_workers: list):
+    """rollout.env's episodes (rl/environments.py; in `env_workers`, Ray actors, when there are any:
+    rl/env_workers.py), or None for single-turn answers."""
     if not cfg.rollout.env:
         return None
+    if env_workers:
+        from colocate.rl.env_workers import RemoteEpisodes
+
+        return RemoteEpisodes(env_workers, decode=tokenizer.decode)
     from colocate.rl.environments import Episodes, make_env_factory
 
     return Episodes(make_env_factory(cfg.rollout.env, length=cfg.rollout.task_length),

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from colocate.config import RolloutConfig
 from colocate.engine.requests import EngineRequest, RequestResult, segment_seed
 from colocate.errors import EnvError
+from colocate.rl.environments import Turn
 from colocate.rl.samples import Answer
 from colocate.rl.tasks import Sample
 
@@ -113,7 +114,11 @@ class RolloutPool:
                                      [Answer(seed, min(budget, room)) for seed, budget in zip(seeds, budgets)]))
 
     def _start_episodes(self, group_id: int, sample: Sample, num_answers: int) -> list[int]:
-        prompts = [self.episodes.start((group_id, i), sample) for i in range(num_answers)]
+        prompts = self.episodes.start_many([((group_id, i), sample) for i in range(num_answers)])
+        error = next((p for p in prompts if isinstance(p, EnvError)), None)
+        if error is not None:
+            self.episodes.forget((group_id, i) for i in range(num_answers))
+            raise error
         if any(p != prompts[0] for p in prompts):
             self.episodes.forget((group_id, i) for i in range(num_answers))
             raise EnvError(f"environment (rollout.env) reset gave the answers of sample {sample.prompt!r} different "
@@ -169,7 +174,7 @@ class RolloutPool:
 
     def apply(self, requests: list[EngineRequest], results: list[RequestResult], version: int) -> None:
         groups = {g.group_id: g for g in self.groups}
-        failed: set[int] = set()  # multi-turn, env_errors=drop: groups whose environment failed
+        turn_ends: list[tuple[Group, int]] = []  # multi-turn: the answers whose turn ended, to step at once
         for request, result in zip(requests, results):
             assert request.request_id == result.request_id
             group = groups[request.group]
@@ -182,18 +187,34 @@ class RolloutPool:
             if self.episodes is not None:
                 answer.turn_starts = answer.turn_starts or [0]  # a new (or restarted) episode's first turn
                 answer.mask += [1] * len(result.token_ids)
-            if result.done(request) and group.group_id not in failed:
+            if result.done(request):
                 if self.episodes is None:
                     answer.finish_reason = result.finish_reason
                 else:
-                    try:
-                        self._end_turn(group, request.index, version)
-                    except EnvError as e:
-                        self._env_failed(e)
-                        failed.add(group.group_id)
+                    turn_ends.append((group, request.index))
             self.stats.num_aborted += result.finish_reason is None
             self.stats.num_tokens_generated += len(result.token_ids)
             assert len(group.prompt_ids) + len(answer.token_ids) <= self.max_model_len
+        if turn_ends:
+            self._end_turns(turn_ends, version)
+
+    def _end_turns(self, ends: list[tuple[Group, int]], version: int) -> None:
+        """Multi-turn: the engine ended a turn of each of these answers. Step their environments all at once (with
+        rollout.env_workers, in parallel across the workers), then, in order, finish each episode or append its
+        observation for the next turn. A group whose environment failed is raised (env_errors=fail) or dropped."""
+        turns = self.episodes.step_many([
+            ((group.group_id, index), group.sample, len(group.answers[index].turn_rewards),
+             self._action_text(group.answers[index].actions()[-1])) for group, index in ends])
+        failed: set[int] = set()
+        for (group, index), turn in zip(ends, turns):
+            if group.group_id in failed:
+                continue
+            if isinstance(turn, EnvError):
+                self._env_failed(turn)
+                failed.add(group.group_id)
+                continue
+            self._end_turn(group.answers[index], turn, version)
+            assert len(group.prompt_ids) + len(group.answers[index].token_ids) <= self.max_model_len
         self._drop_failed(failed)
 
     def _env_failed(self, error: EnvError) -> None:
@@ -208,12 +229,8 @@ class RolloutPool:
             self.episodes.forget((g, i) for g in failed for i in range(self.rollout.num_samples))
             self.groups = [g for g in self.groups if g.group_id not in failed]
 
-    def _end_turn(self, group: Group, index: int, version: int) -> None:
-        """Multi-turn: the engine ended a turn of answer `index`. Step its environment on the turn's text, then
-        finish the episode or append the observation for the next turn."""
-        answer = group.answers[index]
-        turn = self.episodes.step((group.group_id, index), group.sample, len(answer.turn_rewards),
-                                  self._action_text(answer.actions()[-1]))
+    def _end_turn(self, answer: Answer, turn: Turn, version: int) -> None:
+        """The environment answered `answer`'s turn: finish the episode, or append the observation."""
         answer.turn_rewards.append(turn.reward)
         room = answer.max_tokens - len(answer.token_ids)
         # "length" only when the episode's budget ran out (a turn cut at rollout.max_turn_tokens is a turn's end)

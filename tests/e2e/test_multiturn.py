@@ -1,5 +1,6 @@
 """The multi-turn demo as a user launches it (`configs/multiturn.yaml`): the tiny model, each answer an episode of
-two turns with the copy_turns environment, which shows new digits between the turns. The reward rises over the
+two turns with the copy_turns environment, which shows new digits between the turns, held by two environment
+workers (Ray actors). The reward rises over the
 steps, every episode's turns are in the metrics, and the environment's tokens are in the answers but never
 trained."""
 
@@ -18,8 +19,9 @@ NUM_STEPS = 16
 
 
 def test_the_multiturn_demo_learns_and_trains_only_the_models_tokens(tmp_path):
+    # the environments in two Ray actors (rollout.env_workers); tests/e2e/test_calculator.py runs them in-process
     result = launch(tmp_path, f"algo.num_steps={NUM_STEPS}", "logging.progress=false", "checkpoint.at_end=false",
-                    config=("configs/default.yaml", "configs/multiturn.yaml"), small=False)
+                    "rollout.env_workers=2", config=("configs/default.yaml", "configs/multiturn.yaml"), small=False)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "event" not in r]

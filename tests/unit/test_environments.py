@@ -259,6 +259,9 @@ def test_env_keys_that_cannot_go_with_an_environment_are_refused():
         load_config(None, ["rollout.env=copy_turns", "rollout.reward_fn=m:f"])
     with pytest.raises(ConfigError, match=r"^rollout.ignore_eos=True is invalid: a turn of rollout.env ends at"):
         load_config(None, ["rollout.env=copy_turns", "rollout.ignore_eos=true"])
+    with pytest.raises(ConfigError, match=r"^rollout.env_workers=2 is invalid: holds rollout.env's environments, and "
+                                          "rollout.env is empty"):
+        load_config(None, ["rollout.env_workers=2"])
 
 
 class _ResetReturnsANumber(Scripted):
