@@ -187,6 +187,8 @@ class RolloutConfig:
     """Multi-turn episodes (docs/environments.md): an environment, built-in (copy_turns) or `module:factory` returning an object with reset(sample) and step(action_text); each answer is an episode of turns, the engine's tokens and the environment's observations, up to rollout.max_turns turns within rollout.max_tokens tokens; its reward is the environment's. Empty: single-turn answers scored by the reward function."""
     max_turns: int = 4
     """rollout.env: the most turns (model answers) an episode has; the episode ends sooner when the environment says done or its tokens run out."""
+    turn_stop: str = ""
+    """rollout.env: text that ends a turn of the model where it appears, besides EOS, kept in the turn, e.g. </tool_call> so the model's turn ends with its call; matched as the tokens the tokenizer gives it (exact for a special token, as Qwen's </tool_call>, and for character vocabularies). Empty: turns end at EOS or rollout.max_turn_tokens."""
     max_turn_tokens: int = 0
     """rollout.env: the most tokens of one turn of the model; reaching it ends the turn (the environment steps on what it has). 0: a turn ends only at the model's EOS or when the episode's rollout.max_tokens run out."""
     turn_reward: str = "sum"
@@ -211,6 +213,9 @@ class RolloutConfig:
         one_of(self, "rollout", "leftover", ["carry", "drop"])
         positive(self, "rollout", "max_turns")
         non_negative(self, "rollout", "env_timeout_s", "max_turn_tokens", "env_workers")
+        if self.turn_stop and not self.env:
+            raise bad("rollout.turn_stop", self.turn_stop, "ends a turn of rollout.env's episodes, and rollout.env is "
+                      "empty; set rollout.env, or leave rollout.turn_stop empty")
         if self.env_workers and not self.env:
             raise bad("rollout.env_workers", self.env_workers, "holds rollout.env's environments, and rollout.env is "
                       "empty; set rollout.env, or rollout.env_workers=0")

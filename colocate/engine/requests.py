@@ -66,6 +66,7 @@ def run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_w
     from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
+    stop_ids = sampling.get("stop_ids") or []  # rollout.turn_stop's tokens: a request ends right after them
     by_id = {r.request_id: r for r in requests}
     results = {r.request_id: RequestResult(r.request_id, [], [], None, 0) for r in requests}
     # Rendered as LLM.generate renders them (vLLM 0.32: entrypoints/common/offline.py; a raw prompt passed to
@@ -95,8 +96,11 @@ def run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_w
             # logprobs=0: only the sampled token's logprob at each new position
             result.logprobs += [next(iter(lp.values())).logprob for lp in completion.logprobs or []]
             result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens or 0)
-            if out.finished:
-                result.finish_reason = completion.finish_reason
+            stopped = bool(stop_ids) and _cut_at_stop(result, len(completion.token_ids), stop_ids)
+            if stopped and not out.finished:
+                engine.abort_request([out.request_id])  # what it decodes from here on is not the turn's
+            if out.finished or stopped:
+                result.finish_reason = "stop" if stopped else completion.finish_reason
                 unfinished.discard(out.request_id)
                 if result.done(by_id[out.request_id]):
                     left = groups_left[by_id[out.request_id].group]
@@ -105,6 +109,17 @@ def run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_w
     if unfinished:  # stopped mid-segment: they go on next pass, from where they are, under their next seed
         engine.abort_request(sorted(unfinished))
     return [results[r.request_id] for r in requests], timeline
+
+
+def _cut_at_stop(result: RequestResult, num_new: int, stop_ids: list[int]) -> bool:
+    """Whether the tokens just added complete `stop_ids`; if so, cut the result right after them (a step may have
+    added more than one token) and say it ended there."""
+    tokens, n = result.token_ids, len(stop_ids)
+    for end in range(max(n, len(tokens) - num_new + 1), len(tokens) + 1):
+        if tokens[end - n:end] == stop_ids:
+            del result.token_ids[end:], result.logprobs[end:]
+            return True
+    return False
 
 
 def segment_seed(answer_seed: int, num_tokens: int) -> int:

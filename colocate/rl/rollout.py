@@ -53,7 +53,10 @@ class Rollouts:
                                 episodes=_episodes(cfg, tokenizer, env_workers or []),
                                 eos_token_id=tokenizer.eos_token_id)
         self.budgets = budgets or (lambda sample, n: [r.max_tokens] * n)
-        self.sampling = {"temperature": r.temperature, "top_p": r.top_p, "ignore_eos": r.ignore_eos}
+        self.sampling = {"temperature": r.temperature, "top_p": r.top_p, "ignore_eos": r.ignore_eos,
+                         # rollout.turn_stop as the tokens the tokenizer gives it: the engine pass ends a turn there
+                         "stop_ids": tokenizer(r.turn_stop, add_special_tokens=False).input_ids if r.turn_stop
+                         else []}
         self.timelines: list[list[list[tuple[float, int]]]] = []  # last generate: per pass, per engine
         self.seconds = 0.0  # last generate's wall time
 

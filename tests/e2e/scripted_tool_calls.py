@@ -5,7 +5,8 @@ them. It is loaded by vLLM's own extension point (`engine.extra_args={"logits_pr
 engine's workers; every other token of the episode (prompts, observations) is the product's.
 
 The turn is read from the request's prompt (the episode so far): the number of `<tool_response>` blocks in it.
-    turn 0: a call of the expression the task's prompt asks for ("12+34=" -> "12+34")
+    turn 0: a call of the expression the task's prompt asks for ("12+34=" -> "12+34"), then text a model might
+            go on with (rollout.turn_stop=</tool_call> must end the turn before it)
     turn 1: a malformed call (not JSON)
     turn 2: "answer: " and the result of the first call's response
 Each turn ends with EOS. Setting every other logit to -inf makes the scripted token the only one sampled (its
@@ -26,6 +27,7 @@ from colocate.models.sources import CHAT_CHARACTERS, SPECIAL_TOKENS
 VOCAB = SPECIAL_TOKENS + list(CHAT_CHARACTERS)
 EOS = VOCAB.index("<eos>")
 MALFORMED = "<tool_call>{name: calculator}</tool_call>"
+AFTER_THE_CALL = "<tool_response>made up"
 
 
 def call(expression: str) -> str:
@@ -36,7 +38,7 @@ def script(context: str) -> str:
     """The turn the model is made to write after `context` (the task's prompt and the episode's turns so far)."""
     num_responses = context.count("<tool_response>")
     if num_responses == 0:
-        return call(context.split("=")[0])
+        return call(context.split("=")[0]) + AFTER_THE_CALL
     if num_responses == 1:
         return MALFORMED
     return "answer: " + str(json.loads(re.search(r"<tool_response>\n(.*?)\n", context).group(1))["result"])

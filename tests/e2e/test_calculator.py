@@ -1,8 +1,9 @@
 """The calculator environment on a real engine: the tiny-chat model (every printable character) is made to write a
 scripted episode by a vLLM logits processor (tests/e2e/scripted_tool_calls.py: a random model never writes a tool
 call by chance), and everything else is the product's: the turn loop, the environment's parsing and answers, the
-observations appended as tokens, the masks and the training. Turn 0 calls the calculator on the task's sum, turn 1
-makes a malformed call, turn 2 answers with the first call's result, which is right: reward 1."""
+observations appended as tokens, the masks and the training. Turn 0 calls the calculator on the task's sum and
+would go on writing a made-up response, but rollout.turn_stop=</tool_call> ends the turn with the call; turn 1
+makes a malformed call; turn 2 answers with the first call's result, which is right: reward 1."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ PROCESSOR = "tests.e2e.scripted_tool_calls:ScriptedToolCalls"
 
 def test_calls_are_parsed_answered_and_appended_and_a_malformed_call_is_answered(tmp_path):
     result = launch(tmp_path, "model.preset=tiny-chat", "rollout.env=calculator", "rollout.task=add",
-                    "rollout.max_turns=4", "rollout.max_tokens=448", "engine.max_model_len=512",
+                    "rollout.max_turns=4", "rollout.turn_stop=</tool_call>", "rollout.max_tokens=448", "engine.max_model_len=512",
                     f"engine.extra_args='{json.dumps({'logits_processors': [PROCESSOR]})}'",
                     "rollout.num_prompts=2", "rollout.num_samples=2", "algo.num_steps=1", "logging.progress=false",
                     "checkpoint.at_end=false", "eval.at_end=false")
