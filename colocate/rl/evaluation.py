@@ -18,10 +18,22 @@ credit or format bonuses; `reward_mean` keeps the weighted total beside it.
 pass@k is the unbiased estimator of Chen et al. 2021 (the Codex paper): with n samples of which c are correct,
 1 - C(n-c, k) / C(n, k), the chance that k answers drawn without replacement from the n include a correct one,
 averaged over prompts. pass@1 is then the fraction of correct answers.
+
+A multi-turn job (rollout.env) is evaluated on whole episodes (`EpisodeEvaluator`, below), played with the
+environment exactly as the rollouts play them: a rollout pool of its own (rl/rollout.py's `Rollouts`, fresh every
+time) over the validation samples, eval.num_samples episodes each (greedy: one), up to eval.max_tokens (else
+rollout.max_tokens) tokens and rollout.max_turns turns, with rollout.turn_stop and rollout.max_turn_tokens as in
+training. Its environments live in the controller's process even when the rollouts' live in rollout.env_workers
+(the two pools' episodes must not share keys in one worker). An episode's reward is its environment's, by
+rollout.turn_reward; it is correct when its *last* turn's reward is >= 1 (an environment gives its verdict on the
+last turn: the calculator's 1 for a right answer, copy_turns' 1 for an exact copy). An environment that fails
+fails the evaluation whatever rollout.env_errors says: an evaluation that dropped episodes would not compare
+with the next.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -29,7 +41,8 @@ from dataclasses import dataclass
 
 from colocate.config import EvalConfig, JobConfig
 from colocate.errors import ConfigError
-from colocate.rl.scoring import Reward, apply_reward
+from colocate.rl.rollout import Rollouts, turn_stats
+from colocate.rl.scoring import Reward, apply_reward, reward_groups
 from colocate.rl.tasks import PromptStream, Sample, Task
 
 TOY_PROMPTS = 64  # toy-task evaluation prompts when eval.max_prompts is 0: a task has no "whole val set"
@@ -175,6 +188,68 @@ class Evaluator:
         }
 
 
+class _Samples:
+    """The validation samples as the prompt stream a pool draws from: each once, in order."""
+
+    def __init__(self, samples: list[Sample]):
+        self.samples, self.position = samples, 0
+
+    def next_batch(self, n: int) -> list[Sample]:
+        batch = self.samples[self.position:self.position + n]
+        self.position += len(batch)
+        return batch
+
+
+class EpisodeEvaluator:
+    """Scores the policy the engines hold on whole episodes of rollout.env (the module docstring)."""
+
+    def __init__(self, cfg: JobConfig, engines: list, tokenizer, samples: list[Sample]):
+        e = cfg.eval
+        self.samples = samples[:e.max_prompts] if e.max_prompts else samples
+        self.num_samples = 1 if e.temperature == 0 else e.num_samples
+        rollout = dataclasses.replace(
+            cfg.rollout, num_prompts=len(self.samples), num_samples=self.num_samples,
+            max_tokens=e.max_tokens or cfg.rollout.max_tokens, temperature=e.temperature,
+            top_p=1.0 if e.temperature == 0 else cfg.rollout.top_p, partial_tokens=0, oversample=1.0,
+            leftover="drop", env_workers=0, env_errors="fail")
+        self.cfg = dataclasses.replace(cfg, rollout=rollout, engine=dataclasses.replace(cfg.engine, seed=e.seed))
+        self.engines, self.tokenizer = engines, tokenizer
+        self.last_answers: list[dict] = []
+
+    def run(self) -> dict:
+        """Play every episode to its end with the policy the engines hold (awake), then score them."""
+        started = time.perf_counter()
+        rollouts = Rollouts(self.cfg, self.engines, self.tokenizer, _Samples(self.samples))
+        groups, _ = rollouts.collect(version=0)  # one policy: no answer outlives a version
+        assert len(groups) == len(self.samples), f"{len(groups)} evaluated groups for {len(self.samples)} samples"
+        scored = reward_groups(groups, reward_fn=None, decode=self.tokenizer.decode,
+                               eos_id=self.tokenizer.eos_token_id, turn_reward=self.cfg.rollout.turn_reward)
+        n = self.num_samples
+        episodes = [a for g in groups for a in g.completions]
+        correct = [sum(bool(a.turn_rewards) and a.turn_rewards[-1] >= CORRECT for a in g.completions)
+                   for g in groups]
+        self.last_answers = [
+            {"prompt": g.rollout.sample.prompt, "answer": g.rollout.sample.answer, "responses": g.responses,
+             "token_ids": [a.token_ids for a in g.rollout.completions], "rewards": g.rewards,
+             "turn_rewards": [a.turn_rewards for a in g.rollout.completions]}
+            for g in scored]
+        out = {"pass_at_1": statistics.fmean(pass_at_k(n, c, 1) for c in correct)}
+        if n > 1:
+            out[f"pass_at_{n}"] = statistics.fmean(pass_at_k(n, c, n) for c in correct)
+        stats = turn_stats(episodes, num_env_dropped=0)
+        return {
+            **out,
+            "reward_mean": statistics.fmean(r for g in scored for r in g.rewards),
+            "num_prompts": len(groups),
+            "num_samples": n,
+            "response_len_mean": statistics.fmean(len(a.token_ids) for a in episodes),
+            "truncated_fraction": sum(a.finish_reason == "length" for a in episodes) / len(episodes),
+            "turns_per_episode": stats["turns_per_episode"],
+            "num_observation_tokens": stats["num_observation_tokens"],
+            "seconds": time.perf_counter() - started,
+        }
+
+
 def eval_samples(cfg: JobConfig, tokenizer, task: Task | None) -> list[Sample]:
     """data.val_files' samples, or with no data files a fixed draw of the toy task's prompts (eval.seed)."""
     if cfg.data.val_files:
@@ -188,9 +263,11 @@ def eval_samples(cfg: JobConfig, tokenizer, task: Task | None) -> list[Sample]:
 
 
 def make_evaluator(cfg: JobConfig, engines: list, tokenizer, reward_fn: Reward, task: Task | None, *,
-                   generate_fn: GenerateFn | None = None) -> Evaluator | None:
+                   generate_fn: GenerateFn | None = None) -> Evaluator | EpisodeEvaluator | None:
     """The job's evaluator, or None when eval.every_steps, eval.at_start and eval.at_end are all off. Reads the
     validation files: call it before the first step so a bad file stops the job early."""
     if not enabled(cfg.eval):
         return None
+    if cfg.rollout.env:
+        return EpisodeEvaluator(cfg, engines, tokenizer, eval_samples(cfg, tokenizer, task))
     return Evaluator(cfg, engines, tokenizer, eval_samples(cfg, tokenizer, task), reward_fn, generate_fn=generate_fn)
