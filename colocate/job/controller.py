@@ -156,7 +156,7 @@ class Controller:
             memory = self.memory()
         self.resume_rollout(step, num_steps)  # async: the passes go on under the weights just synced
         record = self._record(step, times, scored, rollout_stats, train_stats, sync_stats, memory)
-        if self.rt.reward_model is not None:  # its scoring this step, refills included (evaluate takes its own)
+        if self.rt.reward_model is not None:  # its scoring this step, refills included (evaluate counts apart)
             record["reward_model"] = self.rt.reward_model.take_stats()
         if evaluation is not None:
             record["eval"] = evaluation
@@ -336,9 +336,12 @@ class Controller:
     def evaluate(self, num_done: int) -> dict:
         """pass@k of the policy the engines hold now (awake: between steps, or before the first), after
         `num_done` steps; every answer goes to <output_dir>/eval/after_<num_done>_steps.jsonl."""
-        result = self.evaluator.run()
-        if self.rt.reward_model is not None:
-            result["reward_model"] = self.rt.reward_model.take_stats()
+        reward_model = self.rt.reward_model
+        # the reward model's work for the evaluation is counted apart from the step's scoring (its own record)
+        with reward_model.separate_stats() if reward_model else contextlib.nullcontext({}) as reward_model_stats:
+            result = self.evaluator.run()
+        if reward_model is not None:
+            result["reward_model"] = reward_model_stats
         self.events.append("eval")
         out = Path(self.cfg.logging.output_dir) / "eval"
         out.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ switch): its weights never change, so it sleeps at level 1 and wakes whole.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import ray
@@ -52,6 +53,15 @@ class RewardModel:
         """What was scored since the last call (a step's scoring, its refills included)."""
         stats, self._stats = self._stats, self._no_stats()
         return stats
+
+    @contextlib.contextmanager
+    def separate_stats(self):
+        """Count what is scored inside the block apart (an evaluation within a step), into the dict it gives."""
+        outer, self._stats = self._stats, self._no_stats()
+        try:
+            yield self._stats
+        finally:
+            self._stats = outer
 
     def _no_stats(self) -> dict:
         return {"kind": self.kind, "num_scored": 0, "num_truncated": 0, "num_unparsed": 0, "seconds": 0.0}

@@ -24,7 +24,7 @@ NUM_PROMPTS, NUM_SAMPLES = 4, 4  # launch()'s small job
 ])
 def test_a_served_reward_model_scores_every_answer_and_sleeps_while_training(tmp_path, rewards, extra):
     result = launch(tmp_path, f"rollout.rewards={rewards}", *extra, "engine.sleep_level=1", "algo.num_steps=2",
-                    "logging.progress=false", "checkpoint.at_end=false")
+                    "logging.progress=false", "checkpoint.at_end=false", "eval.at_end=true", "eval.max_prompts=4")
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     startup = next(r for r in records if r.get("event") == "startup")
@@ -39,6 +39,8 @@ def test_a_served_reward_model_scores_every_answer_and_sleeps_while_training(tmp
         assert stats["sleep_freed_bytes"] > 0  # it slept (its KV cache freed) while the trainer trained
         assert r["memory"]["reward_model_rss_bytes"] > 0
         assert math.isfinite(r[f"reward_{kind}_mean"])
+        if r["step"] == 1:  # the evaluation after it (greedy: 4 answers) is counted apart from the step's 16
+            assert r["eval"]["reward_model"]["num_scored"] == 4 and f"reward_{kind}_mean" in r["eval"]
         if kind == "model":  # the weighted sum of the rule's and the classifier's means
             assert r["reward_mean"] == pytest.approx(r["reward_char_mean"] + 0.5 * r["reward_model_mean"])
         else:  # a digit, or the unparsed reward (0) for a verdict without one

@@ -125,10 +125,12 @@ class FakeRewardModel:
 
     def __init__(self, log, state):
         self.log, self.state = log, state
+        self.stats = {"kind": "model", "num_scored": 0}
         state["reward_model"] = "awake"
 
     def __call__(self, prompts, responses, answers):
         assert self.state["reward_model"] == "awake"
+        self.stats["num_scored"] += len(prompts)
         self.log.append(("reward model", "score"))
         return [0.5] * len(prompts)
 
@@ -143,7 +145,14 @@ class FakeRewardModel:
         self.log.append(("reward model", "wake"))
 
     def take_stats(self):
-        return {"kind": "model", "num_scored": 0}
+        stats, self.stats = self.stats, {"kind": "model", "num_scored": 0}
+        return stats
+
+    @contextlib.contextmanager
+    def separate_stats(self):
+        outer, self.stats = self.stats, {"kind": "model", "num_scored": 0}
+        yield self.stats
+        self.stats = outer
 
     def memory(self):
         return [{"rss_bytes": 0}]
@@ -220,6 +229,7 @@ def expected_order(plan: SwitchPlan, *, checkpoint: bool, evaluate: bool, reward
         order += each("offload") if plan.trainer_offload else []
         order += [("engine 0", "wake", "kv_cache")] if plan.engine_sleep_level else []
         order += [("reward model", "wake")] if reward_model and plan.engine_sleep_level else []
+        order += [("reward model", "score")] if reward_model and evaluate else []
         order += [("engines", "eval")] if evaluate else []
     return order
 
@@ -279,9 +289,18 @@ def test_the_reward_model_sleeps_with_the_engines(level, offload, monkeypatch, t
     log: list[tuple] = []
     controller = make_controller(plan, log, monkeypatch, tmp_path, checkpoint=False, evaluate=True,
                                  overrides=["rollout.rewards=model:tiny-rm"], reward_model=True)
+    evaluate = controller.evaluator.run
+
+    def evaluate_with_the_reward_model():
+        controller.reward_fn(["p"] * 3, ["r"] * 3, ["a"] * 3)  # the evaluation scores 3 answers
+        return evaluate()
+
+    controller.evaluator.run = evaluate_with_the_reward_model
     controller.run_steps(NUM_STEPS)
     assert log == expected_order(plan, checkpoint=False, evaluate=True, reward_model=True)
-    assert controller.history[0]["reward_model"] == {"kind": "model", "num_scored": 0}
+    # the step's own scoring (2 groups of 2 answers), apart from the evaluation's, which runs before the record
+    assert controller.history[0]["reward_model"] == {"kind": "model", "num_scored": 4}
+    assert controller.history[0]["eval"]["reward_model"] == {"kind": "model", "num_scored": 3}
     assert controller.history[0]["reward_model_mean"] == 0.5
 
 
