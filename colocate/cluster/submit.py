@@ -340,8 +340,12 @@ def _override_value(value) -> str:
 
     if value is None:
         return "null"
-    if isinstance(value, str) and OmegaConf.to_container(OmegaConf.from_dotlist([f"k={value}"]))["k"] != value:
-        return json.dumps(value)  # a JSON string is a YAML double-quoted scalar
+    if isinstance(value, str):
+        try:
+            plain = OmegaConf.to_container(OmegaConf.from_dotlist([f"k={value}"]))["k"] == value
+        except Exception:  # not even YAML (e.g. "[0-9]+", "Question: {prompt} Answer: ..."): quoted it is
+            plain = False
+        return value if plain else json.dumps(value)  # a JSON string is a YAML double-quoted scalar
     return str(value)
 
 

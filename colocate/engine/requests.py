@@ -40,6 +40,9 @@ class EngineRequest:
     final: bool
     seed: int
     """This segment's seed: `segment_seed(answer seed, tokens it already has)`."""
+    num_turn_tokens: int = 0
+    """Multi-turn: the tokens of the current turn already at the end of `prompt_ids` (a turn continued from an
+    earlier pass), where rollout.turn_stop may have begun."""
 
 
 @dataclass
@@ -96,7 +99,8 @@ def run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_w
             # logprobs=0: only the sampled token's logprob at each new position
             result.logprobs += [next(iter(lp.values())).logprob for lp in completion.logprobs or []]
             result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens or 0)
-            stopped = bool(stop_ids) and _cut_at_stop(result, len(completion.token_ids), stop_ids)
+            stopped = bool(stop_ids) and _cut_at_stop(result, len(completion.token_ids), stop_ids,
+                                                      turn_before=_turn_tail(by_id[out.request_id], len(stop_ids)))
             if stopped and not out.finished:
                 engine.abort_request([out.request_id])  # what it decodes from here on is not the turn's
             if out.finished or stopped:
@@ -111,13 +115,20 @@ def run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_w
     return [results[r.request_id] for r in requests], timeline
 
 
-def _cut_at_stop(result: RequestResult, num_new: int, stop_ids: list[int]) -> bool:
-    """Whether the tokens just added complete `stop_ids`; if so, cut the result right after them (a step may have
-    added more than one token) and say it ended there."""
-    tokens, n = result.token_ids, len(stop_ids)
+def _turn_tail(request: EngineRequest, num_stop: int) -> list[int]:
+    """The turn's tokens from earlier passes that a stop text completed in this one may begin in (at most one
+    fewer than the stop's), never the observation or the prompt before the turn."""
+    return request.prompt_ids[len(request.prompt_ids) - min(request.num_turn_tokens, num_stop - 1):]
+
+
+def _cut_at_stop(result: RequestResult, num_new: int, stop_ids: list[int], *, turn_before: list[int] = ()) -> bool:
+    """Whether the tokens just added complete `stop_ids`, which may have begun in `turn_before` (the turn's tokens
+    from earlier passes); if so, cut the result right after them (a step may have added more than one token) and
+    say it ended there."""
+    tokens, n, offset = [*turn_before, *result.token_ids], len(stop_ids), len(turn_before)
     for end in range(max(n, len(tokens) - num_new + 1), len(tokens) + 1):
         if tokens[end - n:end] == stop_ids:
-            del result.token_ids[end:], result.logprobs[end:]
+            del result.token_ids[end - offset:], result.logprobs[end - offset:]
             return True
     return False
 

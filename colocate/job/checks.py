@@ -130,9 +130,21 @@ def read_inputs(cfg: JobConfig) -> JobInputs:
     prompts = make_prompt_source(cfg, models.load_tokenizer(model_path)) if cfg.data.train_files else None
     if cfg.rollout.env and prompts is not None:  # an environment may expect the data's own fields
         _check_env(cfg, prompts.samples[0])
+    if cfg.rollout.turn_stop:
+        check_turn_stop(cfg.rollout.turn_stop, models.load_tokenizer(model_path))
     if cfg.data.val_files and evaluation_enabled(cfg.eval):
         load_val_samples(cfg, models.load_tokenizer(model_path))
     return JobInputs(model_path, prompts, resume_point(cfg, model_path), reward_model_path(cfg))
+
+
+def check_turn_stop(turn_stop: str, tokenizer) -> None:
+    """rollout.turn_stop must be text the model can write: its tokens read back as itself (a character the
+    vocabulary lacks becomes the unknown token, and the stop would never match)."""
+    ids = tokenizer(turn_stop, add_special_tokens=False).input_ids
+    back = tokenizer.decode(ids)
+    if back != turn_stop or (tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids):
+        raise bad("rollout.turn_stop", turn_stop, f"the model's tokenizer cannot write it (its {len(ids)} tokens "
+                  f"read back as {back!r}); valid: text of the model's vocabulary, e.g. its tool call's end tag")
 
 
 def reward_model_path(cfg: JobConfig) -> str | None:
@@ -252,7 +264,10 @@ def _check_reward_model(spec: RewardModelSpec) -> None:
         return
     if not (local / "config.json").is_file():
         raise bad(key, value, "the directory has no config.json (not a Hugging Face model directory)")
-    config = json.loads((local / "config.json").read_text())
+    try:
+        config = json.loads((local / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise bad(key, value, f"its config.json cannot be read ({type(e).__name__}: {e})") from None
     architectures = config.get("architectures") or ["(none)"]
     if spec.kind == "model":
         if not architectures[0].endswith("ForSequenceClassification"):

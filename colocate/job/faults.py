@@ -301,7 +301,8 @@ class Watchdog:
         """The member whose loss a Ray error echoes. Every actor member is asked its pid: one whose answer is an
         actor error died; one that does not answer is busy or lost, and is awaited (at most LOSS_WAIT_S) until
         it answers (busy: no cause), its answer fails, or Ray declares its node dead."""
-        handles = {h._actor_id.hex(): h for h in [*self.runtime.trainers, *self.runtime.engines]}
+        served = [self.runtime.reward_model.actor] if self.runtime.reward_model is not None else []
+        handles = {h._actor_id.hex(): h for h in [*self.runtime.trainers, *self.runtime.engines, *served]}
         pending = {handles[m.actor_id].pid.remote(): m for m in self.members if m.actor_id in handles}
         deadline, timeout = time.monotonic() + LOSS_WAIT_S, PROBE_TIMEOUT_S
         while pending and time.monotonic() < deadline:

@@ -307,6 +307,7 @@ def _cuda_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan, gpu_bytes: i
     if cfg.engine.enforce_eager != "true":  # CUDA graphs ("auto" captures them on CUDA)
         residue["cuda graph pool, kept asleep (est.)"] = CUDA_GRAPH_POOL_BYTES
     awake = plan.engine_sleep_level == 0
+    served = _cuda_reward_model(cfg, gpu_bytes, asleep=False)  # starts last, beside everything above
     # the CUDA sync all-gathers each layer group over the trainers, in the engine dtype: the full group plus this
     # rank's send chunk
     gathered = dims.largest_sync_group * engine_dtype if sync_transport(cfg, "cuda") == "gather" else 0
@@ -315,9 +316,9 @@ def _cuda_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan, gpu_bytes: i
         # claim are never resident together; the larger of the two is the startup peak
         Phase("startup", {**contexts, "trainer params (fp32 shard)": shard,
                           **({"sharding transient (largest group, fp32)": transient}
-                             if transient > sum(engine_share.values()) + sum(ring.values())
-                             else {**engine_share, **ring})}),
-        Phase("rollout", {**contexts, **engine_share, **ring, **_cuda_reward_model(cfg, gpu_bytes, asleep=False),
+                             if transient > sum(engine_share.values()) + sum(ring.values()) + sum(served.values())
+                             else {**engine_share, **ring, **served})}),
+        Phase("rollout", {**contexts, **engine_share, **ring, **served,
                           **({} if plan.trainer_offload else {"trainer params + optimizer": 3 * shard})}),
         Phase("train", {**contexts, "trainer params + grads + optimizer": 4 * shard,
                         **micro_batch_bytes(cfg, dims, "cuda"), **_cuda_reward_model(cfg, gpu_bytes, asleep=not awake),

@@ -11,8 +11,8 @@ state between turns stays where it was made. Each worker holds a plain `Episodes
 runs its share of a batch one call at a time, each bounded by rollout.env_timeout_s and checked there, exactly
 as in the controller's process: an error, a hang or a wrong type comes back as the EnvError naming the sample
 and the turn, in its place in the batch. A worker that dies fails every call it had (EnvError naming the worker)
-and the environments it held are gone: with rollout.env_errors=drop, their groups are dropped, and the next
-calls for them say so.
+and the environments it held are gone: with rollout.env_errors=drop, their groups are dropped, the next calls for
+them say so, and new episodes go to the workers left.
 
 The workers reserve no CPU (`num_cpus=0`): the slots' bundles hold the node's CPUs for the trainers and
 engines, and an environment's work is the host's spare cores' (or its own service's). Observations are
@@ -60,9 +60,15 @@ class RemoteEpisodes:
         self.workers, self.decode = workers, decode
         self.envs: dict[Key, int] = {}  # each live episode's worker
         self.lost: set[Key] = set()  # episodes whose worker died
+        self.dead: set[int] = set()  # workers that died: new episodes go to the others
 
-    def worker_of(self, key: Key) -> int:
-        return (key[0] * 7919 + key[1]) % len(self.workers)  # a group's answers spread over the workers
+    def worker_of(self, key: Key) -> int | None:
+        """The worker of an episode: where it lives, or for a new one a live worker chosen by its key (a group's
+        answers spread over the workers); None when every worker died."""
+        if key in self.envs:
+            return self.envs[key]
+        live = [w for w in range(len(self.workers)) if w not in self.dead]
+        return live[(key[0] * 7919 + key[1]) % len(live)] if live else None
 
     def start(self, key: Key, sample: Sample) -> list[int]:
         return _raised(self.start_many([(key, sample)])[0])
@@ -71,9 +77,16 @@ class RemoteEpisodes:
         return _raised(self.step_many([(key, sample, turn, action)])[0])
 
     def start_many(self, items: list[tuple[Key, Sample]]) -> list[list[int] | EnvError]:
-        self.lost.difference_update(key for key, _ in items)  # a restart makes a new environment
+        for key, _ in items:  # a (re)start makes a new environment, on a live worker chosen now
+            self.lost.discard(key)
+            self.envs.pop(key, None)
+            if (w := self.worker_of(key)) is not None:
+                self.envs[key] = w
         out = self._fan_out("start_many", items, what="reset")
-        self.envs.update((key, self.worker_of(key)) for key, _ in items)
+        for (key, _), outcome in zip(items, out):
+            if isinstance(outcome, EnvError):  # no environment was made (or its worker died making it)
+                self.envs.pop(key, None)
+                self.lost.discard(key)
         return out
 
     def step_many(self, items: list[tuple[Key, Sample, int, str]]) -> list[Turn | EnvError]:
@@ -82,8 +95,9 @@ class RemoteEpisodes:
     def forget(self, keys) -> None:
         by_worker: dict[int, list[Key]] = {}
         for key in keys:
-            if self.envs.pop(key, None) is not None:
-                by_worker.setdefault(self.worker_of(key), []).append(key)
+            w = self.envs.pop(key, None)
+            if w is not None and w not in self.dead:
+                by_worker.setdefault(w, []).append(key)
             self.lost.discard(key)
         for w, worker_keys in by_worker.items():
             self.workers[w].forget.remote(worker_keys)  # not awaited: the next call to that worker follows it
@@ -94,17 +108,21 @@ class RemoteEpisodes:
         shares: dict[int, list[int]] = {}
         for i, item in enumerate(items):
             key, sample = item[0], item[1]
-            if key in self.lost:
-                out[i] = EnvError(f"environment (rollout.env) {what}: its worker died earlier, with the episode's "
-                                  f"environment, on sample {sample.prompt!r} at turn {_turn(item)}")
+            w = self.worker_of(key)
+            if key in self.lost or w is None:
+                why = "its worker died earlier, with the episode's environment" if key in self.lost else \
+                    f"every one of the {len(self.workers)} environment workers died"
+                out[i] = EnvError(f"environment (rollout.env) {what}: {why}, on sample {sample.prompt!r} at turn "
+                                  f"{_turn(item)}")
             else:
-                shares.setdefault(self.worker_of(key), []).append(i)
+                shares.setdefault(w, []).append(i)
         calls = {w: getattr(self.workers[w], method).remote([items[i] for i in indices])
                  for w, indices in shares.items()}
         for w, ref in calls.items():
             try:
                 outcomes = ray.get(ref)
             except ray.exceptions.RayActorError as e:  # the worker died: every episode it held is gone
+                self.dead.add(w)
                 self.lost.update(k for k, worker in self.envs.items() if worker == w)
                 cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 outcomes = [EnvError(f"environment (rollout.env) {what}: environment worker {w} died ({cause}), on "

@@ -179,8 +179,10 @@ class Rollouts:
         return [out["timeline"] for out in outs]
 
     def _apply(self, plan: Pass, outs: list[dict]) -> None:
-        for e, out in zip(plan.busy, outs):
-            self.pool.apply(plan.per_engine[e], out["results"], plan.version)
+        """Every engine's results at once: a multi-turn pass's turn ends are stepped in one batch (in parallel
+        across rollout.env_workers), not one batch per engine."""
+        self.pool.apply([r for e in plan.busy for r in plan.per_engine[e]],
+                        [result for out in outs for result in out["results"]], plan.version)
 
     def _stats(self, groups: list[Group], rollouts: list[Rollout], version: int, seconds: float) -> dict:
         answers = [a for g in groups for a in g.answers]

@@ -163,7 +163,8 @@ class RolloutPool:
                 out.append(EngineRequest(
                     request_id=f"g{group.group_id}-a{i}-v{version}-t{len(answer.token_ids)}", group=group.group_id,
                     index=i, prompt_ids=group.prompt_ids + answer.token_ids, max_tokens=segment,
-                    final=segment == turn_left, seed=segment_seed(answer.seed, len(answer.token_ids))))
+                    final=segment == turn_left, seed=segment_seed(answer.seed, len(answer.token_ids)),
+                    num_turn_tokens=answer.num_turn_tokens() if self.episodes is not None else 0))
         return out
 
     def _turn_tokens_left(self, answer: Answer) -> int:

@@ -1,7 +1,8 @@
 """rollout.env_workers: the environments in Ray actors (rl/env_workers.py), on a Ray of their own in a separate
 process (no Ray session of this test process's). A pass's turn ends go out one batch per worker, the workers in
 parallel: two workers step four slow episodes in two processes at overlapping times. A worker that dies fails
-the calls it had and says so, and the episodes it held are gone; the other worker's go on."""
+the calls it had and says so, and the episodes it held are gone; the other worker's go on, and a restarted
+episode goes to it."""
 
 from __future__ import annotations
 
@@ -36,11 +37,15 @@ turns = episodes.step_many([(k, sample, 0, "12") for k in keys])
 ray.kill(workers[1])
 after_kill = episodes.step_many([(k, sample, 1, "12") for k in keys])
 again = episodes.step_many([((0, 1), sample, 2, "12")])
+restarted = episodes.start_many([((0, 1), sample)])  # a restarted episode goes to the worker left
+restarted_step = episodes.step_many([((0, 1), sample, 0, "12")])
 print(json.dumps({
     "prompts": [tokenizer.decode(p) for p in prompts],
     "observations": [tokenizer.decode(t.observation) for t in turns],
     "after_kill": [str(t) if isinstance(t, Exception) else tokenizer.decode(t.observation) for t in after_kill],
     "again": str(again[0]),
+    "restarted": tokenizer.decode(restarted[0]),
+    "restarted_step": tokenizer.decode(restarted_step[0].observation),
 }))
 ray.shutdown()
 """
@@ -63,3 +68,4 @@ def test_workers_step_in_parallel_and_a_dead_worker_is_named(tmp_path):
     for i in (1, 3):
         assert "environment worker 1 died" in out["after_kill"][i] and "at turn 1" in out["after_kill"][i]
     assert "its worker died earlier" in out["again"] and "at turn 2" in out["again"]
+    assert out["restarted"] == "12=" and int(out["restarted_step"].split(":")[0]) == steps[0][0]  # in worker 0

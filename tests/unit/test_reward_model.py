@@ -110,6 +110,7 @@ def test_the_preflight_counts_the_reward_model():
     before = {p.name: p.total for p in predict_phases(plain, dims, device="cuda", gpu_bytes=gpu)}
     after = {p.name: p for p in predict_phases(served, dims, device="cuda", gpu_bytes=gpu)}
     assert after["rollout"].total - before["rollout"] >= int(0.2 * gpu)  # awake beside the rollout
+    assert after["startup"].total - before["startup"] >= int(0.2 * gpu)  # it starts beside everything
     assert 0 < after["train"].total - before["train"] < int(0.2 * gpu)  # asleep while the trainer trains
     cpu = {p.name: p.parts for p in predict_phases(served, dims, device="cpu")}
     assert all("reward model (processes + kv cache)" in parts for parts in cpu.values())
@@ -127,12 +128,16 @@ def test_bad_reward_models_are_one_line_before_any_actor(tmp_path):
     two_labels = _model_dir(tmp_path, "cls2", architectures=["Qwen2ForSequenceClassification"],
                             id2label={"0": "a", "1": "b"})
     classifier = _model_dir(tmp_path, "rm", architectures=["Qwen2ForSequenceClassification"], id2label={"0": "s"})
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"architectures": [')
     cases = {
         f"model:{tmp_path}/missing": "no such directory",
         f"model:{causal}": "is not a sequence classifier",
         f"model:{two_labels}": "the classifier has 2 labels",
         f"judge:{classifier}": "does not generate",
         "model:tiny-nothing": "no such directory",
+        f"model:{broken}": r"its config.json cannot be read \(JSONDecodeError",
     }
     for spec, why in cases.items():
         cfg = load_config(None, [f"rollout.rewards={spec}", f"logging.output_dir={tmp_path}/out"])

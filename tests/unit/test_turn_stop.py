@@ -77,3 +77,28 @@ def test_turn_stop_needs_an_environment():
     with pytest.raises(ConfigError, match=r"^rollout.turn_stop='</tool_call>' is invalid: ends a turn of "):
         load_config(None, ["rollout.turn_stop=</tool_call>"])
     assert load_config(None, ["rollout.env=calculator", "rollout.turn_stop=</tool_call>"]).rollout.turn_stop
+
+
+def test_a_stop_begun_in_an_earlier_pass_of_the_turn_is_completed_here():
+    """A turn cut mid-way by a pass's end continues in the next; its stop may straddle the two. Only the turn's own
+    tokens count: an observation (or prompt) ending like the stop's beginning does not."""
+    loop = FakeEngineLoop({"a": [8, 9, 2], "b": [8, 9, 2]})
+    llm = SimpleNamespace(llm_engine=loop, _preprocess_cmpl=lambda prompts: prompts)
+    requests = [EngineRequest("a", group=0, index=0, prompt_ids=[1, 5, 7], max_tokens=20, final=True, seed=0,
+                              num_turn_tokens=2),  # [5, 7] were sampled in this turn, in the last pass
+                EngineRequest("b", group=1, index=0, prompt_ids=[1, 5, 7], max_tokens=20, final=True, seed=0,
+                              num_turn_tokens=0)]  # the turn starts here: the 7 is the observation's
+    results, _ = run_pass(llm, requests, {"temperature": 1.0, "top_p": 1.0, "stop_ids": STOP},
+                          num_groups_wanted=None, eos_token_id=2)
+    assert [r.token_ids for r in results] == [[8], [8, 9, 2]]
+    assert loop.aborted == ["a"]
+
+
+def test_a_stop_the_tokenizer_cannot_write_is_refused():
+    from colocate.job.checks import check_turn_stop
+    from colocate.models.sources import CHAT_CHARACTERS, SPECIAL_TOKENS, VOCAB, build_tokenizer
+
+    check_turn_stop("</tool_call>", build_tokenizer(SPECIAL_TOKENS + list(CHAT_CHARACTERS)))  # tiny-chat's
+    with pytest.raises(ConfigError, match=r"^rollout.turn_stop='</tool_call>' is invalid: the model's tokenizer "
+                                          r"cannot write it \(its 12 tokens read back as '<unk><unk>tool"):
+        check_turn_stop("</tool_call>", build_tokenizer(VOCAB))  # the toy vocabulary has no <, / or _
