@@ -244,7 +244,7 @@ def _check_model_path(path: str) -> None:
     local = Path(path).expanduser()
     if local.is_dir() and not (local / "config.json").is_file():
         raise bad("model.path", path, "the directory has no config.json (not a Hugging Face model directory)")
-    if "/" in path and not local.exists() and (path.startswith((".", "/", "~")) or path.count("/") != 1):
+    if "/" in path and not local.exists() and not models.is_hub_id(path):
         # "org/name" may be a hub id; anything path-like must exist.
         raise bad("model.path", path, "no such directory (give a Hugging Face model directory or hub id, or "
                    "leave empty for the embedded preset)")
@@ -258,7 +258,7 @@ def _check_reward_model(spec: RewardModelSpec) -> None:
     local = Path(spec.path).expanduser()
     presets = models.REWARD_PRESETS if spec.kind == "model" else models.PRESETS
     if not local.is_dir():
-        if spec.path not in presets and (spec.path.startswith((".", "/", "~")) or spec.path.count("/") != 1):
+        if spec.path not in presets and not models.is_hub_id(spec.path):
             raise bad(key, value, f"no such directory; give a model directory, a hub id (ORG/NAME) or an embedded "
                       f"preset ({', '.join(presets)})")
         return

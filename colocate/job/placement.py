@@ -207,10 +207,10 @@ class EnginePlacement:
     cpu_share: float  # CPUs the driver actor asks for
 
 
-def engine_placement(plan: SlotPlan, engine: int, *, reward_model: bool = False) -> EnginePlacement:
-    """`reward_model`: the job serves one, which takes REWARD_MODEL_SHARE of the engines' share."""
+def engine_placement(plan: SlotPlan, engine: int) -> EnginePlacement:
+    """When the job serves a reward model (plan.reward_model_tp), it takes REWARD_MODEL_SHARE of the engines'."""
     return _placement(plan.device, plan.engine_slots(engine),
-                      ENGINE_SHARE - REWARD_MODEL_SHARE if reward_model else ENGINE_SHARE)
+                      ENGINE_SHARE - REWARD_MODEL_SHARE if plan.reward_model_tp else ENGINE_SHARE)
 
 
 def reward_model_placement(plan: SlotPlan) -> EnginePlacement:

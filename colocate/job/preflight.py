@@ -26,6 +26,7 @@ from colocate.config.reward_model import reward_models_in
 from colocate.errors import ConfigError
 from colocate.host.node_checks import host_needs
 from colocate.job.placement import sync_in_place, sync_transport
+from colocate.models.sources import is_hub_id
 from colocate.trainer.batching import attention_implementation
 from colocate.trainer.step_memory import kept_group_params, micro_batch_parts, unsharded_group_bytes
 
@@ -150,7 +151,7 @@ def model_config_file(path: str) -> Path | None:
     local = Path(path).expanduser()
     if (local / "config.json").is_file():
         return local / "config.json"
-    if local.exists() or path.count("/") != 1 or path.startswith((".", "/", "~")):
+    if local.exists() or not is_hub_id(path):
         return None
     try:
         from huggingface_hub import try_to_load_from_cache

@@ -229,7 +229,7 @@ class Runtime:
         return [self._trainer_name(r) for r in range(len(self.trainers))] + \
             [self._engine_name(e) for e in range(len(self.engines))] + \
             [self._reward_model_name() for _ in self._reward_model_actors()] + \
-            [f"colocate-{self.job}-env-worker-{w}" for w in range(len(self.env_workers))]
+            [self._env_worker_name(w) for w in range(len(self.env_workers))]
 
     def _reward_model_actors(self) -> list:
         return [self.reward_model.actor] if self.reward_model is not None else []
@@ -275,7 +275,7 @@ class Runtime:
         self.engines = EngineGroup()
         self._engine_generation += 1
         for e in range(self.plan.num_engines):
-            where = engine_placement(self.plan, e, reward_model=bool(reward_models_in(cfg.rollout.rewards)))
+            where = engine_placement(self.plan, e)
             env = {**engine_env(cfg.engine, self.device, where.env), JOB_ENV: self.job}
             options = actor_options(self.group, where.bundle, cpu_share=where.cpu_share, env=env,
                                     gpu_share=where.driver_share if self.device == "cuda" else 0.0)
@@ -300,7 +300,7 @@ class Runtime:
         actor = ray.remote(RewardEngineActor).options(name=self._reward_model_name(), **options).remote(
             engine_cfg, path, kind=spec.kind, rm_cfg=cfg.reward_model, device=self.device,
             sleep_backend=self.resolved.sleep_backend, placement_env=where.env)
-        self.reward_model = RewardModel(actor, kind=spec.kind, cfg=cfg.reward_model)
+        self.reward_model = RewardModel(actor, kind=spec.kind)
         self.reward_model_info = {"kind": spec.kind, "path": path, "slots": self.plan.reward_model_slots()}
         self._reward_model_prepared = actor.prepare.remote()
 
@@ -317,13 +317,16 @@ class Runtime:
         r = self.cfg.rollout
         actor = ray.remote(EnvWorker)
         self.env_workers = [
-            actor.options(name=f"colocate-{self.job}-env-worker-{w}", num_cpus=0,
+            actor.options(name=self._env_worker_name(w), num_cpus=0,
                           runtime_env={"env_vars": {JOB_ENV: self.job, "TOKENIZERS_PARALLELISM": "false"}}).remote(
                 r.env, length=r.task_length, model_path=self.model_path, timeout_s=r.env_timeout_s)
             for w in range(r.env_workers if r.env else 0)]
 
     def _reward_model_name(self) -> str:
         return f"colocate-{self.job}-reward-model"
+
+    def _env_worker_name(self, worker: int) -> str:
+        return f"colocate-{self.job}-env-worker-{worker}"
 
     def _start_engines(self) -> None:
         if not self.engines:

@@ -102,6 +102,11 @@ def _cache_dir(cache_dir: str, name: str, preset: Preset, seed: int) -> Path:
     return Path(cache_dir).expanduser() / f"qwen2-{name}-{fingerprint}-seed{seed}"
 
 
+def is_hub_id(path: str) -> bool:
+    """Whether `path` reads as a Hugging Face hub id (ORG/NAME) rather than a local path."""
+    return path.count("/") == 1 and not path.startswith((".", "/", "~"))
+
+
 def ensure_model(config: ModelConfig) -> str:
     """Return a loadable model directory: `config.path` if it is one, a hub id's snapshot (downloaded once, in
     the driver, before any actor: every later reader sees files, not an id), or the preset built into the cache."""
@@ -124,7 +129,7 @@ def ensure_reward_model(kind: str, path: str, *, cache_dir: str, seed: int, key:
     if path in presets:
         head = "classifier" if kind == "model" else "causal_lm"
         return _built(_cache_dir(cache_dir, path, presets[path], seed), presets[path], seed=seed, head=head)
-    if path.startswith((".", "/", "~")) or path.count("/") != 1:  # a path, not an ORG/NAME hub id
+    if not is_hub_id(path):
         raise ConfigError(f"{key}={kind}:{path} is invalid: {path!r} is not a directory; give a model directory, "
                           f"a hub id (ORG/NAME) or an embedded preset ({', '.join(presets)})")
     return hub_snapshot(path, key=f"{key} ({kind}:)")

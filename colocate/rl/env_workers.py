@@ -3,7 +3,7 @@ environment (a sandbox, a simulator, an HTTP tool) does not hold the engines whi
 every episode one at a time.
 
     workers = [EnvWorker actors]                 # the runtime starts them (Runtime.env_workers), and kills them
-    episodes = RemoteEpisodes(workers, tokenize=..., decode=...)
+    episodes = RemoteEpisodes(workers, decode=tokenizer.decode)
     episodes.step_many([(key, sample, turn, action), ...])   # one call per worker, the workers in parallel
 
 An episode's environment lives in one worker for its whole life, chosen by its key (group id, answer), so its

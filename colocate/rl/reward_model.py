@@ -27,8 +27,6 @@ import time
 
 import ray
 
-from colocate.config import RewardModelConfig
-
 
 class RewardModel:
     """The job's reward model as a batched reward (rl/scoring.py): the engine actor scores every sample of a
@@ -36,9 +34,8 @@ class RewardModel:
 
     batched = True
 
-    def __init__(self, actor, *, kind: str, cfg: RewardModelConfig | None = None):
-        self.actor, self.kind, self.cfg = actor, kind, cfg
-        self.name = kind  # the component's name: reward_<kind>_mean
+    def __init__(self, actor, *, kind: str):
+        self.actor, self.kind = actor, kind  # kind "model" or "judge": the component's name, reward_<kind>_mean
         self._stats = self._no_stats()
 
     def __call__(self, prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:

@@ -92,9 +92,10 @@ def test_the_reward_model_shares_the_engines_first_slots():
     where = reward_model_placement(plan)
     assert (where.bundle, where.driver_share, where.env["VLLM_RAY_BUNDLE_INDICES"]) == (0, 0.0, "0,1")
     assert where.env["VLLM_RAY_PER_WORKER_GPUS"] == str(REWARD_MODEL_SHARE)
-    engine = engine_placement(plan, 0, reward_model=True)
+    engine = engine_placement(plan, 0)
     assert float(engine.env["VLLM_RAY_PER_WORKER_GPUS"]) + REWARD_MODEL_SHARE + TRAINER_SHARE <= 1
-    assert engine_placement(plan, 0).cpu_share == ENGINE_SHARE  # without one, the engines keep their share
+    without = plan_slots(load_config(None, ["placement.num_slots=4", "engine.tp=2"]), device="cuda", num_devices=4)
+    assert engine_placement(without, 0).cpu_share == ENGINE_SHARE  # without one, the engines keep their share
     assert plan.describe()[1].endswith("engine 0 tp worker 0 | reward model tp worker 0")
     split = SlotPlan("cpu", 4, 1, num_split_engine_slots=2, reward_model_tp=1)
     assert split.reward_model_slots() == [2]  # beside the engines, never the trainers
