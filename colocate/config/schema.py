@@ -107,6 +107,8 @@ class EngineConfig:
     """Most sequences the engine decodes at once; 0 keeps vLLM's default."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of a shared prefix: the samples of one prompt share its prefill."""
+    expert_parallel: bool = False
+    """MoE models: split the experts across each engine's TP workers, each expert whole (vLLM enable_expert_parallel), instead of splitting every expert's intermediate dimension."""
     extra_args: str = ""
     """Other vLLM engine arguments as a JSON object, e.g. {"block_size": 32}; names are checked against vLLM's EngineArgs before anything starts."""
     sleep_level: str = "auto"
@@ -573,6 +575,7 @@ _ENGINE_ARGS_OF_OURS = {
     "max_model_len": "engine.max_model_len", "enforce_eager": "engine.enforce_eager", "seed": "engine.seed",
     "gpu_memory_utilization": "engine.gpu_memory_utilization", "enable_sleep_mode": "engine.sleep_backend",
     "max_num_seqs": "engine.max_num_seqs", "enable_prefix_caching": "engine.enable_prefix_caching",
+    "enable_expert_parallel": "engine.expert_parallel",
     "kv_cache_memory_bytes": "engine.kv_cache_gib", "worker_extension_cls": None, "skip_tokenizer_init": None,
     "distributed_executor_backend": None, "logprobs_mode": None}
 

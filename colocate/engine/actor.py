@@ -103,6 +103,7 @@ class EngineActor:
             # CUDA graphs on GPU by default; on the CPU eager mode starts in seconds instead of minutes
             enforce_eager=self.cfg.enforce_eager == "true",
             enable_prefix_caching=self.cfg.enable_prefix_caching,
+            enable_expert_parallel=self.cfg.expert_parallel,
             seed=self.cfg.seed,
             skip_tokenizer_init=True,
             worker_extension_cls=EXTENSION,

@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from colocate.engine.experts import expert_report
 from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.sync.load import verify_then_load
 from colocate.sync.reshard import SyncPlan
@@ -53,9 +54,11 @@ def _cpu_only_patches() -> None:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
+        from colocate.engine.cpu_moe import use_plain_cpu_experts
         from colocate.engine.cpu_polling import stop_busy_polling
 
         _use_plain_cpu_linear()
+        use_plain_cpu_experts()
         stop_busy_polling()
 
 
@@ -198,12 +201,15 @@ class ColocateWorkerExtension:
         return torch.cuda.mem_get_info(self.device)[0]
 
     def colocate_param_layout(self) -> dict:
+        """This worker's parameters (names, shapes, dtypes), TP rank, and for a MoE model its experts: which global
+        experts its slots hold and how their intermediate dimension is split (the reshard plan needs both)."""
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         return {
             "tp_rank": get_tensor_model_parallel_rank(),
             "tp_size": get_tensor_model_parallel_world_size(),
             "params": [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model_runner.model.named_parameters()],
+            "experts": expert_report(self.model_runner.model),
         }
 
     # ------------------------------------------------------------------------------------- portable sleep

@@ -28,7 +28,8 @@ from colocate.config.reward_model import RewardModelSpec, reward_models_in
 from colocate.errors import ConfigError
 from colocate.job.faults import parse_injection
 from colocate.job.placement import SlotPlan, local_device_count, plan_slots, resolve_device
-from colocate.job.preflight import GIB, Prediction, host_available_bytes, model_config_file, preflight
+from colocate.job.preflight import (GIB, ModelDims, Prediction, host_available_bytes, model_config_file, model_dims,
+                                    num_routed_experts, preflight)
 from colocate.models import sources as models
 from colocate.rl.data import data_files, load_val_samples, make_prompt_source
 from colocate.rl.evaluation import enabled as evaluation_enabled
@@ -52,6 +53,8 @@ def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> None:
     _check_model_path(cfg.model.path)
     _check_chunked_head(cfg)
     _check_activation_checkpointing(cfg)
+    if cfg.engine.expert_parallel:
+        check_experts(cfg, model_dims(cfg))
     task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
     if cfg.rollout.env and not cfg.data.train_files:  # on data rows, read_inputs checks it with the first one
         _check_env(cfg, task.sample(random.Random(0)))
@@ -127,6 +130,8 @@ def _check_env(cfg: JobConfig, sample) -> None:
 
 def read_inputs(cfg: JobConfig) -> JobInputs:
     model_path = models.ensure_model(cfg.model)
+    if cfg.model.path and cfg.engine.expert_parallel:  # a hub id is on this machine now
+        check_experts(cfg, ModelDims.from_config_dict(json.loads((Path(model_path) / "config.json").read_text())))
     prompts = make_prompt_source(cfg, models.load_tokenizer(model_path)) if cfg.data.train_files else None
     if cfg.rollout.env and prompts is not None:  # an environment may expect the data's own fields
         _check_env(cfg, prompts.samples[0])
@@ -135,6 +140,21 @@ def read_inputs(cfg: JobConfig) -> JobInputs:
     if cfg.data.val_files and evaluation_enabled(cfg.eval):
         load_val_samples(cfg, models.load_tokenizer(model_path))
     return JobInputs(model_path, prompts, resume_point(cfg, model_path), reward_model_path(cfg))
+
+
+def check_experts(cfg: JobConfig, dims: ModelDims | None) -> None:
+    """engine.expert_parallel splits a MoE model's experts over each engine's TP workers: the model must have
+    experts, at least one per worker. `dims` None: a hub id not on this machine yet (read_inputs checks it)."""
+    if not cfg.engine.expert_parallel or dims is None:
+        return
+    model = cfg.model.path or f"model.preset={cfg.model.preset}"
+    if not dims.num_experts:
+        raise bad("engine.expert_parallel", True, f"{model} is a dense model (no routed experts in its config); "
+                  "expert parallelism splits a MoE model's experts (e.g. model.preset=tiny-moe); valid: false")
+    if dims.num_experts < cfg.engine.tp:
+        raise bad("engine.expert_parallel", True, f"{model} has {dims.num_experts} experts per layer, fewer than "
+                  f"engine.tp={cfg.engine.tp} workers to split them over; valid: false, or engine.tp <= "
+                  f"{dims.num_experts}")
 
 
 def check_turn_stop(turn_stop: str, tokenizer) -> None:
@@ -298,7 +318,8 @@ def largest_tensor_bytes(cfg: JobConfig) -> int | None:
 
     if not cfg.model.path:
         p = models.PRESETS[cfg.model.preset]
-        dims = dict(vocab_size=p.vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size)
+        dims = dict(vocab_size=p.vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
+                    num_experts=p.num_experts, moe_intermediate_size=p.moe_intermediate_size)
     else:
         config_file = Path(cfg.model.path).expanduser() / "config.json"
         if not config_file.is_file():
@@ -307,4 +328,5 @@ def largest_tensor_bytes(cfg: JobConfig) -> int | None:
         dims = dims.get("text_config", dims)
     itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[cfg.engine.dtype]
     hidden = dims["hidden_size"]
-    return max(dims["vocab_size"], dims.get("intermediate_size", hidden), hidden) * hidden * itemsize
+    experts = num_routed_experts(dims) * 2 * (dims.get("moe_intermediate_size") or 0)  # fused gate_up rows
+    return max(dims["vocab_size"], dims.get("intermediate_size", hidden), hidden, experts) * hidden * itemsize

@@ -75,6 +75,7 @@ class ModelDims:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    num_experts: int = 0  # routed experts per layer; 0: dense
 
     @classmethod
     def from_config_dict(cls, d: dict) -> ModelDims:
@@ -85,11 +86,19 @@ class ModelDims:
         head_dim = d.get("head_dim") or hidden // heads
         kv = d.get("num_key_value_heads", heads)
         attention = hidden * head_dim * (2 * heads + 2 * kv) + head_dim * (heads + 2 * kv)
-        per_layer = attention + 3 * hidden * inter + 2 * hidden
+        num_experts = num_routed_experts(d)
+        if num_experts:  # every layer sparse (Qwen3-MoE, Mixtral): experts, router, an optional shared expert
+            expert_inter = d.get("moe_intermediate_size") or inter
+            shared = d.get("shared_expert_intermediate_size") or 0
+            mlp = num_experts * (3 * hidden * expert_inter + hidden) + 3 * hidden * shared + (hidden if shared else 0)
+            inter = d.get("num_experts_per_tok", 1) * expert_inter + shared  # what one token computes through
+        else:
+            mlp = 3 * hidden * inter
+        per_layer = attention + mlp + 2 * hidden
         tied = bool(d.get("tie_word_embeddings"))
         embeddings = d["vocab_size"] * hidden * (1 if tied else 2)
         return cls(layers * per_layer + embeddings + hidden, layers, hidden, d["vocab_size"], per_layer, tied,
-                   inter, heads, kv, head_dim)
+                   inter, heads, kv, head_dim, num_experts)
 
     @property
     def root_params(self) -> int:
@@ -101,6 +110,12 @@ class ModelDims:
         """The sync streams pre (embeddings), each layer, post (final norm + lm_head): the largest, in params."""
         embedding = self.vocab_size * self.hidden_size
         return max(embedding, self.layer_params, self.hidden_size + (0 if self.tie_word_embeddings else embedding))
+
+
+def num_routed_experts(config: dict) -> int:
+    """A model config's routed experts per layer, under the names the MoE families use (Qwen2/3-MoE, transformers
+    5's saved configs, Mixtral, DeepSeek); 0 for a dense model."""
+    return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The embedded default models: small random-initialised Qwen2 causal LMs with a character tokenizer.
+"""The embedded default models: small random-initialised Qwen2 (and Qwen3-MoE) causal LMs with a character
+tokenizer.
 
 No machine of ours can download weights, so the default job builds its own model once into a cache
 directory (safetensors + Hugging Face tokenizer files) and reuses it. The result is an ordinary Hugging
@@ -11,6 +12,7 @@ Presets:
 - ``tiny``: 2 layers, hidden 128, 4,096 positions; for tests and the default CPU job (seconds to build, learns
   in minutes).
 - ``tiny-chat``: tiny over every printable ASCII character and the newline, for chat and tool-call formats.
+- ``tiny-moe``: tiny's attention under 8 routed experts (top-2) in each layer, a Qwen3-MoE (docs/moe.md).
 - ``bench``: 24 layers, hidden 1024, vocab 32768; >= 0.4 GB of bf16 weights, for the sync/switch benchmarks.
 
 Reward presets (`rollout.rewards=model:tiny-rm`): ``tiny-rm``, tiny's body under a one-logit sequence
@@ -49,6 +51,10 @@ class Preset:
     tie_word_embeddings: bool
     max_position_embeddings: int = 512
     characters: str = ""  # the tokenizer's characters after the special tokens; empty: the toy tasks' CHARACTERS
+    # routed experts (Qwen3-MoE, every layer sparse); 0: a dense Qwen2. Named as Hugging Face's config names them.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -81,6 +87,9 @@ PRESETS: dict[str, Preset] = {
 
 
 PRESETS["tiny-tied"] = replace(PRESETS["tiny"], tie_word_embeddings=True)
+# tiny's attention under 8 routed experts, top-2, in both layers: a Qwen3-MoE that CI can train, serve at TP=2 or
+# with expert parallelism, and sync (each expert's intermediate 64 splits in two blocks of 32 under TP=2)
+PRESETS["tiny-moe"] = replace(PRESETS["tiny"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
 # tiny over every printable ASCII character and the newline: the characters of chat and tool-call formats
 # (`<tool_call>{"name": ...}`), which the toy vocabulary lacks (the calculator environment's e2e test)
 CHAT_CHARACTERS = "".join(c for c in map(chr, range(32, 127))) + "\n"
@@ -96,10 +105,15 @@ def preset_dir(config: ModelConfig) -> Path:
     return _cache_dir(config.cache_dir, config.preset, PRESETS[config.preset], config.seed)
 
 
+# fields that join a preset's fingerprint only when set, so the presets without them keep their cache directories
+_FINGERPRINT_IF_SET = ("characters", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
 def _cache_dir(cache_dir: str, name: str, preset: Preset, seed: int) -> Path:
-    dims = {k: v for k, v in asdict(preset).items() if k != "characters" or v}  # the toy vocabulary's as before
+    dims = {k: v for k, v in asdict(preset).items() if k not in _FINGERPRINT_IF_SET or v}
     fingerprint = hashlib.sha1(json.dumps(dims, sort_keys=True).encode()).hexdigest()[:8]
-    return Path(cache_dir).expanduser() / f"qwen2-{name}-{fingerprint}-seed{seed}"
+    family = "qwen3moe" if preset.num_experts else "qwen2"
+    return Path(cache_dir).expanduser() / f"{family}-{name}-{fingerprint}-seed{seed}"
 
 
 def is_hub_id(path: str) -> bool:
@@ -168,13 +182,19 @@ def hub_snapshot(repo_id: str, *, key: str = "model.path") -> str:
 
 
 def build_model(preset: Preset, out_dir: Path, *, seed: int, head: str = "causal_lm") -> None:
-    """Write a random-initialised Qwen2ForCausalLM (head "causal_lm") or Qwen2ForSequenceClassification with one
-    label (head "classifier": a reward model), safetensors in float32, and the character tokenizer."""
+    """Write a random-initialised Qwen2ForCausalLM (head "causal_lm"), Qwen3MoeForCausalLM (a preset with
+    experts) or Qwen2ForSequenceClassification with one label (head "classifier": a reward model), safetensors in
+    float32, and the character tokenizer."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+    from transformers import (Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     vocab = preset_vocab(preset)
-    hf_config = Qwen2Config(
+    moe = dict(num_experts=preset.num_experts, num_experts_per_tok=preset.num_experts_per_tok,
+               moe_intermediate_size=preset.moe_intermediate_size, head_dim=preset.head_dim, norm_topk_prob=True,
+               decoder_sparse_step=1) if preset.num_experts else {}
+    assert not (moe and head == "classifier"), "reward presets are dense"
+    hf_config = (Qwen3MoeConfig if moe else Qwen2Config)(
         vocab_size=preset.vocab_size,
         hidden_size=preset.hidden_size,
         intermediate_size=preset.intermediate_size,
@@ -188,9 +208,11 @@ def build_model(preset: Preset, out_dir: Path, *, seed: int, head: str = "causal
         pad_token_id=vocab.index("<pad>"),
         torch_dtype="float32",
         **({"num_labels": 1} if head == "classifier" else {}),
+        **moe,
     )
     torch.manual_seed(seed)
-    model = (Qwen2ForSequenceClassification if head == "classifier" else Qwen2ForCausalLM)(hf_config)
+    model_class = Qwen3MoeForCausalLM if moe else Qwen2ForCausalLM
+    model = (Qwen2ForSequenceClassification if head == "classifier" else model_class)(hf_config)
     model.save_pretrained(out_dir, safe_serialization=True)
     build_tokenizer(vocab).save_pretrained(out_dir)
     (out_dir / "colocate_preset.json").write_text(json.dumps(asdict(preset), indent=2))

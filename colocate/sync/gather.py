@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from colocate.sync.buckets import ALIGN, TensorSpec, aligned
-from colocate.sync.reshard import SyncPlan, as_2d
+from colocate.sync.reshard import SyncPlan, as_2d, rows_per_index
 from colocate.sync.shards import Copy, full_copies, run_copies, sliced_copies
 from colocate.sync.verify import tensor_spans
 
@@ -47,7 +47,7 @@ from colocate.sync.verify import tensor_spans
 class GatheredTensor:
     name: str
     offset: int  # byte offset inside every rank's chunk
-    rows_per_rank: int  # FSDP2's dim-0 chunk: ceil(num_rows / world_size)
+    rows_per_rank: int  # FSDP2's dim-0 chunk, ceil(shape[0] / world_size), in rows of the 2-D view
     num_rows: int
     num_cols: int
 
@@ -89,7 +89,8 @@ def plan_gather(plan: SyncPlan, specs: list[TensorSpec], *, world_size: int) -> 
         tensors, offset = [], 0
         for name in names:
             num_rows, num_cols = as_2d(shapes[name])
-            rows_per_rank = -(-num_rows // world_size)
+            # FSDP2's chunk of dim 0, in rows of the 2-D view (a fused expert tensor: whole experts)
+            rows_per_rank = -(-shapes[name][0] // world_size) * rows_per_index(shapes[name])
             tensors.append(GatheredTensor(name, offset, rows_per_rank, num_rows, num_cols))
             offset = aligned(offset + rows_per_rank * num_cols * dtype.itemsize)
         groups[group] = GatherGroup(group, tuple(tensors), max(offset, ALIGN), dtype)

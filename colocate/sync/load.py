@@ -70,7 +70,7 @@ def load_regions(ring: torch.Tensor, regions: tuple[Region, ...], params: dict[s
     with torch.no_grad():
         for region in regions:
             param = params[region.engine_name]
-            target = param.view(param.shape[0], -1) if param.dim() > 1 else param.view(-1, 1)
+            target = param.view(-1, param.shape[-1]) if param.dim() > 1 else param.view(-1, 1)  # reshard.as_2d
             source = ring_view(ring, region.offset, (region.num_rows, region.num_cols), region.dtype)
             target[region.row_start:region.row_start + region.num_rows].copy_(source)
     release_slot(ring)

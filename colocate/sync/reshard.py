@@ -1,7 +1,7 @@
 """Reshard plan: which rows and columns of which trainer (HF) tensor land where in each engine worker's params.
 
-vLLM's TP layout (Qwen2/Qwen3/Llama families), expressed as copy pieces between 2-D views (a 1-D tensor is a
-column [n, 1]):
+vLLM's TP layout (Qwen2/Qwen3/Llama families and their MoE kin), expressed as copy pieces between 2-D views
+(`as_2d`: the last dimension is the columns; a 1-D tensor is a column [n, 1]):
 
     engine param rows [dst_row, dst_row + num_rows)  <-  HF tensor rows [src_row, ...), cols [src_col, +num_cols)
 
@@ -10,7 +10,11 @@ column [n, 1]):
 - o_proj, down_proj (row-parallel): all rows, this rank's column block
 - embed_tokens, lm_head: this rank's block of the vocabulary padded to a multiple of 64; padding rows have no
   piece (nobody writes them); a tied lm_head reads the embeddings
-- everything else (norms, row-parallel biases): replicated
+- routed experts, fused (w13_weight, w2_weight, from HF's fused gate_up_proj and down_proj): the worker's
+  experts (all, or its expert-parallel block), per expert [gate rows of this rank | up rows] and this rank's
+  column block of down; the router (mlp.gate) is replicated. Pieces of consecutive experts merge, so expert
+  parallelism without TP is one piece per tensor, and no rule makes one transfer per expert.
+- everything else (norms, row-parallel biases, routers): replicated
 
     pieces = plan_pieces(engine_params, hf_shapes, layout)   # None: unknown architecture -> load_weights path
 
@@ -20,7 +24,7 @@ against each other and against vLLM's real parameter shapes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,7 +38,7 @@ from colocate.sync.buckets import (
     plan_in_place_buckets,
     plan_sliced_buckets,
 )
-from colocate.sync.tp_layout import VOCAB_PADDING, TPLayout
+from colocate.sync.tp_layout import EXPERT_LEAVES, VOCAB_PADDING, ExpertLayout, TPLayout, hf_experts_name
 
 
 @dataclass(frozen=True)
@@ -49,13 +53,20 @@ class Piece:
 
 
 def as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The 2-D view every piece, region and shard is expressed in: the last dimension is the columns, all others
+    the rows (a 1-D tensor is one column). A fused expert tensor [E, N, K] is then E * N rows of K, so an
+    expert's rows, a TP block of them and an FSDP2 shard of whole experts (dim 0) are all row ranges."""
     if len(shape) == 1:
         return shape[0], 1
-    rows = shape[0]
-    cols = 1
-    for size in shape[1:]:
-        cols *= size
-    return rows, cols
+    rows = 1
+    for size in shape[:-1]:
+        rows *= size
+    return rows, shape[-1]
+
+
+def rows_per_index(shape: tuple[int, ...]) -> int:
+    """Rows of the 2-D view (as_2d) under one index of dim 0: FSDP2 shards dim 0, so its row offsets scale by it."""
+    return as_2d(shape)[0] // shape[0] if shape and shape[0] else 1
 
 
 def plan_pieces(engine_params: list[tuple[str, tuple[int, ...]]], hf_shapes: dict[str, tuple[int, ...]],
@@ -67,8 +78,9 @@ def plan_pieces(engine_params: list[tuple[str, tuple[int, ...]]], hf_shapes: dic
         if made is None:
             return None
         rows, cols = as_2d(shape)
-        if any(p.num_cols != cols or p.dst_row + p.num_rows > rows for p in made):
-            return None  # the rule does not describe what this engine holds: do not guess
+        if any(p.num_cols != cols or p.dst_row + p.num_rows > rows for p in made) or (
+                name.rpartition(".")[2] in EXPERT_LEAVES and sum(p.num_rows for p in made) != rows):
+            return None  # the rule does not describe what this engine holds (e.g. padded experts): do not guess
         pieces.extend(made)
     return pieces
 
@@ -76,6 +88,8 @@ def plan_pieces(engine_params: list[tuple[str, tuple[int, ...]]], hf_shapes: dic
 def _pieces_for(name: str, hf: dict[str, tuple[int, ...]], layout: TPLayout) -> list[Piece] | None:
     prefix, _, leaf = name.rpartition(".")
     rank, size = layout.tp_rank, layout.tp_size
+    if leaf in EXPERT_LEAVES:
+        return _expert_pieces(name, hf_experts_name(prefix, leaf), hf, layout.experts)
 
     def rows_block(engine: str, hf_name: str, dst: int, index: int, count: int) -> Piece:
         rows, cols = as_2d(hf[hf_name])
@@ -121,6 +135,42 @@ def _pieces_for(name: str, hf: dict[str, tuple[int, ...]], layout: TPLayout) -> 
         rows, cols = as_2d(hf[name])
         return [Piece(name, 0, name, 0, rows, 0, cols)]
     return None
+
+
+def _expert_pieces(name: str, hf_name: str, hf: dict[str, tuple[int, ...]],
+                   experts: ExpertLayout | None) -> list[Piece] | None:
+    """A fused expert tensor's pieces: per local expert, its gate and up row blocks (w13) or its column block (w2),
+    merged where they follow each other in both tensors (expert parallelism without TP: one piece per tensor).
+    None when the HF side is not fused the same way (per-expert tensors: the full-tensor path loads them)."""
+    if experts is None or len(hf.get(hf_name, ())) != 3:
+        return None
+    num_experts, rows, cols = hf[hf_name]
+    pieces = []
+    for slot, expert in enumerate(experts.expert_ids):
+        if not 0 <= expert < num_experts:
+            return None
+        if name.endswith("w13_weight"):  # HF rows per expert: [gate (I) | up (I)]; engine: [gate_r | up_r]
+            block = rows // 2 // experts.tp_size
+            for half in range(2):
+                pieces.append(Piece(name, (2 * slot + half) * block, hf_name,
+                                    expert * rows + half * rows // 2 + experts.tp_rank * block, block, 0, cols))
+        else:  # w2: all H rows of the expert, this rank's block of the intermediate columns
+            block = cols // experts.tp_size
+            pieces.append(Piece(name, slot * rows, hf_name, expert * rows, rows, experts.tp_rank * block, block))
+    return _merged(pieces)
+
+
+def _merged(pieces: list[Piece]) -> list[Piece]:
+    out = [pieces[0]]
+    for p in pieces[1:]:
+        last = out[-1]
+        if (p.hf_name, p.src_col, p.num_cols) == (last.hf_name, last.src_col, last.num_cols) \
+                and p.dst_row == last.dst_row + last.num_rows and p.src_row == last.src_row + last.num_rows:
+            out[-1] = Piece(last.engine_name, last.dst_row, last.hf_name, last.src_row,
+                            last.num_rows + p.num_rows, last.src_col, last.num_cols)
+        else:
+            out.append(p)
+    return out
 
 
 def runs_for_worker(engine_params: list[tuple[str, tuple[int, ...], torch.dtype]], pieces: list[Piece]) -> list[Run]:
@@ -179,7 +229,8 @@ def build_sync_plan(specs: list[TensorSpec], worker_layouts: list[dict], layout_
     """The sliced plan when every worker's parameters have a rule, else the full-tensor plan.
 
     worker_layouts: per worker {"tp_rank", "tp_size", "params": [(name, shape, dtype_str)]};
-    layout_of(tp_rank, tp_size) -> TPLayout; bucket_bytes: the slot size, 0 to fit the largest layer;
+    layout_of(tp_rank, tp_size) -> TPLayout (a worker's "experts" report, for a MoE model, is added to it);
+    bucket_bytes: the slot size, 0 to fit the largest layer;
     sliced=False forces the full-tensor plan (the benchmark's baseline); param_offsets (per worker, by TP rank:
     engine name -> byte offset in its weight arena) makes a sliced plan write in place."""
     hf_shapes = {s.name: s.shape for s in specs}
@@ -188,7 +239,7 @@ def build_sync_plan(specs: list[TensorSpec], worker_layouts: list[dict], layout_
     per_worker_pieces, per_worker_runs = [], []
     for worker in workers:
         params = [(name, tuple(shape), dtype) for name, shape, _ in worker["params"]]
-        pieces = plan_pieces([(n, s) for n, s, _ in params], hf_shapes, layout_of(worker["tp_rank"], worker["tp_size"]))
+        pieces = plan_pieces([(n, s) for n, s, _ in params], hf_shapes, worker_layout(worker, layout_of))
         if pieces is None or not sliced:
             groups = group_by_layer(specs)
             slot = bucket_bytes or largest_layer_bytes(specs)
@@ -202,6 +253,16 @@ def build_sync_plan(specs: list[TensorSpec], worker_layouts: list[dict], layout_
     slot = bucket_bytes or largest_group_bytes(per_worker_runs)
     buckets = plan_sliced_buckets(per_worker_runs, slot_bytes=slot, num_slots=num_slots)
     return SyncPlan("sliced", slot, num_slots, tuple(buckets), pieces_by_name)
+
+
+def worker_layout(worker: dict, layout_of) -> TPLayout:
+    """The TPLayout of an engine worker's layout report (engine/extension.py `colocate_param_layout`), with what it
+    holds of a MoE model's experts as it reported them (engine/experts.py)."""
+    layout = layout_of(worker["tp_rank"], worker["tp_size"])
+    if experts := worker.get("experts"):
+        layout = replace(layout, experts=ExpertLayout(experts["tp_rank"], experts["tp_size"],
+                                                      tuple(experts["expert_ids"])))
+    return layout
 
 
 def _by_engine_name(pieces: list[Piece]) -> dict[str, list[Piece]]:

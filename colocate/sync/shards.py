@@ -18,14 +18,13 @@ the same copy builders on the gathered rows.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from colocate.sync.buckets import Bucket, Region
-from colocate.sync.reshard import Piece, SyncPlan
+from colocate.sync.reshard import Piece, SyncPlan, as_2d, rows_per_index
 from colocate.sync.transport import range_checksums
 
 
@@ -48,8 +47,8 @@ def local_shards(params: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tenso
     shards = {}
     for name, param in params.items():
         local, first = local_rows(param)
-        num_cols = math.prod(param.shape[1:])  # of the full tensor: a rank may hold zero rows
-        shards[name] = (local.reshape(local.shape[0] if local.dim() else 1, num_cols), first)
+        num_cols = as_2d(param.shape)[1]  # of the full tensor: a rank may hold zero rows
+        shards[name] = (local.reshape(-1, num_cols), first * rows_per_index(param.shape))
     return shards
 
 

@@ -1,8 +1,10 @@
-"""The engine's TP layout of Hugging Face weights (Qwen2/Qwen3/Llama families), as a pure function.
+"""The engine's TP layout of Hugging Face weights (Qwen2/Qwen3/Llama families, and their MoE kin), as a pure
+function.
 
 vLLM fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, splits column-parallel weights on dim 0 and
 row-parallel ones (o_proj, down_proj) on dim 1, and pads the vocabulary of embeddings and lm_head to a
-multiple of 64 before splitting it. `engine_tensor` computes, from full HF tensors, exactly what one TP worker
+multiple of 64 before splitting it. Routed experts live in two fused tensors per layer (w13, w2), holding the
+worker's experts (all, or its expert-parallel block) with their intermediate dimension split by TP. `engine_tensor` computes, from full HF tensors, exactly what one TP worker
 must hold; verification compares every engine parameter with it.
 
     expected = engine_tensor("model.layers.0.self_attn.qkv_proj.weight", hf_state, TPLayout(rank, size, ...))
@@ -19,6 +21,18 @@ VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
 
 @dataclass(frozen=True)
+class ExpertLayout:
+    """How one engine worker holds a model's routed experts, as the worker reports it (vLLM's FusedMoE layer):
+    `expert_ids[j]` is the global expert in its local slot j (its expert map, inverted: all of them without
+    expert parallelism, a block of them with it), and each expert's intermediate dimension is split `tp_size` ways
+    (the engine's TP without expert parallelism, 1 with it)."""
+
+    tp_rank: int
+    tp_size: int
+    expert_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class TPLayout:
     tp_rank: int
     tp_size: int
@@ -26,6 +40,7 @@ class TPLayout:
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    experts: ExpertLayout | None = None  # None: a dense model
 
     @classmethod
     def from_hf_config(cls, config, *, tp_rank: int, tp_size: int) -> TPLayout:
@@ -56,6 +71,8 @@ def _vocab_rows(tensor: torch.Tensor, layout: TPLayout) -> torch.Tensor:
 def engine_tensor(name: str, hf: dict[str, torch.Tensor], layout: TPLayout) -> torch.Tensor:
     """What TP worker `layout.tp_rank` holds under engine parameter `name`, built from full HF tensors."""
     prefix, _, leaf = name.rpartition(".")  # leaf: weight or bias
+    if leaf in EXPERT_LEAVES and layout.experts is not None:
+        return _expert_tensor(prefix, leaf, hf, layout.experts)
     if prefix.endswith("qkv_proj"):
         base = prefix[: -len("qkv_proj")]
         return torch.cat([
@@ -73,6 +90,27 @@ def engine_tensor(name: str, hf: dict[str, torch.Tensor], layout: TPLayout) -> t
         source = hf.get(name, hf.get("model.embed_tokens.weight"))  # lm_head tied to the embeddings
         return _vocab_rows(source, layout)
     return hf[name]  # replicated: norms, o_proj/down_proj bias
+
+
+# vLLM's fused expert tensors and the Hugging Face tensors they come from (transformers 5 fuses experts too):
+# w13_weight [E_local, 2 * I / tp, H] = per expert [gate rows of this rank | up rows], from gate_up_proj [E, 2I, H];
+# w2_weight [E_local, H, I / tp] = this rank's columns of down_proj [E, H, I].
+EXPERT_LEAVES = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}
+
+
+def hf_experts_name(prefix: str, leaf: str) -> str:
+    """The HF tensor of engine expert parameter `prefix.leaf` (vLLM may nest the layer in a `routed_experts`
+    runner: model.layers.0.mlp.experts.routed_experts.w13_weight <- model.layers.0.mlp.experts.gate_up_proj)."""
+    return f"{prefix.removesuffix('.routed_experts')}.{EXPERT_LEAVES[leaf]}"
+
+
+def _expert_tensor(prefix: str, leaf: str, hf: dict[str, torch.Tensor], experts: ExpertLayout) -> torch.Tensor:
+    full = hf[hf_experts_name(prefix, leaf)][list(experts.expert_ids)]  # this worker's experts, in slot order
+    if leaf == "w2_weight":
+        return full.chunk(experts.tp_size, dim=2)[experts.tp_rank]
+    gate, up = full.chunk(2, dim=1)
+    return torch.cat([gate.chunk(experts.tp_size, dim=1)[experts.tp_rank],
+                      up.chunk(experts.tp_size, dim=1)[experts.tp_rank]], dim=1)
 
 
 def compare_engine_state(engine_state: dict[str, torch.Tensor], hf: dict[str, torch.Tensor],

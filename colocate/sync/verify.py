@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from colocate.sync.reshard import SyncPlan
+from colocate.sync.reshard import SyncPlan, as_2d
 from colocate.sync.transport import range_checksums
 
 MASK64 = (1 << 64) - 1
@@ -43,7 +43,7 @@ def tensor_spans(plan: SyncPlan, index: int, worker: int) -> list[Span]:
     bucket = plan.buckets[index]
     if plan.mode == "full":
         return [Span(t.offset, t.spec.num_bytes, t.spec.name, 0,
-                     t.spec.num_bytes // t.spec.shape[0] if t.spec.shape else t.spec.num_bytes)
+                     t.spec.num_bytes // as_2d(t.spec.shape)[0] if t.spec.shape else t.spec.num_bytes)
                 for t in bucket.tensors]
     return [Span(r.offset, r.num_bytes, r.engine_name, r.row_start, r.row_bytes) for r in bucket.regions[worker]]
 

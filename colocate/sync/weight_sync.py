@@ -55,7 +55,7 @@ import ray
 
 from colocate.config import SyncConfig
 from colocate.sync.buckets import TensorSpec, aligned
-from colocate.sync.reshard import SyncPlan, build_sync_plan
+from colocate.sync.reshard import SyncPlan, build_sync_plan, worker_layout
 from colocate.sync.tp_layout import TPLayout
 
 MIB = 1 << 20
@@ -99,7 +99,7 @@ class WeightSync:
             assert all([w["offsets"] for w in s] == offsets for s in shared), "engines disagree on their layout"
         self.plan = build_sync_plan(
             self.specs, layouts,
-            lambda rank, size: TPLayout.from_hf_config(self.hf_config, tp_rank=rank, tp_size=size),
+            self._layout_of,
             # aligned: a fractional sync.bucket_mb would start every later slot unaligned
             bucket_bytes=aligned(int(self.cfg.bucket_mb * MIB)), num_slots=self.cfg.num_bucket_slots,
             sliced=self.sliced, param_offsets=offsets)
@@ -121,6 +121,9 @@ class WeightSync:
                      for t in self.trainers])
             ray.get(engine.seal_ring.remote(self.key))
         return self.plan
+
+    def _layout_of(self, tp_rank: int, tp_size: int) -> TPLayout:
+        return TPLayout.from_hf_config(self.hf_config, tp_rank=tp_rank, tp_size=tp_size)
 
     def _open_gather(self, checksum: bool) -> None:
         from colocate.sync.gather import plan_gather
@@ -249,7 +252,7 @@ class WeightSync:
         for e, engine in enumerate(self.engines):
             layouts = ray.get(engine.param_layouts.remote())
             for layout, state in zip(layouts, ray.get(engine.state_dicts.remote())):
-                tp = TPLayout.from_hf_config(self.hf_config, tp_rank=layout["tp_rank"], tp_size=layout["tp_size"])
+                tp = worker_layout(layout, self._layout_of)
                 mismatched += [f"engine{e}/tp{layout['tp_rank']}/{n}"
                                for n in compare_engine_state(state, trainer_state, tp)]
         return mismatched
