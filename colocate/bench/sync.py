@@ -29,6 +29,7 @@ import ray
 from colocate.bench.common import memcpy_floor_s, summary, write_result
 from colocate.config import JobConfig
 from colocate.errors import ConfigError
+from colocate.job.preflight import num_routed_experts
 from colocate.job.runtime import Runtime
 from colocate.sync.weight_sync import WeightSync
 
@@ -59,6 +60,7 @@ def run_sync_bench(cfg: JobConfig, *, num_syncs: int, num_warmup: int, out_dir: 
         for key, sync in (*methods.items(), ("baseline_naive", naive_sync)):
             timed[key]["verified_equal"] = _verified_from_scratch(rt, sync, cfg.engine.dtype)
         plan, gather_plan = rt.sync.plan, methods["gather"].plan
+        num_experts = num_routed_experts(rt.sync.hf_config.to_dict())
         ring_bytes = {key: _ring_bytes(sync, cfg) for key, sync in methods.items()}
 
     colocate = timed["colocate"]
@@ -68,7 +70,8 @@ def run_sync_bench(cfg: JobConfig, *, num_syncs: int, num_warmup: int, out_dir: 
                    "transport": rt_transport, "plan_mode": plan.mode,
                    "num_buckets": len(plan.buckets), "ring_bucket_slot_bytes": gather_plan.slot_bytes,
                    "ring_num_bucket_slots": gather_plan.num_slots, "verify": cfg.sync.verify,
-                   "enforce_eager": cfg.engine.enforce_eager},
+                   "enforce_eager": cfg.engine.enforce_eager, "num_experts": num_experts,
+                   "expert_parallel": cfg.engine.expert_parallel},
         "engine_weight_bytes": engine_bytes,
         "floor_memcpy_s": floor_s,
         "floor_cast_s": cast_floor_s,
@@ -127,6 +130,7 @@ def _time_syncs(syncs: list[WeightSync], num_syncs: int, num_warmup: int, pids: 
         phases = {k: sum(s[k] for s in collected) / len(collected)
                   for k in ("sync_load_s", "sync_verify_s", "sync_post_s")}
         results.append({**summary([s["sync_s"] for s in collected]), "phases_mean_s": phases,
+                        "round_trips": collected[-1]["sync_round_trips"], "plan_mode": collected[-1]["sync_mode"],
                         "peak_rss_over_steady_bytes": _peak_over_steady(sync, pids)})
     return results
 
@@ -255,7 +259,13 @@ def _print(result: dict, path: Path) -> None:
         print(f"{label:>20}: median {m['median_s'] * 1e3:8.1f} ms (min {m['min_s'] * 1e3:.1f}, max "
               f"{m['max_s'] * 1e3:.1f}) | {m['median_s'] / result['floor_memcpy_s']:5.2f}x memcpy, "
               f"{m['median_s'] / result['floor_cast_s']:5.2f}x cast | verified "
-              f"{m['verified_equal']}" + (f" | rings {extra / 1e6:.0f} MB" if extra is not None else ""))
+              f"{m['verified_equal']}" + (f" | {m['round_trips']} round trips ({m['plan_mode']})"
+                                          if "round_trips" in m else "")
+              + (f" | rings {extra / 1e6:.0f} MB" if extra is not None else ""))
+    if result["config"]["num_experts"]:
+        print(f"{result['config']['num_experts']} experts per layer"
+              + (", expert parallel" if result["config"]["expert_parallel"] else "")
+              + ": every method's round trips are per bucket (layer), none per expert")
     print(f"colocate: {r['speedup_vs_naive']:.1f}x faster than naive, {r['speedup_vs_first_version']:.2f}x than the "
           f"first version; gather takes {r['gather_over_colocate']:.2f}x colocate's time")
     print(f"results: {path} (+ .png)")

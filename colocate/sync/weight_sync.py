@@ -179,6 +179,9 @@ class WeightSync:
                 "sync_load_s": sum(b["load_s"] for e in per_bucket for b in e),
                 "sync_verify_s": sum(b["verify_s"] for e in per_bucket for b in e),
                 "sync_post_s": post_s, "sync_bytes": plan.num_bytes, "sync_buckets": len(plan.buckets),
+                # calls into each engine: one per bucket (or one check in place), and the post-load step;
+                # never one per tensor or per expert
+                "sync_round_trips": len(per_bucket[0]) + (0 if plan.in_place else 1),
                 "sync_mode": plan.mode, "sync_transport": self.transport}
 
     def _schedule_in_place(self) -> list[list]:

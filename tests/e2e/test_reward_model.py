@@ -1,7 +1,7 @@
 """Rewards from a model as a user launches them: the policy's engine (TP=2) and a reward model's engine on its
 first slot, the reward model asleep while the trainer trains (engine.sleep_level=1 makes the switch move on
-this small job). A sequence classifier (the embedded tiny-rm) beside a rule reward, and a generative judge (the
-tiny causal preset, its verdict's digit read as the score)."""
+this small job). A sequence classifier (the embedded tiny-rm) beside a rule reward, for a MoE policy (tiny-moe),
+and a generative judge (the tiny causal preset, its verdict's digit read as the score)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,10 @@ NUM_PROMPTS, NUM_SAMPLES = 4, 4  # launch()'s small job
 
 
 @pytest.mark.parametrize("rewards, extra", [
-    pytest.param("char:1,model:tiny-rm:0.5", (), id="classifier"),
+    # the policy here is the MoE preset at TP=2 (each expert's intermediate dimension split over the workers), its
+    # sync compared with the trainer in full every step: the MoE e2e without expert parallelism (tests/e2e/
+    # test_moe.py has the expert-parallel one), sharing this job's engine start
+    pytest.param("char:1,model:tiny-rm:0.5", ("model.preset=tiny-moe", "sync.verify=full"), id="classifier"),
     pytest.param("judge:tiny", (r"reward_model.verdict_pattern=\d", "reward_model.judge_max_tokens=4"),
                  id="judge"),
 ])
@@ -33,6 +36,8 @@ def test_a_served_reward_model_scores_every_answer_and_sleeps_while_training(tmp
     assert served["kind"] == kind and served["slots"] == [0] and served["devices"] == ["cpu-slot0"]
     steps = [r for r in records if "event" not in r]
     assert [r["step"] for r in steps] == [0, 1]
+    if "model.preset=tiny-moe" in extra:  # verify=full passed every step; the experts took the resharded path
+        assert all(r["sync_mode"] == "sliced" for r in steps)
     for r in steps:
         stats = r["reward_model"]
         assert stats["kind"] == kind and stats["num_scored"] == NUM_PROMPTS * NUM_SAMPLES
