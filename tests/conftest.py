@@ -24,6 +24,7 @@ FILE_SECONDS = {
     "tests/e2e/test_jobs.py": 70, "tests/e2e/test_soak_bench.py": 61, "tests/distributed/test_bench_train.py": 50,
     "tests/e2e/test_gather_job.py": 49, "tests/e2e/test_split.py": 75, "tests/e2e/test_multiturn.py": 55,
     "tests/e2e/test_reward_model.py": 100, "tests/e2e/test_calculator.py": 45, "tests/e2e/test_moe.py": 70,
+    "tests/distributed/test_experts_sync.py": 45,
     "tests/e2e/test_env_workers.py": 17, "tests/e2e/test_algorithms.py": 260, "tests/distributed/test_finite.py": 24,
 }
 DIRECTORY_SECONDS = {"e2e": 120, "distributed": 30}

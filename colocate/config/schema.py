@@ -575,7 +575,7 @@ _ENGINE_ARGS_OF_OURS = {
     "max_model_len": "engine.max_model_len", "enforce_eager": "engine.enforce_eager", "seed": "engine.seed",
     "gpu_memory_utilization": "engine.gpu_memory_utilization", "enable_sleep_mode": "engine.sleep_backend",
     "max_num_seqs": "engine.max_num_seqs", "enable_prefix_caching": "engine.enable_prefix_caching",
-    "enable_expert_parallel": "engine.expert_parallel",
+    "enable_expert_parallel": "engine.expert_parallel", "moe_backend": None,
     "kv_cache_memory_bytes": "engine.kv_cache_gib", "worker_extension_cls": None, "skip_tokenizer_init": None,
     "distributed_executor_backend": None, "logprobs_mode": None}
 

@@ -119,7 +119,13 @@ class EngineActor:
         else:
             kwargs.update(distributed_executor_backend="ray" if self.cfg.tp > 1 else None,
                           gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-                          enable_sleep_mode=self.sleep_backend == "vllm")
+                          enable_sleep_mode=self.sleep_backend == "vllm",
+                          # MoE experts on Triton, which computes on the loaded layout (vLLM 0.32,
+                          # fused_moe/oracle/unquantized.py `convert_to_unquantized_kernel_format`: Triton only
+                          # makes w13/w2 contiguous). CUDA's default order tries FlashInfer first off Hopper,
+                          # which swaps w13's halves (CUTLASS: [up | gate]) or re-blocks it (TRT-LLM): the sync
+                          # and its verification write and read [gate | up] per expert. No effect on dense models.
+                          moe_backend="triton")
         return kwargs
 
     def shutdown(self) -> None:

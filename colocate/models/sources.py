@@ -14,6 +14,7 @@ Presets:
 - ``tiny-chat``: tiny over every printable ASCII character and the newline, for chat and tool-call formats.
 - ``tiny-moe``: tiny's attention under 8 routed experts (top-2) in each layer, a Qwen3-MoE (docs/moe.md).
 - ``bench``: 24 layers, hidden 1024, vocab 32768; >= 0.4 GB of bf16 weights, for the sync/switch benchmarks.
+- ``bench-moe``: bench's attention and vocabulary over 4 layers of 32 experts (top-4), 0.56 GB of bf16 weights.
 
 Reward presets (`rollout.rewards=model:tiny-rm`): ``tiny-rm``, tiny's body under a one-logit sequence
 classification head (Qwen2ForSequenceClassification), random, so CI serves a reward model without downloads.
@@ -90,6 +91,10 @@ PRESETS["tiny-tied"] = replace(PRESETS["tiny"], tie_word_embeddings=True)
 # tiny's attention under 8 routed experts, top-2, in both layers: a Qwen3-MoE that CI can train, serve at TP=2 or
 # with expert parallelism, and sync (each expert's intermediate 64 splits in two blocks of 32 under TP=2)
 PRESETS["tiny-moe"] = replace(PRESETS["tiny"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+# the bench preset's attention and vocabulary over 4 layers of 32 experts (top-4): 0.56 GB of bf16 weights, 90% of
+# them experts, for `colocate bench sync model.preset=bench-moe` (the sync of a MoE against its floors)
+PRESETS["bench-moe"] = replace(PRESETS["bench"], num_layers=4, num_experts=32, num_experts_per_tok=4,
+                               moe_intermediate_size=512)
 # tiny over every printable ASCII character and the newline: the characters of chat and tool-call formats
 # (`<tool_call>{"name": ...}`), which the toy vocabulary lacks (the calculator environment's e2e test)
 CHAT_CHARACTERS = "".join(c for c in map(chr, range(32, 127))) + "\n"
