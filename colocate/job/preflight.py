@@ -85,7 +85,12 @@ class ModelDims:
         heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or hidden // heads
         kv = d.get("num_key_value_heads", heads)
-        attention = hidden * head_dim * (2 * heads + 2 * kv) + head_dim * (heads + 2 * kv)
+        # q/k/v biases: Qwen2's always (its config has no key for them), others' where attention_bias says so;
+        # Qwen3's per-head q and k norms instead
+        model_type = d.get("model_type", "")
+        qkv_bias = d.get("attention_bias", model_type.startswith("qwen2"))
+        attention = hidden * head_dim * (2 * heads + 2 * kv) + (head_dim * (heads + 2 * kv) if qkv_bias else 0) \
+            + (2 * head_dim if model_type.startswith("qwen3") else 0)
         num_experts = num_routed_experts(d)
         if num_experts:  # every layer sparse (Qwen3-MoE, Mixtral): experts, router, an optional shared expert
             expert_inter = d.get("moe_intermediate_size") or inter
@@ -152,7 +157,8 @@ def model_dims(cfg: JobConfig) -> ModelDims | None:
 
     if not cfg.model.path:
         p = models.PRESETS[cfg.model.preset]
-        return ModelDims.from_config_dict({**asdict(p), "num_hidden_layers": p.num_layers})
+        return ModelDims.from_config_dict({**asdict(p), "num_hidden_layers": p.num_layers,
+                                           "model_type": "qwen3_moe" if p.num_experts else "qwen2"})
     config_file = model_config_file(cfg.model.path)
     if config_file is None:
         return None

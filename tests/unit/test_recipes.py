@@ -195,3 +195,22 @@ def test_8k_token_answers_on_32b_fit_8x141gb(capsys):
     assert "# 8 cuda slot(s), 2 engine(s) x TP=4" in out
     peak, budget = _peak_and_budget(out, "141.0")
     assert peak <= budget
+
+
+def test_qwen3_30b_a3b_with_expert_parallelism_fits_8x80gb(capsys):
+    # Qwen3-30B-A3B (its public config.json in tests/data: 128 experts, top-8, in all 48 layers) on H100s: one
+    # engine of TP=8 with expert parallelism (16 whole experts per GPU); the trainer's state of 30.5B parameters
+    # fits only with the engine asleep in training and the state offloaded in rollout
+    config = json.loads((MODEL_CONFIGS / "Qwen3-30B-A3B" / "config.json").read_text())
+    assert ModelDims.from_config_dict(config).num_params == 30_532_122_624  # the published count
+    argv = [str(RECIPES / "qwen2.5-7b-math-8gpu.yaml"), f"model.path={MODEL_CONFIGS / 'Qwen3-30B-A3B'}",
+            "--gpus", "8", "--gpu-memory-gib", H100, "engine.tp=8", "engine.expert_parallel=true"]
+    code, out, err = validate(capsys, *argv)
+    assert code == 0, err
+    assert "# 8 cuda slot(s), 1 engine(s) x TP=8" in out
+    assert "# switch plan: engine sleep level 2, trainer offload true" in out
+    peak, budget = _peak_and_budget(out, H100)
+    assert peak <= budget
+    # the same model on half the GPUs' memory is refused in one line, naming the phase
+    code, _, err = validate(capsys, *argv[:-4], "--gpu-memory-gib", "40", "engine.tp=8", "engine.expert_parallel=true")
+    assert code == 2 and err.startswith("colocate: error: memory preflight: phase"), err
