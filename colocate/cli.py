@@ -52,6 +52,7 @@ def cmd_validate(args) -> int:
         raise ConfigError(f"--gpus {args.gpus} --gpu-memory-gib {args.gpu_memory_gib} is invalid: expected at "
                           "least one GPU and a positive size")
     from colocate.job.checks import GpuNode, check_job
+    from colocate.job.preflight import model_dims
     from colocate.job.resolve import resolve_job
 
     cfg = job_config(args)
@@ -65,7 +66,8 @@ def cmd_validate(args) -> int:
               f"{cfg.num_engines} engine(s) x TP={cfg.engine.tp} (devices are checked, and every auto decided, "
               "when the job connects)")
         return 0
-    for line in plan.describe():
+    dims = model_dims(cfg) if cfg.engine.expert_parallel else None
+    for line in plan.describe(num_experts=dims.num_experts if dims else 0):
         print(f"# {line}")
     resolved = resolve_job(cfg, switch=prediction.plan, device="cuda" if node else None)  # what launch decides
     print("# decided (every auto of the config, as the job runs it)")

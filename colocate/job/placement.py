@@ -85,20 +85,37 @@ class SlotPlan:
         first = self.engine_slots(0)[0]
         return list(range(first, first + self.reward_model_tp))
 
-    def describe(self) -> list[str]:
+    def describe(self, *, num_experts: int = 0) -> list[str]:
+        """The layout, a line per slot. `num_experts` (engine.expert_parallel on a MoE): the experts each engine
+        worker holds, as vLLM's default (linear) expert map places them."""
         lines = [f"{self.num_slots} {self.device} slot(s), {self.num_engines} engine(s) x TP={self.tp}, "
                  f"FSDP2 over {self.num_trainer_ranks} rank(s)" + (", split: no slot holds both" if self.split else "")]
+
+        def worker(engine_slot: int) -> str:
+            line = f"engine {engine_slot // self.tp} tp worker {engine_slot % self.tp}"
+            if num_experts:
+                first, count = expert_block(engine_slot % self.tp, self.tp, num_experts)
+                line += f" (experts {first}-{first + count - 1} of {num_experts})"
+            return line
+
         for slot in range(self.num_slots):
             if not self.split:
-                lines.append(f"  slot {slot}: trainer rank {slot} | engine {slot // self.tp} tp worker {slot % self.tp}")
+                lines.append(f"  slot {slot}: trainer rank {slot} | {worker(slot)}")
             elif slot < self.num_trainer_ranks:
                 lines.append(f"  slot {slot}: trainer rank {slot}")
             else:
-                engine_slot = slot - self.num_trainer_ranks
-                lines.append(f"  slot {slot}: engine {engine_slot // self.tp} tp worker {engine_slot % self.tp}")
+                lines.append(f"  slot {slot}: {worker(slot - self.num_trainer_ranks)}")
         for rank, slot in enumerate(self.reward_model_slots()):
             lines[1 + slot] += f" | reward model tp worker {rank}"
         return lines
+
+
+def expert_block(rank: int, size: int, num_experts: int) -> tuple[int, int]:
+    """(first expert, number of experts) of expert-parallel rank `rank` of `size` under vLLM 0.32's linear
+    placement (`fused_moe/expert_map_manager.py` determine_expert_map: the first num_experts % size ranks hold one more). The
+    sync never relies on it: it reads each worker's own map (engine/experts.py)."""
+    base, extra = divmod(num_experts, size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
 
 
 def resolve_device(requested: str) -> str:

@@ -101,3 +101,21 @@ def test_expert_parallel_needs_a_moe_model(tmp_path):
         check_sources(load_config(None, [out, "model.preset=tiny-moe", "engine.expert_parallel=true",
                                          "engine.tp=16", "placement.num_slots=16"]))
     check_sources(load_config(None, [out, "model.preset=tiny-moe", "engine.expert_parallel=true"]))
+
+
+def test_validate_shows_each_workers_experts_as_vllm_places_them(capsys):
+    from colocate.cli import main
+    from colocate.job.placement import expert_block
+
+    assert main(["validate", "model.preset=tiny-moe", "engine.expert_parallel=true"]) == 0
+    out = capsys.readouterr().out
+    assert "#   slot 0: trainer rank 0 | engine 0 tp worker 0 (experts 0-3 of 8)" in out
+    assert "#   slot 1: trainer rank 1 | engine 0 tp worker 1 (experts 4-7 of 8)" in out
+    # the same blocks as vLLM's own linear map, uneven counts included (10 experts over 4 ranks: 3, 3, 2, 2)
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    for num_experts, size in ((8, 2), (10, 4), (128, 8), (7, 3)):
+        for rank in range(size):
+            count, expert_map, _ = determine_expert_map(size, rank, num_experts)
+            local = (expert_map >= 0).nonzero().flatten().tolist()
+            assert expert_block(rank, size, num_experts) == (local[0], count) and len(local) == count
