@@ -161,6 +161,8 @@ def _expert_pieces(name: str, hf_name: str, hf: dict[str, tuple[int, ...]],
 
 
 def _merged(pieces: list[Piece]) -> list[Piece]:
+    if not pieces:  # a worker that holds no experts
+        return pieces
     out = [pieces[0]]
     for p in pieces[1:]:
         last = out[-1]
