@@ -28,7 +28,7 @@ from colocate.config.reward_model import RewardModelSpec, reward_models_in
 from colocate.errors import ConfigError
 from colocate.job.faults import parse_injection
 from colocate.job.placement import SlotPlan, local_device_count, plan_slots, resolve_device
-from colocate.job.preflight import (GIB, ModelDims, Prediction, host_available_bytes, model_config_file, model_dims,
+from colocate.job.preflight import (GIB, Prediction, host_available_bytes, model_config_file, model_dims,
                                     num_routed_experts, preflight)
 from colocate.models import sources as models
 from colocate.rl.data import data_files, load_val_samples, make_prompt_source
@@ -53,8 +53,7 @@ def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> None:
     _check_model_path(cfg.model.path)
     _check_chunked_head(cfg)
     _check_activation_checkpointing(cfg)
-    if cfg.engine.expert_parallel:
-        check_experts(cfg, model_dims(cfg))
+    check_experts(cfg)
     task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
     if cfg.rollout.env and not cfg.data.train_files:  # on data rows, read_inputs checks it with the first one
         _check_env(cfg, task.sample(random.Random(0)))
@@ -130,8 +129,8 @@ def _check_env(cfg: JobConfig, sample) -> None:
 
 def read_inputs(cfg: JobConfig) -> JobInputs:
     model_path = models.ensure_model(cfg.model)
-    if cfg.model.path and cfg.engine.expert_parallel:  # a hub id is on this machine now
-        check_experts(cfg, ModelDims.from_config_dict(json.loads((Path(model_path) / "config.json").read_text())))
+    if cfg.model.path:  # a hub id's config is on this machine now
+        check_experts(cfg)
     prompts = make_prompt_source(cfg, models.load_tokenizer(model_path)) if cfg.data.train_files else None
     if cfg.rollout.env and prompts is not None:  # an environment may expect the data's own fields
         _check_env(cfg, prompts.samples[0])
@@ -142,10 +141,11 @@ def read_inputs(cfg: JobConfig) -> JobInputs:
     return JobInputs(model_path, prompts, resume_point(cfg, model_path), reward_model_path(cfg))
 
 
-def check_experts(cfg: JobConfig, dims: ModelDims | None) -> None:
+def check_experts(cfg: JobConfig) -> None:
     """engine.expert_parallel splits a MoE model's experts over each engine's TP workers: the model must have
-    experts, at least one per worker. `dims` None: a hub id not on this machine yet (read_inputs checks it)."""
-    if not cfg.engine.expert_parallel or dims is None:
+    experts, at least one per worker. A hub id not on this machine yet passes (read_inputs checks it again)."""
+    dims = model_dims(cfg) if cfg.engine.expert_parallel else None
+    if dims is None:
         return
     model = cfg.model.path or f"model.preset={cfg.model.preset}"
     if not dims.num_experts:

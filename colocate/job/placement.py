@@ -112,8 +112,8 @@ class SlotPlan:
 
 def expert_block(rank: int, size: int, num_experts: int) -> tuple[int, int]:
     """(first expert, number of experts) of expert-parallel rank `rank` of `size` under vLLM 0.32's linear
-    placement (`fused_moe/expert_map_manager.py` determine_expert_map: the first num_experts % size ranks hold one more). The
-    sync never relies on it: it reads each worker's own map (engine/experts.py)."""
+    placement (`fused_moe/expert_map_manager.py` determine_expert_map: the first num_experts % size ranks hold one
+    more). The sync never relies on it: it reads each worker's own map (engine/experts.py)."""
     base, extra = divmod(num_experts, size)
     return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
 

@@ -4,8 +4,9 @@ function.
 vLLM fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, splits column-parallel weights on dim 0 and
 row-parallel ones (o_proj, down_proj) on dim 1, and pads the vocabulary of embeddings and lm_head to a
 multiple of 64 before splitting it. Routed experts live in two fused tensors per layer (w13, w2), holding the
-worker's experts (all, or its expert-parallel block) with their intermediate dimension split by TP. `engine_tensor` computes, from full HF tensors, exactly what one TP worker
-must hold; verification compares every engine parameter with it.
+worker's experts (all, or its expert-parallel block) with their intermediate dimension split by TP.
+`engine_tensor` computes, from full HF tensors, exactly what one TP worker must hold; verification compares every
+engine parameter with it.
 
     expected = engine_tensor("model.layers.0.self_attn.qkv_proj.weight", hf_state, TPLayout(rank, size, ...))
     # vocabulary-parallel tensors: compare only the first expected.shape[0] rows (the rest is padding)

@@ -96,7 +96,8 @@ def test_the_oracle_gives_each_worker_its_experts_and_block():
     tp = worker_layouts(2, False)[1]
     w13 = engine_tensor(prefix + "w13_weight", hf, tp)
     assert w13.shape == (E, I, H)
-    assert torch.equal(w13[3, : I // 2], gate_up[3, I // 2: I]) and torch.equal(w13[3, I // 2:], gate_up[3, I + I // 2:])
+    assert torch.equal(w13[3, : I // 2], gate_up[3, I // 2: I])
+    assert torch.equal(w13[3, I // 2:], gate_up[3, I + I // 2:])
     assert torch.equal(engine_tensor(prefix + "w2_weight", hf, tp), down[:, :, I // 2:])
 
 
