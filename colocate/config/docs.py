@@ -9,24 +9,33 @@ from colocate.config.schema import JobConfig
 
 
 def field_docs() -> list[tuple[str, str, object, str]]:
-    """(key, type, default, doc) for every config key, docs taken from the string under each field."""
+    """(key, type, default, doc) for every config key, docs taken from the string under each field; a nested
+    section (trainer.lora) lists its own keys under its prefix."""
+    rows = []
+    for section in dataclasses.fields(JobConfig):
+        rows += _section_docs(typing.get_type_hints(JobConfig)[section.name], section.name)
+    return rows
+
+
+def _section_docs(cls, prefix: str) -> list[tuple[str, str, object, str]]:
     import ast
     import inspect
 
+    tree = ast.parse(inspect.getsource(cls))
+    docs, last = {}, None
+    for node in tree.body[0].body:
+        if isinstance(node, ast.AnnAssign):
+            last = node.target.id
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and last:
+            docs[last] = node.value.value
+            last = None
+    hints = typing.get_type_hints(cls)
     rows = []
-    for section in dataclasses.fields(JobConfig):
-        cls = typing.get_type_hints(JobConfig)[section.name]
-        tree = ast.parse(inspect.getsource(cls))
-        docs, last = {}, None
-        for node in tree.body[0].body:
-            if isinstance(node, ast.AnnAssign):
-                last = node.target.id
-            elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and last:
-                docs[last] = node.value.value
-                last = None
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            rows.append((f"{section.name}.{f.name}", _type_name(hints[f.name]), f.default, docs.get(f.name, "")))
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += _section_docs(hints[f.name], f"{prefix}.{f.name}")
+        else:
+            rows.append((f"{prefix}.{f.name}", _type_name(hints[f.name]), f.default, docs.get(f.name, "")))
     return rows
 
 

@@ -87,7 +87,7 @@ _ALIASES = {"resume": "checkpoint.resume"}
 # str keys that hold JSON: a YAML mapping given for them (engine.extra_args: {block_size: 32}) is kept as JSON text
 _JSON_KEYS = {"engine.extra_args"}
 # str keys that hold a comma-separated list: a YAML list given for them is joined with commas
-_LIST_KEYS = {"data.train_files", "data.val_files"}
+_LIST_KEYS = {"data.train_files", "data.val_files", "trainer.lora.target_modules"}
 
 
 def _coerce(key: str, value, hint):
@@ -101,7 +101,7 @@ def _coerce(key: str, value, hint):
         return json.dumps(value)
     if key in _LIST_KEYS and isinstance(value, list):
         if not all(isinstance(v, str) and "," not in v for v in value):
-            raise bad(key, value, "expected a list of file paths (without commas)")
+            raise bad(key, value, "expected a list of names or file paths, each without commas")
         return ",".join(value)
     if hint is bool:
         if isinstance(value, bool):

@@ -33,6 +33,42 @@ class ModelConfig:
     """Seed of the embedded model's random initialisation."""
 
 
+# vLLM 0.32's accepted max_lora_rank values (vllm/config/lora.py, MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# The projections vLLM wraps with LoRA layers (column-parallel q/k/v/gate/up, packed into qkv_proj and
+# gate_up_proj; row-parallel o/down), each with a TP rule in the sync (sync/reshard.py); "all-linear": all of them
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = "all-linear"
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank: 0 trains every weight; > 0 freezes the base and trains rank-r adapters on trainer.lora.target_modules (the optimizer holds their state alone; each sync sends only them, unless the engine discards its weights: engine.sleep_level=2). One of vLLM's ranks: 1, 8, 16, 32, 64, 128, 256, 320, 512."""
+    alpha: float = 16.0
+    """LoRA scaling numerator: the update is alpha / rank x B A."""
+    target_modules: str = "all-linear"
+    """Comma-separated projections to adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; PEFT's suffix rule), or all-linear: every one of them the model has."""
+
+    def check(self) -> None:
+        if self.rank < 0:
+            raise bad("trainer.lora.rank", self.rank, "must be >= 0 (0: no LoRA, train every weight)")
+        if self.rank and self.rank not in VLLM_LORA_RANKS:
+            raise bad("trainer.lora.rank", self.rank,
+                      "valid: 0 (no LoRA) or one of vLLM's LoRA ranks " + ", ".join(map(str, VLLM_LORA_RANKS)))
+        if not self.alpha > 0:
+            raise bad("trainer.lora.alpha", self.alpha, "must be > 0")
+        for target in self.targets:
+            if target != ALL_LINEAR and target not in LORA_TARGETS:
+                raise bad("trainer.lora.target_modules", self.target_modules,
+                          f"{target!r} is not a projection the engine can adapt; valid: {ALL_LINEAR}, "
+                          + ", ".join(LORA_TARGETS))
+
+    @property
+    def targets(self) -> list[str]:
+        return [t.strip() for t in self.target_modules.split(",") if t.strip()]
+
+
 @dataclass
 class TrainerConfig:
     lr: float = 1e-3
@@ -69,6 +105,7 @@ class TrainerConfig:
     """A micro-batch is one row of its sequences end to end (positions restarting per sequence, attention kept inside each), no padding; false: one right-padded row per sequence."""
     max_tokens_per_micro_batch: int | None = None
     """Token budget of a micro-batch (dynamic batch size): as many sequences as fit, packed tokens or rows x longest when padded, at most micro_batch_size rows padded; null: micro_batch_size sequences each. Must hold the longest sequence the engine can return."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def check(self) -> None:
         positive(self, "trainer", "lr", "micro_batch_size", "num_threads")
@@ -87,6 +124,7 @@ class TrainerConfig:
             raise bad("trainer.lr_min_ratio", self.lr_min_ratio, "must be in [0, 1] (a fraction of trainer.lr)")
         one_of(self, "trainer", "offload", ["auto", "true", "false"])
         one_of(self, "trainer", "offload_backend", ["auto", "pinned", "torch_memory_saver"])
+        self.lora.check()
 
 
 @dataclass
@@ -107,6 +145,8 @@ class EngineConfig:
     """Most sequences the engine decodes at once; 0 keeps vLLM's default."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of a shared prefix: the samples of one prompt share its prefill."""
+    max_lora_rank: int = 0
+    """With trainer.lora.rank > 0: the largest adapter rank the engine holds (vLLM's max_lora_rank: 1, 8, 16, 32, 64, 128, 256, 320 or 512, at least the trainer's); 0: the trainer's rank."""
     expert_parallel: bool = False
     """MoE models: split the experts across each engine's TP workers, each expert whole (vLLM enable_expert_parallel), instead of splitting every expert's intermediate dimension."""
     extra_args: str = ""
@@ -121,6 +161,9 @@ class EngineConfig:
     def check(self) -> None:
         positive(self, "engine", "tp", "max_model_len")
         non_negative(self, "engine", "max_num_seqs")
+        if self.max_lora_rank and self.max_lora_rank not in VLLM_LORA_RANKS:
+            raise bad("engine.max_lora_rank", self.max_lora_rank,
+                      "valid: 0 (the trainer's LoRA rank) or one of " + ", ".join(map(str, VLLM_LORA_RANKS)))
         one_of(self, "engine", "dtype", ["bfloat16", "float16", "float32"])
         one_of(self, "engine", "sleep_level", ["auto", "0", "1", "2"])
         one_of(self, "engine", "sleep_backend", ["auto", "vllm", "portable"])
@@ -469,11 +512,21 @@ class JobConfig:
                        "data.max_prompt_tokens + rollout.max_tokens)")
         self._check_algo_against_sampling()
         self._check_reward_model()
+        self._check_lora()
         if (self.eval.every_steps or self.eval.at_start or self.eval.at_end) and self.data.train_files \
                 and not self.data.val_files:
             raise bad("data.val_files", "", "evaluation (eval.every_steps, eval.at_start, eval.at_end) of a run on "
                        "data.train_files needs validation prompts; give data.val_files or turn evaluation off")
 
+
+    def _check_lora(self) -> None:
+        rank, engine_rank = self.trainer.lora.rank, self.engine.max_lora_rank
+        if rank and engine_rank and rank > engine_rank:
+            raise bad("trainer.lora.rank", rank, f"is above engine.max_lora_rank={engine_rank}, the largest adapter "
+                      f"the engine holds; valid: <= {engine_rank}, or engine.max_lora_rank=0 (the trainer's rank)")
+        if engine_rank and not rank:
+            raise bad("engine.max_lora_rank", engine_rank, "applies to a LoRA job (trainer.lora.rank > 0); valid "
+                      "here: 0")
 
     def _check_reward_model(self) -> None:
         specs = reward_models_in(self.rollout.rewards)
@@ -577,7 +630,8 @@ _ENGINE_ARGS_OF_OURS = {
     "max_num_seqs": "engine.max_num_seqs", "enable_prefix_caching": "engine.enable_prefix_caching",
     "enable_expert_parallel": "engine.expert_parallel", "moe_backend": None,
     "kv_cache_memory_bytes": "engine.kv_cache_gib", "worker_extension_cls": None, "skip_tokenizer_init": None,
-    "distributed_executor_backend": None, "logprobs_mode": None}
+    "distributed_executor_backend": None, "logprobs_mode": None, "enable_lora": "trainer.lora.rank",
+    "max_lora_rank": "engine.max_lora_rank", "max_loras": None, "max_cpu_loras": None}
 
 
 def engine_extra_args(engine: EngineConfig) -> dict:

@@ -48,6 +48,7 @@ class EngineActor:
         self._shared_rings: dict = {}  # sync key -> the segment a full-tensor plan's workers share (CPU)
         self._asleep: set[str] = set()  # the tags still asleep: nothing may generate before both woke
         self._deaths: list[tuple[int, int, int | None]] = []  # worker exits, in order (_watch_workers)
+        self._adapter = None  # a LoRA job: the LoRARequest every generation carries (engine/lora.py)
 
     # ------------------------------------------------------------------------------------------------ life
 
@@ -75,7 +76,9 @@ class EngineActor:
 
         self._prepared = True
 
-    def start(self) -> dict:
+    def start(self, adapter_shapes: dict[str, tuple[int, ...]] | None = None) -> dict:
+        """Build the engine. `adapter_shapes` (a LoRA job: the trainer's adapter tensors, name -> shape): install
+        the policy's adapter in every worker, zeros until the first sync (engine/lora.py)."""
         self.prepare()
         from vllm import LLM
 
@@ -90,6 +93,11 @@ class EngineActor:
         except Exception as e:  # vLLM raises many types; the controller needs one clear line
             raise EngineStartError(f"vLLM engine failed to start for {self.model_path!r}: {_root_cause(e)}") from None
         self._watch_workers()
+        if adapter_shapes:
+            from colocate.engine.lora import policy_adapter
+
+            self.llm.collective_rpc("colocate_install_adapter", args=(adapter_shapes,))
+            self._adapter = policy_adapter()
         return {"start_s": time.perf_counter() - started, **self.memory()[0]}
 
     def _llm_kwargs(self) -> dict:
@@ -111,6 +119,7 @@ class EngineActor:
             # behaviour policy of the loss; raw logprobs would be those of the unscaled logits
             logprobs_mode="processed_logprobs",
             **({"max_num_seqs": self.cfg.max_num_seqs} if self.cfg.max_num_seqs else {}),
+            **(_lora_kwargs(self.cfg.max_lora_rank) if self.cfg.max_lora_rank else {}),
             **engine_extra_args(self.cfg),
         )
         if self.device == "cpu":
@@ -150,7 +159,8 @@ class EngineActor:
             max_tokens=sampling["max_tokens"], seed=sampling.get("seed"), logprobs=0, detokenize=False,
             stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None else None,
         )
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                                    lora_request=self._adapter)
         return [
             [
                 {
@@ -172,7 +182,7 @@ class EngineActor:
         assert not self._asleep, f"run_pass() while the engine's {sorted(self._asleep)} sleep: wake them first"
         started = time.perf_counter()
         results, timeline = run_pass(self.llm, requests, sampling, num_groups_wanted=num_groups_wanted,
-                                     eos_token_id=self.eos_token_id)
+                                     eos_token_id=self.eos_token_id, lora_request=self._adapter)
         return {"results": results, "timeline": timeline, "seconds": time.perf_counter() - started}
 
     # ----------------------------------------------------------------------------------------- weight sync
@@ -343,6 +353,12 @@ def _exit_code(proc) -> int | None:
         return proc.exitcode
     except ValueError:  # vLLM's shutdown closed the process object: its status is gone with it
         return None
+
+
+def _lora_kwargs(max_lora_rank: int) -> dict:
+    """vLLM's LoRA arguments for the policy's one adapter. max_loras=1: a slot for it alone (every request carries
+    it, engine/lora.py); max_cpu_loras=1: no second copy registered."""
+    return dict(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1, max_cpu_loras=1)
 
 
 def _raise_first_error(per_worker: list[tuple]) -> None:

@@ -32,6 +32,7 @@ import time
 import torch
 
 from colocate.engine.experts import expert_report
+from colocate.engine.lora import engine_tensors, install_adapter, shape_2d
 from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.sync.load import verify_then_load
 from colocate.sync.reshard import SyncPlan
@@ -82,7 +83,7 @@ class ColocateWorkerExtension:
         if arena is None or not arena.linked:
             sleeper = getattr(self, "_colocate_sleeper", None)
             assert sleeper is None or not sleeper.asleep, "share the weights while the engine is awake"
-            arena = self._colocate_arena = WeightArena(dict(self.model_runner.model.named_parameters()))
+            arena = self._colocate_arena = WeightArena(engine_tensors(self))
             return_free_memory_to_os()  # the parameters' old storages
             if sleeper is not None:
                 sleeper.arena = arena
@@ -122,7 +123,7 @@ class ColocateWorkerExtension:
         # for verification: the engine index its errors name; a shared ring is checksummed under worker 0
         self._colocate_verify_info[key] = {"engine": engine_index, "shared": shared_handle is not None}
         self._colocate_tp_rank = get_tensor_model_parallel_rank()
-        self._colocate_params = dict(self.model_runner.model.named_parameters())
+        self._colocate_params = engine_tensors(self)
         return handle
 
     def colocate_seal_ring(self, key: str) -> None:
@@ -179,8 +180,10 @@ class ColocateWorkerExtension:
         return time.perf_counter() - started, error
 
     def colocate_state_dict(self) -> dict[str, torch.Tensor]:
-        """Copies of this worker's parameters (engine names, TP-local), for full verification in tests/bench."""
-        return {name: p.detach().to("cpu", copy=True) for name, p in self.model_runner.model.named_parameters()}
+        """Copies of this worker's parameters (engine names, TP-local), and a LoRA job's adapter buffers, for full
+        verification in tests/bench."""
+        return {name: t.detach().reshape(shape_2d(name, t)).to("cpu", copy=True)
+                for name, t in engine_tensors(self).items()}
 
     def colocate_device_name(self) -> str:
         """This worker's device, named alike in every process: the GPU's UUID (vLLM's Ray workers see every GPU
@@ -208,11 +211,15 @@ class ColocateWorkerExtension:
         return {
             "tp_rank": get_tensor_model_parallel_rank(),
             "tp_size": get_tensor_model_parallel_world_size(),
-            "params": [(n, tuple(p.shape), str(p.dtype)) for n, p in self.model_runner.model.named_parameters()],
+            "params": [(n, shape_2d(n, t), str(t.dtype)) for n, t in engine_tensors(self).items()],
             "experts": expert_report(self.model_runner.model),
         }
 
     # ------------------------------------------------------------------------------------- portable sleep
+
+    def colocate_install_adapter(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """A LoRA job: the policy's adapter, all zeros, in this worker's slot (engine/lora.py)."""
+        install_adapter(self, shapes)
 
     def colocate_sleep(self, level: int) -> int:
         from colocate.engine.sleep import PortableSleep

@@ -60,10 +60,11 @@ class RequestResult:
 
 
 def run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_wanted: int | None,
-             eos_token_id: int | None) -> tuple[list[RequestResult], list[tuple[float, int]]]:
+             eos_token_id: int | None, lora_request=None) -> tuple[list[RequestResult], list[tuple[float, int]]]:
     """Run `requests` until each is finished, or until `num_groups_wanted` groups are complete (the rest are
     aborted). Returns the results in request order and the busy timeline: per engine step, (seconds since the
-    start, sequences that produced a token in it)."""
+    start, sequences that produced a token in it). `lora_request`: the adapter every request runs with (a LoRA
+    job's policy), or None."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -83,7 +84,7 @@ def run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_w
             # ignore_eos (the long-tail benchmark's fixed lengths) must also skip the EOS stop token
             stop_token_ids=[eos_token_id] if eos_token_id is not None and not sampling.get("ignore_eos") else None,
             output_kind=RequestOutputKind.DELTA)
-        engine.add_request(r.request_id, prompt, params)
+        engine.add_request(r.request_id, prompt, params, lora_request=lora_request)
 
     groups_left = {}  # group -> its requests not yet done
     for r in requests:

@@ -54,6 +54,7 @@ def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> None:
     _check_chunked_head(cfg)
     _check_activation_checkpointing(cfg)
     check_experts(cfg)
+    check_lora(cfg)
     task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
     if cfg.rollout.env and not cfg.data.train_files:  # on data rows, read_inputs checks it with the first one
         _check_env(cfg, task.sample(random.Random(0)))
@@ -131,6 +132,7 @@ def read_inputs(cfg: JobConfig) -> JobInputs:
     model_path = models.ensure_model(cfg.model)
     if cfg.model.path:  # a hub id's config is on this machine now
         check_experts(cfg)
+        check_lora(cfg)
     prompts = make_prompt_source(cfg, models.load_tokenizer(model_path)) if cfg.data.train_files else None
     if cfg.rollout.env and prompts is not None:  # an environment may expect the data's own fields
         _check_env(cfg, prompts.samples[0])
@@ -155,6 +157,23 @@ def check_experts(cfg: JobConfig) -> None:
         raise bad("engine.expert_parallel", True, f"{model} has {dims.num_experts} experts per layer, fewer than "
                   f"engine.tp={cfg.engine.tp} workers to split them over; valid: false, or engine.tp <= "
                   f"{dims.num_experts}")
+
+
+def check_lora(cfg: JobConfig) -> None:
+    """Every trainer.lora.target_modules entry must name a projection the model has as a linear layer (a MoE
+    model's routed experts are fused tensors: its MLP has none, bar a shared expert). A hub id not on this
+    machine yet passes (read_inputs checks it again)."""
+    dims = model_dims(cfg) if cfg.trainer.lora.rank else None
+    if dims is None:
+        return
+    have = dims.projections()
+    missing = [t for t in cfg.trainer.lora.targets if t != "all-linear" and t not in have]
+    if missing:
+        model = cfg.model.path or f"model.preset={cfg.model.preset}"
+        raise bad("trainer.lora.target_modules", cfg.trainer.lora.target_modules,
+                  f"{', '.join(missing)} {'matches' if len(missing) == 1 else 'match'} no linear layer of {model}; "
+                  "valid: all-linear, "
+                  + ", ".join(have))
 
 
 def check_turn_stop(turn_stop: str, tokenizer) -> None:

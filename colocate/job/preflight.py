@@ -76,6 +76,7 @@ class ModelDims:
     num_kv_heads: int
     head_dim: int
     num_experts: int = 0  # routed experts per layer; 0: dense
+    shared_expert_size: int = 0  # a MoE layer's shared expert's intermediate size; 0: none
 
     @classmethod
     def from_config_dict(cls, d: dict) -> ModelDims:
@@ -103,7 +104,20 @@ class ModelDims:
         tied = bool(d.get("tie_word_embeddings"))
         embeddings = d["vocab_size"] * hidden * (1 if tied else 2)
         return cls(layers * per_layer + embeddings + hidden, layers, hidden, d["vocab_size"], per_layer, tied,
-                   inter, heads, kv, head_dim, num_experts)
+                   inter, heads, kv, head_dim, num_experts, shared if num_experts else 0)
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """The linear projections of a decoder layer, name -> (in, out) features: attention's, and the MLP's
+        where it is made of linear layers (a dense model's; a MoE layer's shared expert: routed experts are
+        fused tensors)."""
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        out = {"q_proj": (self.hidden_size, q_out), "k_proj": (self.hidden_size, kv_out),
+               "v_proj": (self.hidden_size, kv_out), "o_proj": (q_out, self.hidden_size)}
+        mlp = self.shared_expert_size if self.num_experts else self.intermediate_size
+        if mlp:
+            out.update(gate_proj=(self.hidden_size, mlp), up_proj=(self.hidden_size, mlp),
+                       down_proj=(mlp, self.hidden_size))
+        return out
 
     @property
     def root_params(self) -> int:
@@ -115,6 +129,25 @@ class ModelDims:
         """The sync streams pre (embeddings), each layer, post (final norm + lm_head): the largest, in params."""
         embedding = self.vocab_size * self.hidden_size
         return max(embedding, self.layer_params, self.hidden_size + (0 if self.tie_word_embeddings else embedding))
+
+
+def num_adapter_params(cfg: JobConfig, dims: ModelDims) -> int:
+    """A LoRA job's adapter parameters (trainer.lora): rank x (in + out) per adapted projection and layer."""
+    lora = cfg.trainer.lora
+    if not lora.rank:
+        return 0
+    shapes = dims.projections()
+    targets = set(shapes) if "all-linear" in lora.targets else set(lora.targets) & set(shapes)
+    return dims.num_layers * lora.rank * sum(sum(shapes[t]) for t in targets)
+
+
+def trainer_state_bytes(cfg: JobConfig, dims: ModelDims) -> tuple[int, int]:
+    """(params + optimizer, params + grads + optimizer) of the whole model in bytes, fp32: each trained
+    parameter has a gradient and two AdamW moments the size of itself. A LoRA job trains its adapters alone: the
+    frozen base has no gradient and no optimizer state."""
+    trained = num_adapter_params(cfg, dims) if cfg.trainer.lora.rank else dims.num_params
+    params = 4 * (dims.num_params + (trained if cfg.trainer.lora.rank else 0))
+    return params + 8 * trained, params + 12 * trained
 
 
 def num_routed_experts(config: dict) -> int:
@@ -228,6 +261,7 @@ def micro_batch_bytes(cfg: JobConfig, dims: ModelDims, device: str = "cpu",
 def _cpu_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan) -> list[Phase]:
     world, tp, engines = cfg.placement.num_trainer_ranks, cfg.engine.tp, cfg.num_engines
     params = dims.num_params * 4  # fp32 master weights
+    kept, training_state = trainer_state_bytes(cfg, dims)
     engine_weights = engines * dims.num_params * DTYPE_BYTES[cfg.engine.dtype]
     training = {part: world * num_bytes for part, num_bytes in micro_batch_bytes(cfg, dims).items()}
     layer_bytes = engine_weights // engines // max(dims.num_layers, 1)
@@ -246,11 +280,11 @@ def _cpu_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan) -> list[Phase
         # every rank loads the full checkpoint before it shards it
         Phase("startup", {**base, "checkpoint loaded on every rank": world * params}),
         # offloaded, the trainer's state waits in a file (page cache the kernel may reclaim), not in a process
-        Phase("rollout", {**base, "trainer params + optimizer": 0 if plan.trainer_offload else 3 * params,
+        Phase("rollout", {**base, "trainer params + optimizer": 0 if plan.trainer_offload else kept,
                           "engine weights": engine_weights, "kv cache": kv, "sync ring": ring}),
-        Phase("train", {**base, "trainer params + grads + optimizer": 4 * params, **training,
+        Phase("train", {**base, "trainer params + grads + optimizer": training_state, **training,
                         "sync ring": ring, **engine_in_train}),
-        Phase("sync", {**base, "trainer params + optimizer": 3 * params, "engine weights": engine_weights,
+        Phase("sync", {**base, "trainer params + optimizer": kept, "engine weights": engine_weights,
                        "engine kv cache (awake)": kv if awake else 0, "sync ring": ring}),
     ]
 
@@ -286,6 +320,7 @@ def _split_cuda_phases(cfg: JobConfig, dims: ModelDims) -> list[Phase]:
     world, tp = cfg.placement.num_trainer_ranks, cfg.engine.tp
     engine_dtype = DTYPE_BYTES[cfg.engine.dtype]
     shard = 4 * dims.num_params // world
+    kept, training_state = (num_bytes // world for num_bytes in trainer_state_bytes(cfg, dims))
     fed = -(-tp // world)  # the TP ranks the busiest rank feeds: a broadcast group and a staging ring each
     num_communicators = (world > 1) + fed
     contexts = {"cuda context (est.)": CUDA_CONTEXT_BYTES,
@@ -298,10 +333,10 @@ def _split_cuda_phases(cfg: JobConfig, dims: ModelDims) -> list[Phase]:
     return [
         Phase("startup", {**contexts, "trainer params (fp32 shard)": shard,
                           "sharding transient (largest group, fp32)": transient}),
-        Phase("rollout", {**contexts, "trainer params + optimizer": 3 * shard, **staging}),
-        Phase("train", {**contexts, "trainer params + grads + optimizer": 4 * shard,
+        Phase("rollout", {**contexts, "trainer params + optimizer": kept, **staging}),
+        Phase("train", {**contexts, "trainer params + grads + optimizer": training_state,
                         **micro_batch_bytes(cfg, dims, "cuda"), **staging}),
-        Phase("sync", {**contexts, "trainer params + optimizer": 3 * shard, **staging,
+        Phase("sync", {**contexts, "trainer params + optimizer": kept, **staging,
                        "gather buffer (largest group + send chunk)": gathered + gathered // world}),
     ]
 
@@ -312,7 +347,9 @@ def _cuda_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan, gpu_bytes: i
         return _split_cuda_phases(cfg, dims)
     world, tp = cfg.placement.num_slots, cfg.engine.tp
     engine_dtype = DTYPE_BYTES[cfg.engine.dtype]
-    shard = 4 * dims.num_params // world  # fp32 params; grads and each AdamW moment are the same size
+    shard = 4 * dims.num_params // world  # fp32 params
+    # with grads and AdamW's two moments of every trained parameter (trainer_state_bytes)
+    kept, training_state = (num_bytes // world for num_bytes in trainer_state_bytes(cfg, dims))
     num_communicators = (world > 1) + (tp > 1)  # the trainer's FSDP2 group, the engine worker's TP group
     contexts = {"cuda contexts (2 processes, est.)": 2 * CUDA_CONTEXT_BYTES,
                 f"nccl communicators ({num_communicators}, est.)": num_communicators * NCCL_COMMUNICATOR_BYTES}
@@ -341,12 +378,12 @@ def _cuda_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan, gpu_bytes: i
                              if transient > sum(engine_share.values()) + sum(ring.values()) + sum(served.values())
                              else {**engine_share, **ring, **served})}),
         Phase("rollout", {**contexts, **engine_share, **ring, **served,
-                          **({} if plan.trainer_offload else {"trainer params + optimizer": 3 * shard})}),
-        Phase("train", {**contexts, "trainer params + grads + optimizer": 4 * shard,
+                          **({} if plan.trainer_offload else {"trainer params + optimizer": kept})}),
+        Phase("train", {**contexts, "trainer params + grads + optimizer": training_state,
                         **micro_batch_bytes(cfg, dims, "cuda"), **_cuda_reward_model(cfg, gpu_bytes, asleep=not awake),
                         **(engine_share if awake else residue), **ring}),
         # grads were released; the engine woke its weights only, the KV cache stays asleep
-        Phase("sync", {**contexts, "trainer params + optimizer": 3 * shard,
+        Phase("sync", {**contexts, "trainer params + optimizer": kept,
                        **_cuda_reward_model(cfg, gpu_bytes, asleep=not awake),
                        **(engine_share if awake else
                           {"engine weights (woken)": dims.num_params * engine_dtype // tp, **residue}),

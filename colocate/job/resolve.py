@@ -87,7 +87,9 @@ def resolve_job(cfg: JobConfig, *, switch: SwitchPlan | None = None, device: str
     config = dataclasses.replace(
         cfg,
         placement=dataclasses.replace(cfg.placement, device=device),
-        engine=dataclasses.replace(cfg.engine, sleep_level=level, sleep_backend=backend, enforce_eager=eager),
+        engine=dataclasses.replace(cfg.engine, sleep_level=level, sleep_backend=backend, enforce_eager=eager,
+                                   # a LoRA job's engine holds the trainer's rank unless told more
+                                   max_lora_rank=cfg.engine.max_lora_rank or cfg.trainer.lora.rank),
         trainer=dataclasses.replace(cfg.trainer, offload=offload, offload_backend=offload_backend),
         sync=dataclasses.replace(cfg.sync, transport=transport))
     return ResolvedJob(config, device, switch, tuple(decisions))

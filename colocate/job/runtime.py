@@ -51,6 +51,8 @@ from colocate.job.placement import (
 from colocate.job.resolve import ResolvedJob, resolve_job
 from colocate.models.sources import ensure_model, ensure_reward_model, load_tokenizer
 from colocate.rl.reward_model import RewardModel
+from colocate.sync.buckets import TensorSpec
+from colocate.sync.tp_layout import is_adapter
 from colocate.sync.transport import (
     JOB_ENV,
     mapped_by,
@@ -95,6 +97,7 @@ class Runtime:
         # multiprocessing resource tracker) are not the job's: close() must never stop them.
         self._driver_children_before = {e["pid"] for e in process_tree(os.getpid())[1:]}
         self._engines_prepared: list = []  # the engines' prepare() calls in flight
+        self._adapter_shapes: dict | None = None  # a LoRA job's adapter ({} otherwise), asked of the trainers once
         self._engine_generation = 0  # actor names must be new: a killed actor's name is freed asynchronously
 
     def __enter__(self) -> Runtime:
@@ -143,7 +146,7 @@ class Runtime:
         self._setup_trainers()
         self._start_engines()
         self._start_reward_model()  # after the policy's engines: on CUDA each measures the memory left at start
-        specs = ray.get(self.trainers[0].param_specs.remote(cfg.engine.dtype))
+        specs = sync_specs(ray.get(self.trainers[0].param_specs.remote(cfg.engine.dtype)), cfg, self.switch)
         from transformers import AutoConfig
 
         self.sync = WeightSync(self.trainers, self.engines, specs, cfg=cfg.sync,
@@ -258,7 +261,7 @@ class Runtime:
                           **actor_options(self.group, rank, cpu_share=TRAINER_SHARE, gpu_share=gpu_share,
                                           env=env)).remote(
                 rank, world, cfg.trainer, self.model_path, device=self.device, pad_id=pad,
-                algo=cfg.algo, sampling=cfg.rollout)
+                algo=cfg.algo, sampling=cfg.rollout, engine_lora_rank=cfg.engine.max_lora_rank)
             for rank in range(world)
         ])
 
@@ -332,7 +335,9 @@ class Runtime:
         if not self.engines:
             self._create_engines()
         ray.get(self._engines_prepared)
-        self.engine_info = ray.get([e.start.remote() for e in self.engines])
+        if self._adapter_shapes is None:  # a LoRA job's adapter, which every engine (restarted ones too) installs
+            self._adapter_shapes = ray.get(self.trainers[0].adapter_shapes.remote())
+        self.engine_info = ray.get([e.start.remote(self._adapter_shapes) for e in self.engines])
         self.pairs = self._pair_trainers_with_workers()
 
     def _pair_trainers_with_workers(self) -> list[tuple[int, int] | None]:
@@ -402,6 +407,14 @@ class Runtime:
             if not new or not mapped_by(new, pids=ours):
                 return
             time.sleep(0.5)
+
+
+def sync_specs(specs: list[TensorSpec], cfg: JobConfig, switch) -> list[TensorSpec]:
+    """What each sync sends. A LoRA job's engine keeps the frozen base it loaded, so the adapter alone, unless the
+    engine discards its weights while the trainer trains (sleep level 2): then the base too, every step."""
+    if not cfg.trainer.lora.rank or switch.engine_sleep_level == 2:
+        return specs
+    return [s for s in specs if is_adapter(s.name)]
 
 
 @contextlib.contextmanager

@@ -38,7 +38,15 @@ from colocate.sync.buckets import (
     plan_in_place_buckets,
     plan_sliced_buckets,
 )
-from colocate.sync.tp_layout import EXPERT_LEAVES, VOCAB_PADDING, ExpertLayout, TPLayout, hf_experts_name
+from colocate.sync.tp_layout import (
+    COLUMN_PARALLEL,
+    EXPERT_LEAVES,
+    VOCAB_PADDING,
+    ExpertLayout,
+    TPLayout,
+    hf_experts_name,
+    is_adapter,
+)
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,9 @@ def _pieces_for(name: str, hf: dict[str, tuple[int, ...]], layout: TPLayout) -> 
         block = rows // count
         return Piece(engine, dst, hf_name, index * block, block, 0, cols)
 
+    if is_adapter(name):
+        return _adapter_pieces(name, hf, layout, rows_block)
+
     if prefix.endswith("qkv_proj"):
         base = prefix[: -len("qkv_proj")]
         names = [f"{base}{p}_proj.{leaf}" for p in "qkv"]
@@ -135,6 +146,26 @@ def _pieces_for(name: str, hf: dict[str, tuple[int, ...]], layout: TPLayout) -> 
         rows, cols = as_2d(hf[name])
         return [Piece(name, 0, name, 0, rows, 0, cols)]
     return None
+
+
+def _adapter_pieces(name: str, hf: dict[str, tuple[int, ...]], layout: TPLayout, rows_block) -> list[Piece] | None:
+    """An adapter tensor's one piece (vLLM's LoRA layers, tp_layout._adapter_tensor): this rank's rows of a
+    column-parallel B (k, v by KV head), its columns of a row-parallel A, else all of it. An engine A of a larger
+    rank (engine.max_lora_rank) keeps its rows past the adapter's at zero: no piece writes them."""
+    if name not in hf:
+        return None
+    projection = name[: -len(".lora_A.weight")].rpartition(".")[2]
+    rank, size = layout.tp_rank, layout.tp_size
+    rows, cols = as_2d(hf[name])
+    if name.endswith(".lora_B.weight") and projection in ("k_proj", "v_proj"):
+        if layout.num_kv_heads >= size:
+            return [rows_block(name, name, 0, rank, size)]
+        return [rows_block(name, name, 0, rank * layout.num_kv_heads // size, layout.num_kv_heads)]
+    if name.endswith(".lora_B.weight") and projection in COLUMN_PARALLEL:
+        return [rows_block(name, name, 0, rank, size)]
+    if name.endswith(".lora_A.weight") and projection not in COLUMN_PARALLEL:
+        return [Piece(name, 0, name, 0, rows, rank * (cols // size), cols // size)]
+    return [Piece(name, 0, name, 0, rows, 0, cols)]
 
 
 def _expert_pieces(name: str, hf_name: str, hf: dict[str, tuple[int, ...]],

@@ -69,8 +69,36 @@ def _vocab_rows(tensor: torch.Tensor, layout: TPLayout) -> torch.Tensor:
     return tensor[layout.tp_rank * per_rank:(layout.tp_rank + 1) * per_rank]  # may be short: padding rows
 
 
+# A LoRA job's adapter tensors, under PEFT's names: `<module>.lora_A.weight` [rank, in], `.lora_B.weight` [out, rank]
+ADAPTER_LEAVES = (".lora_A.weight", ".lora_B.weight")
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # their rows split by TP (o/down: columns)
+
+
+def is_adapter(name: str) -> bool:
+    return name.endswith(ADAPTER_LEAVES)
+
+
+def _adapter_tensor(name: str, hf: dict[str, torch.Tensor], layout: TPLayout) -> torch.Tensor:
+    """vLLM's LoRA layers (vllm/lora/layers): a column-parallel layer holds all of A and its TP rows of B (k and v
+    by KV head, like their weights), a row-parallel one (o, down) its TP columns of A and all of B. An engine
+    buffer may hold more rank than the adapter (engine.max_lora_rank): compare its first rows (A); B arrives
+    padded by the trainer."""
+    module = name[: -len(".lora_A.weight")]
+    projection, matrix = module.rpartition(".")[2], name[-len("lora_A.weight"):-len(".weight")]
+    full = hf[name]
+    if matrix == "lora_B" and projection in ("k_proj", "v_proj"):
+        return _kv_rows(full, layout)
+    if matrix == "lora_B" and projection in COLUMN_PARALLEL:
+        return _rows(full, layout.tp_rank, layout.tp_size)
+    if matrix == "lora_A" and projection not in COLUMN_PARALLEL:
+        return _rows(full.t(), layout.tp_rank, layout.tp_size).t()
+    return full
+
+
 def engine_tensor(name: str, hf: dict[str, torch.Tensor], layout: TPLayout) -> torch.Tensor:
     """What TP worker `layout.tp_rank` holds under engine parameter `name`, built from full HF tensors."""
+    if is_adapter(name):
+        return _adapter_tensor(name, hf, layout)
     prefix, _, leaf = name.rpartition(".")  # leaf: weight or bias
     if leaf in EXPERT_LEAVES and layout.experts is not None:
         return _expert_tensor(prefix, leaf, hf, layout.experts)
@@ -119,8 +147,13 @@ def compare_engine_state(engine_state: dict[str, torch.Tensor], hf: dict[str, to
     """Names of engine parameters that differ from the trainer's weights (empty: bit-for-bit equal)."""
     mismatched = []
     for name, actual in engine_state.items():
+        if is_adapter(name) and name not in hf:  # a sub-layer the adapter leaves out (q_proj's k and v): zeros
+            if actual.count_nonzero():
+                mismatched.append(name)
+            continue
         expected = engine_tensor(name, hf, layout)
-        actual = actual[: expected.shape[0]]  # vocabulary padding rows are not the trainer's
+        # vocabulary padding rows, and an adapter's A rows past the trainer's rank, are not the trainer's
+        actual = actual[: expected.shape[0]]
         if actual.shape != expected.shape or not torch.equal(actual, expected.to(actual.dtype)):
             mismatched.append(name)
     return mismatched

@@ -56,7 +56,7 @@ import ray
 from colocate.config import SyncConfig
 from colocate.sync.buckets import TensorSpec, aligned
 from colocate.sync.reshard import SyncPlan, build_sync_plan, worker_layout
-from colocate.sync.tp_layout import TPLayout
+from colocate.sync.tp_layout import TPLayout, is_adapter
 
 MIB = 1 << 20
 DEFAULT_BROADCAST_TIMEOUT_S = 300  # a broadcast's bound when fault.sync_timeout_s is 0 (no watchdog bound)
@@ -89,7 +89,7 @@ class WeightSync:
     def open(self) -> SyncPlan:
         """Build the plan from the engines' real parameter layout (ask the workers) and share the rings. Call it
         again after an engine restarts: the plan and rings are rebuilt, never reused stale."""
-        layouts = ray.get(self.engines[0].param_layouts.remote())
+        layouts = [self._in_scope(w) for w in ray.get(self.engines[0].param_layouts.remote())]
         self.tp_size = len(layouts)
         offsets = None
         if self.transport == "in_place":
@@ -121,6 +121,15 @@ class WeightSync:
                      for t in self.trainers])
             ray.get(engine.seal_ring.remote(self.key))
         return self.plan
+
+    def _in_scope(self, worker: dict) -> dict:
+        """A worker's layout report cut to what this sync writes. A LoRA job's engine holds the adapter's buffers
+        beside the base parameters: an adapter-only sync writes the adapter's (the trainer's specs are all
+        adapter tensors), else everything but the buffers of sub-layers the adapter leaves out (zeros)."""
+        names = {s.name for s in self.specs}
+        adapter_only = all(is_adapter(n) for n in names)
+        return {**worker, "params": [p for p in worker["params"]
+                                     if (p[0] in names if is_adapter(p[0]) else not adapter_only)]}
 
     def _layout_of(self, tp_rank: int, tp_size: int) -> TPLayout:
         return TPLayout.from_hf_config(self.hf_config, tp_rank=tp_rank, tp_size=tp_size)

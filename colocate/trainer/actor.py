@@ -39,13 +39,14 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 class TrainerActor:
     def __init__(self, rank: int, world_size: int, cfg, model_path: str, *, device: str, pad_id: int,
-                 algo: AlgoConfig | None = None, sampling: RolloutConfig | None = None):
+                 algo: AlgoConfig | None = None, sampling: RolloutConfig | None = None, engine_lora_rank: int = 0):
         self.rank, self.world_size = rank, world_size
         self.cfg = cfg
         self.model_path = model_path
         # the loss's settings, and the sampling the engine used (its logprobs are those after temperature, top-p)
         self.algo, self.sampling = algo or AlgoConfig(), sampling or RolloutConfig()
         self.pad_id = pad_id
+        self.engine_lora_rank = engine_lora_rank  # a LoRA job: the rank the engine's adapter buffers hold
         self.device = local_cuda_device() if device == "cuda" else torch.device("cpu")
         if self.device.type == "cpu":
             map_large_blocks()  # the step's peak RSS is then its live tensors (host/memory.py)
@@ -116,6 +117,12 @@ class TrainerActor:
         self.attention = attention_implementation(self.cfg, self.device.type)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32,
                                                      attn_implementation=self.attention)
+        lora = self.cfg.lora
+        if lora.rank:  # before sharding: every rank builds the same adapters from its full copy
+            from colocate.trainer.lora import add_lora, lora_targets
+
+            names = sorted({n for found in lora_targets(model, lora.targets).values() for n in found})
+            add_lora(model, names, rank=lora.rank, alpha=lora.alpha, seed=0)
         if self.cfg.logprob_chunk_tokens:  # before sharding: the head's weight keeps its name and its FSDP group
             install_chunked_head(model, self.cfg.logprob_chunk_tokens)
         if self.cfg.activation_checkpointing:
@@ -131,15 +138,25 @@ class TrainerActor:
 
             # built offloaded, before the engine starts and measures the free memory
             self.reference = ReferencePolicy(self.model_path, mesh=mesh, device=self.device, cfg=self.cfg)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.params = dict(model.named_parameters())
-        self.shards = local_shards(self.params)
+        # what the optimizer steps, the guards check and the gradients hold: with LoRA the adapters alone
+        self.trained = {name: p for name, p in self.params.items() if p.requires_grad}
+        self.optimizer = torch.optim.AdamW(self.trained.values(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self.scaled_b = None
+        self.sync_tensors = self.params  # what the engines receive, by name (sync/shards.py reads its shards)
+        if lora.rank:
+            from colocate.trainer.lora import ScaledB
+
+            self.scaled_b = ScaledB(model, self.params, engine_rank=self.engine_lora_rank)
+            self.sync_tensors = {**self.params, **self.scaled_b.tensors}
+        self.shards = local_shards(self.sync_tensors)
         return_free_memory_to_os()  # the full checkpoint every rank loaded before sharding it
         if self.device.type == "cuda":
             # the full blocks FSDP2 moved and sharded sit in torch's cache; the engine starts next and measures
             # free memory from the driver, not from torch's cache
             torch.cuda.empty_cache()
         return {"num_params": sum(p.numel() for p in model.parameters()),
+                "num_trained_params": sum(p.numel() for p in self.trained.values()),
                 "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
                 "reference_local_bytes": self.reference.local_bytes if self.reference else 0,
                 "attention": self.attention,
@@ -195,14 +212,16 @@ class TrainerActor:
                 totals += stats
         # NaN/Inf guards (trainer/finite.py): every rank raises together, naming the parameter, before a bad
         # gradient is stepped or a bad weight is synced; the controller then never reaches the sync.
-        totals.grad_norm = clip_checked(self.params, self.cfg.grad_clip, step=step, rank=self.rank)
+        totals.grad_norm = clip_checked(self.trained, self.cfg.grad_clip, step=step, rank=self.rank)
         if not self.optimizer.state:
             self._create_optimizer_state()
         totals.lr = learning_rate(step, self.cfg, num_steps=self.algo.num_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = totals.lr
         self.optimizer.step()
-        check_weights(self.params, step=step, rank=self.rank)
+        check_weights(self.trained, step=step, rank=self.rank)
+        if self.scaled_b is not None:
+            self.scaled_b.refresh()
         return totals
 
     def _token_advantages(self, chunks: list[list[Sequence]], batches: list[MicroBatch],
@@ -255,9 +274,13 @@ class TrainerActor:
 
     # ---------------------------------------------------------------------------------------- weight sync
 
+    def adapter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A LoRA job's adapter parameters (PEFT names, full shapes): what the engine installs (engine/lora.py)."""
+        return {name: tuple(p.shape) for name, p in self.trained.items()} if self.scaled_b is not None else {}
+
     def param_specs(self, engine_dtype: str) -> list[TensorSpec]:
         dtype = DTYPES[engine_dtype]
-        return [TensorSpec(name, tuple(p.shape), dtype) for name, p in self.params.items()]
+        return [TensorSpec(name, tuple(p.shape), dtype) for name, p in self.sync_tensors.items()]
 
     def attach_ring(self, key: str, engine_index: int, handles: list, plan: SyncPlan, *, checksum: bool) -> None:
         """Map the rings of one engine's workers for sync `key` (`handles` by TP rank; a shared ring is mapped
@@ -381,7 +404,8 @@ class TrainerActor:
         offloaded = self._offloaded
         self.onload()  # a verification may come while the engine runs: bring the state back for the gather
         # copy=True: with one rank, full_tensor() is a view of the live shard, which offload() releases
-        state = {name: p.full_tensor().detach().to("cpu", dtype=target, copy=True) for name, p in self.params.items()}
+        state = {name: p.full_tensor().detach().to("cpu", dtype=target, copy=True)
+                 for name, p in self.sync_tensors.items()}
         if offloaded:
             self.offload()
         return None if rank0_only and self.rank else state
@@ -411,6 +435,8 @@ class TrainerActor:
         if not self.optimizer.state:
             self._create_optimizer_state()
         load_rank_state(directory, self.model, self.optimizer, rank=self.rank)
+        if self.scaled_b is not None:
+            self.scaled_b.refresh()
         if offloaded:
             self.offload()
 

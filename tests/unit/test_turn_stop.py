@@ -20,7 +20,7 @@ class FakeEngineLoop:
     def __init__(self, scripts: dict[str, list[int]], per_step: int = 1):
         self.scripts, self.per_step, self.live, self.aborted = scripts, per_step, {}, []
 
-    def add_request(self, request_id, prompt, params):
+    def add_request(self, request_id, prompt, params, lora_request=None):
         self.live[request_id] = list(self.scripts[request_id])
 
     def abort_request(self, request_ids):
