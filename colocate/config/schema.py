@@ -386,7 +386,7 @@ class FaultConfig:
     train_timeout_s: float = 0.0
     """The same bound for a training phase; 0: no limit."""
     inject: str = ""
-    """Chaos testing: SIGNAL:MEMBER:PHASE:STEP sends a signal to one process of the job as that phase of that step begins, e.g. SIGKILL:engine0.worker1:rollout:2, SIGKILL:trainer1:train:1, SIGSTOP:engine0.worker0:sync:1 (members: trainerR, engineE, engineE.workerK); empty: none."""
+    """Chaos testing: SIGNAL:MEMBER:PHASE:STEP sends a signal to one process of the job as that phase of that step begins, e.g. SIGKILL:engine0.worker1:rollout:2, SIGKILL:trainer1:train:1, SIGSTOP:engine0.worker0:sync:1 (members: trainerR, engineE, engineE.workerK); several, separated by commas, each firing once in the job's life (a restart skips those that fired); empty: none."""
     max_restarts: int = 0
     """After a fault (a member died or hung), start the job again from its newest checkpoint (resume=auto) up to this many times; 0: stop with the fault."""
 

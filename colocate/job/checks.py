@@ -26,7 +26,7 @@ from colocate.config import JobConfig
 from colocate.config.fields import bad
 from colocate.config.reward_model import RewardModelSpec, reward_models_in
 from colocate.errors import ConfigError
-from colocate.job.faults import parse_injection
+from colocate.job.faults import parse_injections
 from colocate.job.placement import SlotPlan, local_device_count, plan_slots, resolve_device
 from colocate.job.preflight import (GIB, Prediction, host_available_bytes, model_config_file, model_dims,
                                     num_routed_experts, preflight)
@@ -67,7 +67,7 @@ def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> None:
     data_files(cfg.data.train_files, "data.train_files")
     data_files(cfg.data.val_files, "data.val_files")
     if cfg.fault.inject:
-        parse_injection(cfg.fault.inject)
+        parse_injections(cfg.fault.inject)
     _check_bucket_size(cfg)
     check_sinks(cfg.logging)
     if writes_here:

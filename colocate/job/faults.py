@@ -103,6 +103,7 @@ class Injection:
     member: str  # as Member.name: "trainer rank 1", "engine 0", "engine 0 TP worker 1"
     phase: str
     step: int
+    spec: str = ""  # as given: a restart drops the injections that fired and keeps the others (job/run.py)
 
 
 _PHASES = ("rollout", "score", "switch", "train", "rollout_wait", "sync", "checkpoint", "eval", "metrics")
@@ -110,11 +111,17 @@ _INJECT_FORMAT = "SIGNAL:MEMBER:PHASE:STEP, e.g. SIGKILL:engine0.worker1:rollout
                  f"engineE.workerK; phases: {', '.join(_PHASES)})"
 
 
-def parse_injection(spec: str) -> Injection:
+def parse_injections(spec: str) -> tuple[Injection, ...]:
+    """fault.inject: one injection, or several separated by commas (each fires once in the job's life: a restart
+    does not repeat the ones that fired, so one job can meet a fault, restart, and meet the next)."""
+    return tuple(parse_injection(part.strip(), whole=spec) for part in spec.split(",") if part.strip())
+
+
+def parse_injection(spec: str, *, whole: str | None = None) -> Injection:
     from colocate.errors import ConfigError
 
     def bad(why: str) -> ConfigError:
-        return ConfigError(f"fault.inject={spec!r} is invalid: {why}; expected {_INJECT_FORMAT}")
+        return ConfigError(f"fault.inject={whole or spec!r} is invalid: {why}; expected {_INJECT_FORMAT}")
 
     parts = spec.split(":")
     if len(parts) != 4:
@@ -134,7 +141,7 @@ def parse_injection(spec: str) -> Injection:
     trainer, engine, worker = match.groups()
     name = f"trainer rank {trainer}" if trainer is not None else \
         f"engine {engine}" + (f" TP worker {worker}" if worker is not None else "")
-    return Injection(signum, name, phase, int(step))
+    return Injection(signum, name, phase, int(step), spec)
 
 
 def signal_name(exit_code: int | None) -> str:
@@ -157,7 +164,8 @@ class Watchdog:
         self.local_node = ray.get_runtime_context().get_node_id()
         self.members = job_members(runtime)
         self.fault: JobFault | None = None
-        self.injection = parse_injection(cfg.inject) if cfg.inject else None
+        self.injections = parse_injections(cfg.inject)
+        self.fired: list[Injection] = []  # in the order they fired
         self._phase: tuple[str, int | None, float | None] | None = None  # (name, step, deadline)
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the thread interrupts only while the main thread is inside a phase
@@ -203,15 +211,16 @@ class Watchdog:
                 self._phase = None
 
     def _inject(self, phase: str, step: int | None) -> None:
-        i = self.injection
-        if i is None or (i.phase, i.step) != (phase, step):
-            return
-        member = next((m for m in self.members if m.name == i.member), None)
-        if member is None:
-            raise JobFault(f"fault.inject names {i.member}, which this job does not have; it has "
-                           f"{', '.join(m.name for m in self.members)}")
-        assert member.node == self.local_node, "fault.inject reaches processes on the controller's node only"
-        os.kill(member.pid, i.signal)
+        for i in self.injections:
+            if (i.phase, i.step) != (phase, step):
+                continue
+            member = next((m for m in self.members if m.name == i.member), None)
+            if member is None:
+                raise JobFault(f"fault.inject names {i.member}, which this job does not have; it has "
+                               f"{', '.join(m.name for m in self.members)}")
+            assert member.node == self.local_node, "fault.inject reaches processes on the controller's node only"
+            self.fired.append(i)
+            os.kill(member.pid, i.signal)
 
     def timeout_s(self, phase: str) -> float:
         bounded = self.cfg.sync_timeout_s  # sync, switch, metrics: work of a known size, on the node's own memory

@@ -18,6 +18,7 @@ from colocate.errors import EXIT_FAILED, EnvError, JobFault, RewardError, UserEr
 from colocate.host.signals import Terminated, catch_stop_signals, stop_outcome, stop_received
 from colocate.job.checks import CheckedJob, check_job, read_inputs
 from colocate.job.controller import Controller
+from colocate.job.faults import parse_injections
 from colocate.job.preflight import SwitchPlan
 from colocate.job.resolve import resolve_job
 from colocate.job.runtime import Runtime
@@ -48,15 +49,18 @@ def run_job(cfg: JobConfig, checked: CheckedJob | None = None) -> int:
         inputs = read_inputs(cfg)  # a bad row, a checkpoint of another model: exit 2, one line, no actor started
         model_path, prompts, resume_from = inputs.model_path, inputs.prompts, inputs.resume_from
         attempt_cfg = cfg
+        fired: set[str] = set()  # fault.inject's injections that fired: a restart does not repeat them
         for restart in range(cfg.fault.max_restarts + 1):
             try:
                 _attempt(attempt_cfg, metrics, prompts, resume_from, started, switch)
                 break
             except JobFault as fault:
+                if started and started[-1].watchdog is not None:
+                    fired |= {i.spec for i in started[-1].watchdog.fired}
                 if restart == cfg.fault.max_restarts:
                     raise
                 # the same job again, from its newest checkpoint (or from the start when it has none)
-                attempt_cfg = _restarted(cfg)
+                attempt_cfg = _restarted(cfg, fired)
                 resume_from = resume_point(attempt_cfg, model_path)
                 metrics.write({"event": "restart", "fault": str(fault), "restart": restart + 1,
                                "from": str(resume_from) if resume_from else None})
@@ -105,10 +109,12 @@ def _attempt(cfg: JobConfig, metrics: MetricsWriter, prompts, resume_from, start
         return started[-1].run()
 
 
-def _restarted(cfg: JobConfig) -> JobConfig:
-    """The job as a restart runs it: from its newest checkpoint, and an injected fault is not injected again."""
+def _restarted(cfg: JobConfig, fired: set[str]) -> JobConfig:
+    """The job as a restart runs it: from its newest checkpoint, and an injected fault that fired is not injected
+    again (`fired`: their specs)."""
+    left = ",".join(i.spec for i in parse_injections(cfg.fault.inject) if i.spec not in fired)
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="auto"),
-                               fault=dataclasses.replace(cfg.fault, inject=""))
+                               fault=dataclasses.replace(cfg.fault, inject=left))
 
 
 def _resume_hint(cfg: JobConfig) -> str:

@@ -1,9 +1,9 @@
 """Checkpoints, exact resume and HF export through `colocate launch` / `colocate export`, as a user runs them.
 
-One uninterrupted 4-step run against a 2-step run resumed to 4 (resume=auto): the trainer shards (weights and
-AdamW moments), the data place, the answers carried in flight (partial rollout: each continues from its segment
-seed, which the saved answer decides), the learning rate of a cosine schedule resumed mid-warmup, the groups
-dynamic sampling kept and every step's metrics are equal. The resumed run's final checkpoint exported as
+One uninterrupted 4-step run against a run resumed from its checkpoint after step 1 (resume=PATH, into another
+output directory): the trainer shards (weights and AdamW moments), the data place, the answers carried in flight
+(partial rollout: each continues from its segment seed, which the saved answer decides), the learning rate of a
+cosine schedule resumed mid-warmup, the groups dynamic sampling kept and every step's metrics are equal. The resumed run's final checkpoint exported as
 a Hugging Face model is loaded by vLLM (the CPU build) and by transformers, and both answer the evaluation prompts
 greedily with exactly the tokens the job's own engine gave (engine.dtype=float32: bit-equal weights everywhere).
 """
@@ -43,14 +43,15 @@ def test_resume_is_exact_and_the_export_loads(tmp_path):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     result = launch(whole, *JOB, "checkpoint.every_steps=2")
     assert result.returncode == 0, result.stderr[-3000:]
-    result = launch(resumed, *JOB, "algo.num_steps=2")  # "stopped" after 2 steps, its end checkpoint
-    assert result.returncode == 0, result.stderr[-3000:]
-    result = launch(resumed, *JOB, "checkpoint.every_steps=2", "resume=auto", "eval.at_end=true")
+    a = whole / "out" / "checkpoints"
+    assert sorted(p.name for p in a.iterdir()) == ["step_00000001", "step_00000003"]
+    # as if the run had stopped after step 1: a new run from that checkpoint (one launch fewer than running a
+    # 2-step job first; its end checkpoint is written as the periodic one is, and every other e2e job writes one)
+    result = launch(resumed, *JOB, "checkpoint.every_steps=2", f"resume={a / 'step_00000001'}", "eval.at_end=true")
     assert result.returncode == 0, result.stderr[-3000:]
 
-    a, b = whole / "out" / "checkpoints", resumed / "out" / "checkpoints"
-    assert sorted(p.name for p in a.iterdir()) == ["step_00000001", "step_00000003"]
-    assert sorted(p.name for p in b.iterdir()) == ["step_00000001", "step_00000003"]
+    b = resumed / "out" / "checkpoints"
+    assert sorted(p.name for p in b.iterdir()) == ["step_00000003"]
     events = [json.loads(line) for line in (resumed / "out" / "metrics.jsonl").read_text().splitlines()]
     assert any(e.get("event") == "resume" and e["step"] == 1 for e in events)
 
@@ -61,7 +62,7 @@ def test_resume_is_exact_and_the_export_loads(tmp_path):
         assert torch.equal(value, resumed_state[key]), key
     controller = [json.loads((d / "step_00000003" / "controller.json").read_text()) for d in (a, b)]
     assert controller[0] == controller[1]
-    saved = json.loads((b / "step_00000001" / "controller.json").read_text())  # where the resumed run started
+    saved = json.loads((a / "step_00000001" / "controller.json").read_text())  # where the resumed run started
     assert any(ans["token_ids"] and not ans["finish_reason"] for g in saved["rollouts"]["pool"]["groups"]
                for ans in g["answers"]), "no unfinished answer was carried across the checkpoint"
     whole_steps, resumed_steps = _steps(whole / "out"), _steps(resumed / "out")
