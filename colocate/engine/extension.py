@@ -33,6 +33,7 @@ import torch
 
 from colocate.engine.experts import expert_report
 from colocate.engine.lora import engine_tensors, install_adapter, shape_2d
+from colocate.engine.worker_exit import exit_without_finalization
 from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.sync.load import verify_then_load
 from colocate.sync.reshard import SyncPlan
@@ -64,6 +65,7 @@ def _cpu_only_patches() -> None:
 
 
 _cpu_only_patches()
+exit_without_finalization()  # a TP worker that shut down cleanly exits without 2.6 s of teardown
 
 
 class ColocateWorkerExtension:
