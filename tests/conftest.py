@@ -11,21 +11,22 @@ import pytest
 
 from colocate.sync.transport import mapped_by
 
-# Seconds each slow file took in a whole-suite run on two workers (2 cores; measured at 50eaa87 on an AMD EPYC with
-# AMX, less the job each of test_cluster and test_isolation no longer starts). `make test` hands files out in this
-# order, heaviest first (xdist's loadfile with --no-loadscope-reorder keeps the collection's order; its default
-# orders files by their number of tests, which put the one-test end-to-end files last, where one worker ran
-# them alone for minutes while the other had nothing left). Unlisted files weigh by their directory.
+# Seconds each slow file took in a whole-suite run on two workers (2 cores, AVX2 AMD EPYC; measured at 552a52d,
+# less what the files trimmed since then no longer run). `make test` hands files out in this order, heaviest
+# first (xdist's loadfile with --no-loadscope-reorder keeps the collection's order; its default orders files by
+# their number of tests, which put the one-test end-to-end files last, where one worker ran them alone for
+# minutes while the other had nothing left). Unlisted files weigh by their directory.
 FILE_SECONDS = {
-    "tests/e2e/test_faults.py": 470, "tests/e2e/test_failures.py": 280, "tests/e2e/test_multinode.py": 270,
-    "tests/e2e/test_resume.py": 240, "tests/e2e/test_cluster.py": 180, "tests/e2e/test_long_answers.py": 145,
-    "tests/e2e/test_runtime.py": 140, "tests/distributed/test_trainer.py": 105, "tests/e2e/test_isolation.py": 90,
-    "tests/e2e/test_gpu_placement.py": 87, "tests/e2e/test_rollout.py": 84, "tests/e2e/test_fp32_engine.py": 76,
-    "tests/e2e/test_jobs.py": 70, "tests/e2e/test_soak_bench.py": 61, "tests/distributed/test_bench_train.py": 50,
-    "tests/e2e/test_gather_job.py": 49, "tests/e2e/test_split.py": 75, "tests/e2e/test_multiturn.py": 55,
-    "tests/e2e/test_reward_model.py": 100, "tests/e2e/test_calculator.py": 45, "tests/e2e/test_moe.py": 70,
-    "tests/distributed/test_experts_sync.py": 45,
-    "tests/e2e/test_env_workers.py": 17, "tests/e2e/test_algorithms.py": 260, "tests/distributed/test_finite.py": 24,
+    "tests/e2e/test_reward_model.py": 516, "tests/e2e/test_failures.py": 439, "tests/e2e/test_faults.py": 380,
+    "tests/e2e/test_algorithms.py": 331, "tests/e2e/test_resume.py": 260, "tests/distributed/test_trainer.py": 245,
+    "tests/e2e/test_multinode.py": 220, "tests/e2e/test_runtime.py": 191, "tests/e2e/test_split.py": 190,
+    "tests/e2e/test_gather_job.py": 175, "tests/e2e/test_isolation.py": 172, "tests/e2e/test_cluster.py": 170,
+    "tests/e2e/test_soak_bench.py": 162, "tests/e2e/test_multiturn.py": 153, "tests/e2e/test_long_answers.py": 140,
+    "tests/e2e/test_gpu_placement.py": 136, "tests/e2e/test_rollout.py": 116, "tests/e2e/test_moe.py": 104,
+    "tests/e2e/test_calculator.py": 92, "tests/e2e/test_jobs.py": 82, "tests/e2e/test_lora.py": 75,
+    "tests/distributed/test_bench_train.py": 72, "tests/e2e/test_fp32_engine.py": 72,
+    "tests/e2e/test_env_workers.py": 42, "tests/distributed/test_experts_sync.py": 30,
+    "tests/distributed/test_finite.py": 27,
 }
 DIRECTORY_SECONDS = {"e2e": 120, "distributed": 30}
 

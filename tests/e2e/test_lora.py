@@ -1,0 +1,44 @@
+"""A LoRA job through `colocate launch` (trainer.lora.rank=8 on every projection of the tiny model, TP=2): each
+sync sends the adapter alone, in place, into vLLM's LoRA buffers, and `sync.verify=full` finds every engine tensor
+(base and adapter) equal to the trainer's after every step. The engine computes with that adapter: the mismatch
+between its logprobs and the trainer's stays at the bf16 floor while the adapter moves the policy (an engine
+generating without it read 0.27-0.38 on this job by step 1, measured). The base never moves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from colocate.config import ModelConfig
+from colocate.models.sources import ensure_model
+from tests.e2e.conftest import ROOT, checkpoint_tensors, launch
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_lora_job_syncs_only_the_adapter_and_the_engine_computes_with_it(tmp_path):
+    result = launch(tmp_path, "trainer.lora.rank=8", "trainer.lr=0.05", "algo.num_steps=3", "sync.verify=full",
+                    "logging.progress=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    startup = records[0]
+    trainer = startup["trainers"][0]
+    assert trainer["num_trained_params"] == 38_912  # rank 8 x (in + out) of 7 projections x 2 layers
+    steps = [r for r in records if "event" not in r]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    for r in steps:
+        # the adapter alone, as each TP worker holds it: column-parallel A whole on both workers, the rest split
+        assert r["sync_mode"] == "sliced" and r["sync_transport"] == "in_place" and r["sync_round_trips"] == 1
+        assert 2 * 38_912 <= r["sync_bytes"] < 2 * 2 * 38_912  # bf16, 9% of the tiny model's 891 KB
+        assert r["mismatch"] < 0.01, r["mismatch"]
+    # the base is the model's, bit for bit; the adapter moved
+    start = load_file(f"{ensure_model(ModelConfig(cache_dir=str(ROOT / '.cache' / 'models')))}/model.safetensors")
+    [final] = (tmp_path / "out" / "checkpoints").iterdir()
+    state = {k.removeprefix("model."): v for k, v in checkpoint_tensors(final).items() if k.startswith("model.")}
+    for name, before in start.items():
+        assert torch.equal(state[name], before), name
+    adapters = {k: v for k, v in state.items() if ".lora_B." in k}
+    assert len(adapters) == 14 and all(v.abs().sum() > 0 for v in adapters.values())
