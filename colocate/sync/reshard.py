@@ -14,6 +14,8 @@ vLLM's TP layout (Qwen2/Qwen3/Llama families and their MoE kin), expressed as co
   experts (all, or its expert-parallel block), per expert [gate rows of this rank | up rows] and this rank's
   column block of down; the router (mlp.gate) is replicated. Pieces of consecutive experts merge, so expert
   parallelism without TP is one piece per tensor, and no rule makes one transfer per expert.
+- a LoRA job's adapters (`<module>.lora_A.weight`, `.lora_B.weight`, into vLLM's per-sub-layer LoRA buffers):
+  this rank's rows of a column-parallel B (k, v by KV head), its column block of a row-parallel A, else whole
 - everything else (norms, row-parallel biases, routers): replicated
 
     pieces = plan_pieces(engine_params, hf_shapes, layout)   # None: unknown architecture -> load_weights path
