@@ -6,6 +6,7 @@ real stack, tests/e2e/test_algorithms.py."""
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from colocate.config import load_config
 from colocate.errors import ConfigError
+from colocate.job.faults import INTERRUPT_SIGNAL, WatchdogInterrupt, _raise_watchdog_interrupt
 from colocate.job.overlap import Background
 from colocate.job.preflight import GIB, ONE_STEP_OFF_PLAN, model_dims, plan_switch, predict_phases, preflight
 from colocate.rl.rollout import lag_histogram
@@ -89,11 +91,17 @@ def test_background_returns_its_result_and_raises_its_error_on_the_waiting_threa
 
 
 def test_background_wait_is_interrupted_by_the_watchdogs_interrupt():
-    """The watchdog reports a fault with _thread.interrupt_main; a main thread waiting on the next rollout must
-    see it at once, not when the rollout ends (a rollout on a lost node may never end)."""
-    ahead = Background(time.sleep, 30)
-    threading.Timer(0.3, _thread.interrupt_main).start()
-    started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        ahead.wait()
+    """The watchdog reports a fault with _thread.interrupt_main(INTERRUPT_SIGNAL) and its own handler (as
+    Watchdog.__enter__ installs it); a main thread waiting on the next rollout must see it at once, not when the
+    rollout ends (a rollout on a lost node may never end). Its own signal, not SIGINT: a pytest worker started in
+    the background inherits SIGINT ignored, and interrupt_main() then does nothing (seen in a CI run)."""
+    previous = signal.signal(INTERRUPT_SIGNAL, _raise_watchdog_interrupt)
+    try:
+        ahead = Background(time.sleep, 30)
+        threading.Timer(0.3, _thread.interrupt_main, args=(INTERRUPT_SIGNAL,)).start()
+        started = time.monotonic()
+        with pytest.raises(WatchdogInterrupt):
+            ahead.wait()
+    finally:
+        signal.signal(INTERRUPT_SIGNAL, previous)
     assert time.monotonic() - started < 10 and not ahead.done  # the daemon thread is left; it cannot block exit
