@@ -6,7 +6,7 @@
     colocate jobs | logs JOB [-f] | stop JOB     list, read or follow, and stop the jobs on a Ray cluster
     colocate bench {sync,switch,mismatch,rollout,async,soak,train,train-memory}  benchmarks
     colocate plot RUN_DIR                        draw a run's metrics as a PNG
-    colocate export CKPT OUT [--dtype D]         write a checkpoint as a Hugging Face model
+    colocate export CKPT OUT [--dtype D] [--merged]  a checkpoint as a Hugging Face model (LoRA: its PEFT adapter)
     colocate clean [RUN_DIR ...] [--dry-run]     remove what a killed job left (its segments, processes, actors)
     colocate config-docs                         print the table of every config key (docs/config.md)
 
@@ -274,7 +274,7 @@ def cmd_clean(args) -> int:
 def cmd_export(args) -> int:
     from colocate.checkpoint.export import export_hf, find_checkpoint
 
-    print(export_hf(find_checkpoint(args.checkpoint), args.out, dtype=args.dtype))
+    print(export_hf(find_checkpoint(args.checkpoint), args.out, dtype=args.dtype, merged=args.merged))
     return 0
 
 
@@ -382,10 +382,13 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a checkpoint as a Hugging Face model (safetensors, config, "
                             "tokenizer)", description="Write CKPT (a step_<N> checkpoint folder, or a checkpoint "
                             "directory: its newest) as a Hugging Face model in OUT, which vLLM and transformers load "
-                            "as is. Reads the trainer shards a few tensors at a time: no GPU, no process group.")
+                            "as is; a LoRA job's checkpoint as its adapter in PEFT's format (or merged: --merged). "
+                            "Reads the trainer shards a few tensors at a time: no GPU, no process group.")
     export.add_argument("checkpoint", metavar="CKPT", help="e.g. outputs/default/checkpoints/step_00000149")
     export.add_argument("out", metavar="OUT", help="the model directory to write")
     export.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
+    export.add_argument("--merged", action="store_true", help="a LoRA job's checkpoint: write the model with the "
+                        "adapter merged into its weights, instead of the adapter alone in PEFT's format")
     export.set_defaults(func=cmd_export)
 
     docs = sub.add_parser("config-docs", help="print the table of every config key (docs/config.md)")

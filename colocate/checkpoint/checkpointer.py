@@ -54,7 +54,7 @@ class Checkpointer:
             if (Path(self.model_path) / name).is_file():
                 shutil.copy2(Path(self.model_path) / name, partial / "model" / name)
         if self.cfg.checkpoint.export_hf:
-            export_hf(partial, partial / "hf", dtype=self.cfg.engine.dtype)
+            export_hf(partial, partial / "hf", dtype=self.cfg.engine.dtype, lora_alpha=self.cfg.trainer.lora.alpha)
         meta = {"step": step, "time": time.time(), "signature": job_signature(self.cfg, self.model_path),
                 "config": to_dict(self.cfg), "seconds": time.perf_counter() - started}
         (partial / COMMIT_FILE).write_text(json.dumps(meta, indent=1))

@@ -242,6 +242,9 @@ def test_resume_from_an_unfinished_save(tmp_path):
     pytest.param({"multi_turn": True}, "saved with multi-turn episodes (rollout.env set), this job has single-turn "
                  "answers (rollout.env empty)",
                  id="multi_turn_into_single_turn"),
+    pytest.param({"lora": "LoRA (trainer.lora.rank=8, alpha=16, target_modules=all-linear)"},
+                 "saved with LoRA (trainer.lora.rank=8, alpha=16, target_modules=all-linear), this job has no LoRA "
+                 "(trainer.lora.rank=0)", id="lora_into_full"),
 ])
 def test_resume_from_a_checkpoint_of_another_job(changes, needle, tmp_path):
     cfg = load_config(None, [])
