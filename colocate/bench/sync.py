@@ -2,6 +2,7 @@
 
     colocate bench sync                                   # bench preset: 24 layers, >= 0.4 GB bf16, TP=2, CPU
     colocate bench sync configs/default.yaml --repeats 10
+    colocate bench sync trainer.lora.rank=8               # a LoRA job: adapter-only against full (bench/lora_sync.py)
 
 Measured side by side on the same trainers and engine:
 - colocate: the job's own sync (`sync.transport=auto`): on the CPU in place, each FSDP2 rank casting its rows of
@@ -40,6 +41,11 @@ def run_sync_bench(cfg: JobConfig, *, num_syncs: int, num_warmup: int, out_dir: 
                           "it times the co-located transports side by side; a split placement's broadcast sync is "
                           "timed in a job's metrics (sync_s) and by colocate bench async; valid: 0")
     with Runtime(cfg) as rt:
+        if cfg.trainer.lora.rank:  # the adapter-only sync against the whole model's (bench/lora_sync.py)
+            from colocate.bench.lora_sync import run_lora_sync_bench
+
+            return run_lora_sync_bench(rt, cfg, num_syncs=num_syncs, num_warmup=num_warmup, out_dir=out_dir,
+                                       name=name)
         worker_memory = [w for e in ray.get([e.memory.remote() for e in rt.engines]) for w in e]
         engine_bytes = sum(w["weight_bytes"] for w in worker_memory)
         device, rt_transport = rt.device, rt.sync.transport

@@ -1,7 +1,8 @@
 """EngineActor: one vLLM engine (TP workers) inside a Ray actor, plus its side of the weight-sync ring.
 
 The actor runs vLLM in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); vLLM's own executor starts the TP workers
-(processes on the CPU, Ray workers in the slots' bundles on GPU). Everything the controller needs from the
+(processes on the CPU, Ray workers in the slots' bundles on GPU). At TP=1 the one worker runs in the actor itself,
+on both devices. Everything the controller needs from the
 workers goes through `collective_rpc` to `ColocateWorkerExtension`.
 
     engine = EngineActor.options(...).remote(engine_cfg, model_path, device="cpu")
@@ -123,7 +124,10 @@ class EngineActor:
             **engine_extra_args(self.cfg),
         )
         if self.device == "cpu":
-            kwargs.update(distributed_executor_backend="mp",
+            # TP=1 runs its worker in this process ("uni"), as vLLM itself chooses on CUDA (config/parallel.py:
+            # a world size of 1 with no backend given), so the CPU tests the GPU's TP=1 path; a worker process
+            # would cost a second import of torch and vLLM (about 16 CPU-s here) for nothing
+            kwargs.update(distributed_executor_backend="mp" if self.cfg.tp > 1 else "uni",
                           kv_cache_memory_bytes=int(self.cfg.kv_cache_gib * (1 << 30)))
         else:
             kwargs.update(distributed_executor_backend="ray" if self.cfg.tp > 1 else None,
@@ -310,9 +314,10 @@ class EngineActor:
         return os.getpid()
 
     def _workers(self) -> list:
-        """vLLM's worker process handles (CPU, and CUDA at TP=1: the multiprocessing executor; empty for its Ray
-        executor, whose workers are Ray actors). vllm/v1/engine/llm_engine.py keeps `model_executor` when the
-        engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as engine_env sets)."""
+        """vLLM's worker process handles (the multiprocessing executor, TP > 1 on the CPU; empty at TP=1, whose
+        worker runs in this process, and for the Ray executor, whose workers are Ray actors).
+        vllm/v1/engine/llm_engine.py keeps `model_executor` when the engine core runs in this process
+        (VLLM_ENABLE_V1_MULTIPROCESSING=0, as engine_env sets)."""
         executor = getattr(self.llm.llm_engine, "model_executor", None) if self.llm is not None else None
         return list(getattr(executor, "workers", None) or [])
 

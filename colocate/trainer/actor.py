@@ -46,7 +46,7 @@ class TrainerActor:
         # the loss's settings, and the sampling the engine used (its logprobs are those after temperature, top-p)
         self.algo, self.sampling = algo or AlgoConfig(), sampling or RolloutConfig()
         self.pad_id = pad_id
-        self.engine_lora_rank = engine_lora_rank  # a LoRA job: the rank the engine's adapter buffers hold
+        self.engine_lora_rank = engine_lora_rank  # LoRA: the rank of the engine's adapter buffers (0: the trainer's)
         self.device = local_cuda_device() if device == "cuda" else torch.device("cpu")
         if self.device.type == "cpu":
             map_large_blocks()  # the step's peak RSS is then its live tensors (host/memory.py)
@@ -56,7 +56,7 @@ class TrainerActor:
         self._feeders: dict = {}  # sync key -> BroadcastFeeder (split placement)
         self._copies: dict = {}
         self._offloader = None
-        self.reference = None  # the frozen ReferencePolicy, built in setup when loss.kl_coef > 0
+        self.reference = None  # the frozen reference policy, built in setup when algo.kl_coef > 0
         # bounded: a long run never asks for them (only the sync benchmark does)
         self.write_times: deque[tuple[int, float]] = deque(maxlen=4096)
         self._offloaded = False
@@ -134,10 +134,12 @@ class TrainerActor:
         shard_by_layer(model, mesh=mesh, device=self.device, offloader=self._offloader, mp_policy=mp_policy)
         self.model = model
         if self.algo.kl_coef > 0:
-            from colocate.trainer.reference import ReferencePolicy
+            from colocate.trainer.reference import BaseReference, ReferencePolicy
 
-            # built offloaded, before the engine starts and measures the free memory
-            self.reference = ReferencePolicy(self.model_path, mesh=mesh, device=self.device, cfg=self.cfg)
+            # LoRA: the frozen base is the reference, computed by the policy with its adapters off; otherwise a
+            # copy of the initial weights, built offloaded, before the engine starts and measures the free memory
+            self.reference = BaseReference(model) if lora.rank else \
+                ReferencePolicy(self.model_path, mesh=mesh, device=self.device, cfg=self.cfg)
         self.params = dict(model.named_parameters())
         # what the optimizer steps, the guards check and the gradients hold: with LoRA the adapters alone
         self.trained = {name: p for name, p in self.params.items() if p.requires_grad}
@@ -147,7 +149,7 @@ class TrainerActor:
         if lora.rank:
             from colocate.trainer.lora import ScaledB
 
-            self.scaled_b = ScaledB(model, self.params, engine_rank=self.engine_lora_rank)
+            self.scaled_b = ScaledB(model, self.params, engine_rank=self.engine_lora_rank or lora.rank)
             self.sync_tensors = {**self.params, **self.scaled_b.tensors}
         self.shards = local_shards(self.sync_tensors)
         return_free_memory_to_os()  # the full checkpoint every rank loaded before sharding it

@@ -15,6 +15,8 @@ computes the very same values at half the bytes). It has its own offloader (its 
 torch_memory_saver tag): between uses the device holds none of it, and it is resident only for the reference
 forwards at the start of a train step, before the policy's activations and gradients exist.
 Hazard: each forward is a set of FSDP2 collectives: every rank must score the same number of batches.
+
+A LoRA job's reference is its base (BaseReference): the policy's model with the adapters switched off, no copy.
 """
 
 from __future__ import annotations
@@ -107,3 +109,31 @@ class ReferencePolicy:
 
     def close(self) -> None:
         self._offloader.close()
+
+
+class BaseReference:
+    """A LoRA job's reference policy: the policy's own model with its adapters switched off, which is the frozen
+    base, exactly (the base never trains: trainer/lora.py). No second copy to build, hold or move; its forwards
+    are the policy's own FSDP2 collectives, so every rank must score the same number of batches here too."""
+
+    local_bytes = 0
+    offloaded = True  # holds nothing of its own between uses, as an offloaded ReferencePolicy
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    @torch.no_grad()
+    def score(self, batches: list[MicroBatch], *, temperature: float, top_p: float) -> list[torch.Tensor]:
+        from colocate.trainer.lora import adapters_disabled
+
+        with adapters_disabled(self.model):
+            return [sequence_logprobs(self.model, b, temperature=temperature, top_p=top_p)[0] for b in batches]
+
+    def offload(self) -> int:
+        return 0
+
+    def onload(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass

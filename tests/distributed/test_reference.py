@@ -9,6 +9,7 @@ import torch
 from colocate.config import AlgoConfig, ModelConfig, TrainerConfig
 from colocate.models.sources import ensure_model
 from tests.distributed.conftest import run_distributed
+from colocate.trainer.lora import lora_modules
 from tests.distributed.test_trainer import SEQS
 
 
@@ -73,3 +74,34 @@ def _kl_steps(rank: int, world_size: int, port: int, model_path: str):
 def test_kl_is_zero_at_the_start_grows_with_training_and_the_reference_stays_frozen_and_offloaded(tmp_path, preset):
     path = ensure_model(ModelConfig(preset=preset, cache_dir=str(tmp_path / "models")))
     run_distributed(_kl_steps, path, world_size=2, init=False)
+
+
+def _lora_kl_steps(rank: int, world_size: int, port: int, model_path: str):
+    from colocate.config.schema import LoraConfig
+    from colocate.trainer.actor import TrainerActor
+    from colocate.trainer.reference import BaseReference
+
+    cfg = TrainerConfig(lr=5e-2, micro_batch_size=2, grad_clip=0.0, lora=LoraConfig(rank=8))
+    trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0,
+                           algo=AlgoConfig(kl_coef=0.1, kl_estimator="k3"))
+    info = trainer.setup("127.0.0.1", port)
+    assert isinstance(trainer.reference, BaseReference) and info["reference_local_bytes"] == 0  # no copy
+    initial = trainer.full_state_dict("float32")
+    num_tokens = sum(len(s.response_ids) for s in SEQS)
+    step = dict(step=0, num_tokens_all_ranks=num_tokens, num_micro_batches=2, num_seqs_all_ranks=len(SEQS))
+    first = trainer.train_step(SEQS[rank::world_size], **step)
+    assert first.kl_sum == 0.0 and _all_ranks_kl(first) == 0.0  # B = 0: the policy is its base
+    trainer.release_grads()
+    second = trainer.train_step(SEQS[rank::world_size], **step)
+    assert second.kl_sum > 0 and _all_ranks_kl(second) > 1e-6, second.kl_sum
+    # the reference is the base, which never moved; only adapters did, and the adapters are on again
+    trained = trainer.full_state_dict("float32")
+    assert all(torch.equal(trained[k], initial[k]) for k in initial if ".lora_" not in k)
+    assert any(not torch.equal(trained[k], initial[k]) for k in initial if ".lora_B." in k)
+    assert all(m.enabled for m in lora_modules(trainer.model).values())
+    trainer.shutdown()
+
+
+def test_a_lora_jobs_reference_is_its_base_with_the_adapters_off(tmp_path):
+    path = ensure_model(ModelConfig(cache_dir=str(tmp_path / "models")))
+    run_distributed(_lora_kl_steps, path, world_size=2, init=False)

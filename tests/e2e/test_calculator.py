@@ -23,7 +23,9 @@ def test_calls_are_parsed_answered_and_appended_and_a_malformed_call_is_answered
                     "rollout.max_turns=4", "rollout.turn_stop=</tool_call>", "rollout.max_tokens=448", "engine.max_model_len=512",
                     f"engine.extra_args='{json.dumps({'logits_processors': [PROCESSOR]})}'",
                     "rollout.num_prompts=2", "rollout.num_samples=2", "algo.num_steps=1", "logging.progress=false",
-                    "checkpoint.at_end=false", "eval.at_end=false")
+                    "checkpoint.at_end=false", "eval.at_end=false",
+                    # the turns are the driver's: one slot (a trainer rank, a TP=1 engine), whatever the layout
+                    "placement.num_slots=1", "engine.tp=1")
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     [step] = [r for r in records if "event" not in r]

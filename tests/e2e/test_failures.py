@@ -100,16 +100,18 @@ def test_reward_function_that_raises_keeps_finished_steps(tmp_path, baseline):
     assert_nothing_left(*baseline)
 
 
-@pytest.mark.parametrize("signum, code, said", [
-    pytest.param(signal.SIGINT, 130, "interrupted", id="ctrl_c"),  # a terminal's Ctrl-C: the whole group
-    pytest.param(signal.SIGTERM, 143, "stopped (SIGTERM)", id="sigterm"),  # kill, a scheduler, `ray job stop`
+@pytest.mark.parametrize("signum, code, said, layout", [
+    # a terminal's Ctrl-C: the whole group, the engine's TP worker processes with it
+    pytest.param(signal.SIGINT, 130, "interrupted", (), id="ctrl_c"),
+    # kill, a scheduler, `ray job stop`: the job's process alone; one slot (a trainer rank, a TP=1 engine)
+    pytest.param(signal.SIGTERM, 143, "stopped (SIGTERM)", ("placement.num_slots=1", "engine.tp=1"), id="sigterm"),
 ])
-def test_ctrl_c_and_sigterm_stop_cleanly(tmp_path, baseline, signum, code, said):
+def test_ctrl_c_and_sigterm_stop_cleanly(tmp_path, baseline, signum, code, said, layout):
     metrics = tmp_path / "out" / "metrics.jsonl"
     proc = subprocess.Popen(
         [os.path.join(os.path.dirname(os.sys.executable), "colocate"), "launch", "configs/default.yaml",
          "algo.num_steps=1000", "rollout.num_prompts=4", "rollout.num_samples=4", "engine.kv_cache_gib=0.125",
-         f"logging.output_dir={tmp_path / 'out'}", f"model.cache_dir={ROOT / '.cache' / 'models'}"],
+         f"logging.output_dir={tmp_path / 'out'}", f"model.cache_dir={ROOT / '.cache' / 'models'}", *layout],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         preexec_fn=sigint_ignored)
     try:

@@ -7,6 +7,10 @@ generating without it read 0.27-0.38 on this job by step 1, measured). The base 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +25,8 @@ pytestmark = pytest.mark.e2e
 
 def test_a_lora_job_syncs_only_the_adapter_and_the_engine_computes_with_it(tmp_path):
     result = launch(tmp_path, "trainer.lora.rank=8", "trainer.lr=0.05", "algo.num_steps=3", "sync.verify=full",
-                    "logging.progress=false")
+                    "logging.progress=false", "engine.dtype=float32", "eval.at_end=true", "eval.max_prompts=6",
+                    "eval.max_tokens=6")
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     startup = records[0]
@@ -32,13 +37,34 @@ def test_a_lora_job_syncs_only_the_adapter_and_the_engine_computes_with_it(tmp_p
     for r in steps:
         # the adapter alone, as each TP worker holds it: column-parallel A whole on both workers, the rest split
         assert r["sync_mode"] == "sliced" and r["sync_transport"] == "in_place" and r["sync_round_trips"] == 1
-        assert 2 * 38_912 <= r["sync_bytes"] < 2 * 2 * 38_912  # bf16, 9% of the tiny model's 891 KB
+        assert 4 * 38_912 <= r["sync_bytes"] < 2 * 4 * 38_912  # fp32, 9% of the tiny model's 1.8 MB
         assert r["mismatch"] < 0.01, r["mismatch"]
     # the base is the model's, bit for bit; the adapter moved
-    start = load_file(f"{ensure_model(ModelConfig(cache_dir=str(ROOT / '.cache' / 'models')))}/model.safetensors")
+    base = ensure_model(ModelConfig(cache_dir=str(ROOT / ".cache" / "models")))
+    start = load_file(f"{base}/model.safetensors")
     [final] = (tmp_path / "out" / "checkpoints").iterdir()
     state = {k.removeprefix("model."): v for k, v in checkpoint_tensors(final).items() if k.startswith("model.")}
     for name, before in start.items():
         assert torch.equal(state[name], before), name
     adapters = {k: v for k, v in state.items() if ".lora_B." in k}
     assert len(adapters) == 14 and all(v.abs().sum() > 0 for v in adapters.values())
+
+    # the export, as the adapter and merged, answers as the job's engine did after its last step
+    job_answers = [json.loads(line) for line in (tmp_path / "out" / "eval" / "after_3_steps.jsonl").read_text()
+                   .splitlines()]
+    prompts, engine_tokens = json.dumps([a["prompt"] for a in job_answers]), [a["token_ids"][0] for a in job_answers]
+    assert len(job_answers) == 6
+    cli = Path(sys.executable).parent / "colocate"
+    for kind, flags in (("adapter", []), ("merged", ["--merged"])):
+        exported = tmp_path / kind
+        done = subprocess.run([str(cli), "export", str(final), str(exported), "--dtype", "float32", *flags], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        load = [str(exported), prompts, "6", "--only", "transformers"] if kind == "merged" else \
+            [base, prompts, "6", "--adapter", str(exported)]
+        out = subprocess.run([sys.executable, str(Path(__file__).parent / "load_export.py"), *load], cwd=ROOT,
+                             capture_output=True, text=True, timeout=600, env={**os.environ})
+        assert out.returncode == 0, out.stderr[-3000:]
+        loaded = json.loads(out.stdout.strip().splitlines()[-1])
+        assert all(tokens == engine_tokens for tokens in loaded.values()), (kind, loaded, engine_tokens)
+        assert len(loaded) == (1 if kind == "merged" else 2)

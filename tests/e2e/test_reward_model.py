@@ -22,8 +22,9 @@ NUM_PROMPTS, NUM_SAMPLES = 4, 4  # launch()'s small job
     # sync compared with the trainer in full every step: the MoE e2e without expert parallelism (tests/e2e/
     # test_moe.py has the expert-parallel one), sharing this job's engine start
     pytest.param("char:1,model:tiny-rm:0.5", ("model.preset=tiny-moe", "sync.verify=full"), id="classifier"),
-    pytest.param("judge:tiny", (r"reward_model.verdict_pattern=\d", "reward_model.judge_max_tokens=4"),
-                 id="judge"),
+    # the judge beside a one-slot policy (a trainer rank, a TP=1 engine): the policy's layout is the classifier's
+    pytest.param("judge:tiny", (r"reward_model.verdict_pattern=\d", "reward_model.judge_max_tokens=4",
+                                "placement.num_slots=1", "engine.tp=1"), id="judge"),
 ])
 def test_a_served_reward_model_scores_every_answer_and_sleeps_while_training(tmp_path, rewards, extra):
     result = launch(tmp_path, f"rollout.rewards={rewards}", *extra, "engine.sleep_level=1", "algo.num_steps=2",
