@@ -8,7 +8,8 @@ the same trainers and engine, in one run.
   at engine.sleep_level=2) does each step;
 - floors: a memcpy and the trainers' cast of the adapter's bytes.
 
-Both are verified from scratch, in order: the engines' weights are discarded (level-2 sleep: zeros), the full
+In place (the CPU) the two are timed one after the other: an engine has one weight arena at a time. Both are
+verified from scratch, in order: the engines' weights are discarded (level-2 sleep: zeros), the full
 sync alone must restore every tensor; then the engines' adapter is reinstalled as zeros (a check that would find
 it so is part of the result), and the adapter sync alone must make every tensor equal again.
 """
@@ -35,15 +36,15 @@ def run_lora_sync_bench(rt: Runtime, cfg: JobConfig, *, num_syncs: int, num_warm
         sync.open()
         return sync
 
-    # built here, whatever the job's switch made of rt.sync (at sleep level 2 it sends the base too)
-    adapter, full = make([s for s in specs if is_adapter(s.name)]), make(specs)
-    syncs = {"adapter": adapter, "full_model": full}
-    stats: dict[str, list[dict]] = {key: [] for key in syncs}
-    for i in range(num_warmup + num_syncs):
-        for key, sync in syncs.items():  # interleaved: drift hits both alike
-            result = sync.run()
-            if i >= num_warmup:
-                stats[key].append(result)
+    # built here, whatever the job's switch made of rt.sync (at sleep level 2 it sends the base too). In place,
+    # an engine has one weight arena at a time and each open shares a new one (engine/extension.py): the two are
+    # timed one after the other, each right after its own open, not interleaved
+    adapter_specs = [s for s in specs if is_adapter(s.name)]
+    stats: dict[str, list[dict]] = {}
+    for key, chosen in (("adapter", adapter_specs), ("full_model", specs)):
+        sync = make(chosen)
+        runs = [sync.run() for _ in range(num_warmup + num_syncs)]
+        stats[key] = runs[num_warmup:]
     timed = {key: {**summary([s["sync_s"] for s in runs]), "sync_bytes": runs[-1]["sync_bytes"],
                    "round_trips": runs[-1]["sync_round_trips"], "plan_mode": runs[-1]["sync_mode"]}
              for key, runs in stats.items()}
@@ -51,11 +52,11 @@ def run_lora_sync_bench(rt: Runtime, cfg: JobConfig, *, num_syncs: int, num_warm
     floor_s = memcpy_floor_s(adapter_bytes, device=rt.device)
     cast_floor_s = max(ray.get([t.cast_floor_s.remote(adapter_bytes // len(rt.trainers), cfg.engine.dtype)
                                 for t in rt.trainers]))
-    timed.update(_verified(rt, full, adapter, cfg.engine.dtype))
+    timed.update(_verified(rt, make(specs), lambda: make(adapter_specs), cfg.engine.dtype))
     result = {
         "config": {"model": cfg.model.preset or cfg.model.path, "engine_dtype": cfg.engine.dtype,
                    "engine_tp": cfg.engine.tp, "num_slots": cfg.placement.num_slots, "device": rt.device,
-                   "transport": adapter.transport, "lora_rank": cfg.trainer.lora.rank,
+                   "transport": rt.sync.transport, "lora_rank": cfg.trainer.lora.rank,
                    "lora_alpha": cfg.trainer.lora.alpha, "lora_target_modules": cfg.trainer.lora.target_modules,
                    "engine_max_lora_rank": cfg.engine.max_lora_rank, "enforce_eager": cfg.engine.enforce_eager},
         "num_params": rt.trainer_info[0]["num_params"],
@@ -75,12 +76,13 @@ def run_lora_sync_bench(rt: Runtime, cfg: JobConfig, *, num_syncs: int, num_warm
     return result
 
 
-def _verified(rt: Runtime, full: WeightSync, adapter: WeightSync, dtype: str) -> dict:
+def _verified(rt: Runtime, full: WeightSync, open_adapter, dtype: str) -> dict:
     ray.get([e.sleep.remote(2) for e in rt.engines])
     ray.get([e.wake.remote(["weights"]) for e in rt.engines])
     full.run()
     ray.get([e.wake.remote(["kv_cache"]) for e in rt.engines])
     full_ok = rt.sync.verify_full(dtype) == []
+    adapter = open_adapter()  # after the full sync's: its own arena
     shapes = ray.get(rt.trainers[0].adapter_shapes.remote())
     ray.get([e.__ray_call__.remote(_reinstall_adapter, shapes) for e in rt.engines])
     zeroed_found = rt.sync.verify_full(dtype) != []  # the check sees an adapter the sync has not written yet

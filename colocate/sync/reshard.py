@@ -115,10 +115,7 @@ def _pieces_for(name: str, hf: dict[str, tuple[int, ...]], layout: TPLayout) -> 
         if not all(n in hf for n in names):
             return None
         q = rows_block(name, names[0], 0, rank, size)
-        if layout.num_kv_heads >= size:
-            kv_index, kv_count = rank, size
-        else:  # each KV head replicated on size / num_kv_heads ranks
-            kv_index, kv_count = rank * layout.num_kv_heads // size, layout.num_kv_heads
+        kv_index, kv_count = kv_block(layout)
         k = rows_block(name, names[1], q.num_rows, kv_index, kv_count)
         v = rows_block(name, names[2], q.num_rows + k.num_rows, kv_index, kv_count)
         return [q, k, v]
@@ -150,6 +147,15 @@ def _pieces_for(name: str, hf: dict[str, tuple[int, ...]], layout: TPLayout) -> 
     return None
 
 
+def kv_block(layout: TPLayout) -> tuple[int, int]:
+    """(index, count): this rank's block of a K or V projection's rows, cut into `count` equal blocks. With fewer
+    KV heads than ranks each head is replicated on tp_size / num_kv_heads ranks."""
+    rank, size = layout.tp_rank, layout.tp_size
+    if layout.num_kv_heads >= size:
+        return rank, size
+    return rank * layout.num_kv_heads // size, layout.num_kv_heads
+
+
 def _adapter_pieces(name: str, hf: dict[str, tuple[int, ...]], layout: TPLayout, rows_block) -> list[Piece] | None:
     """An adapter tensor's one piece (vLLM's LoRA layers, tp_layout._adapter_tensor): this rank's rows of a
     column-parallel B (k, v by KV head), its columns of a row-parallel A, else all of it. An engine A of a larger
@@ -160,9 +166,7 @@ def _adapter_pieces(name: str, hf: dict[str, tuple[int, ...]], layout: TPLayout,
     rank, size = layout.tp_rank, layout.tp_size
     rows, cols = as_2d(hf[name])
     if name.endswith(".lora_B.weight") and projection in ("k_proj", "v_proj"):
-        if layout.num_kv_heads >= size:
-            return [rows_block(name, name, 0, rank, size)]
-        return [rows_block(name, name, 0, rank * layout.num_kv_heads // size, layout.num_kv_heads)]
+        return [rows_block(name, name, 0, *kv_block(layout))]
     if name.endswith(".lora_B.weight") and projection in COLUMN_PARALLEL:
         return [rows_block(name, name, 0, rank, size)]
     if name.endswith(".lora_A.weight") and projection not in COLUMN_PARALLEL:
