@@ -48,7 +48,7 @@ def find_checkpoint(path: str | Path) -> Path:
 def export_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "bfloat16", merged: bool = False,
               lora_alpha: float | None = None, shard_bytes: int = 2 << 30) -> Path:
     """`lora_alpha`: a LoRA checkpoint's scaling numerator when its meta.json is not written yet (the checkpointer
-    exporting into a save in progress); otherwise read from the job config meta.json keeps."""
+    exporting into a save in progress); otherwise read from the job config that meta.json keeps."""
     from safetensors.torch import save_file
     from torch.distributed.checkpoint import FileSystemReader
 

@@ -367,7 +367,7 @@ class CheckpointConfig:
     resume: str = ""
     """auto: continue from the newest complete checkpoint in checkpoint.dir (start afresh when there is none); a step_<N> path: continue from it; empty: start afresh. Also given as resume=... on the command line."""
     export_hf: bool = False
-    """Also write a Hugging Face model (safetensors, config, tokenizer) into each checkpoint's hf/ folder."""
+    """Also write a Hugging Face model (safetensors, config, tokenizer) into each checkpoint's hf/ folder (a LoRA job: its adapter, in PEFT's format)."""
 
     def check(self) -> None:
         non_negative(self, "checkpoint", "every_steps", "keep_last")

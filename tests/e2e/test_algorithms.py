@@ -18,12 +18,15 @@ from tests.e2e.conftest import launch
 pytestmark = pytest.mark.e2e
 
 NUM_STEPS = 12
+# one slot (a trainer rank, a TP=1 engine): what these check is the algorithms' learning and bookkeeping, which
+# no layout changes; the default layout's TP=2 sync is every other job's
+ONE_SLOT = ("placement.num_slots=1", "engine.tp=1")
 
 
 def test_the_dapo_preset_on_the_default_job_learns(tmp_path):
     # the default job as `make run` runs it (16 prompts x 8 answers of 3 tokens), shortened
     result = launch(tmp_path, f"algo.num_steps={NUM_STEPS}", "logging.progress=false", "checkpoint.at_end=false",
-                    config=("configs/default.yaml", "configs/algos/dapo.yaml"), small=False)
+                    *ONE_SLOT, config=("configs/default.yaml", "configs/algos/dapo.yaml"), small=False)
     assert result.returncode == 0, result.stderr[-3000:]
     saved = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())
     assert saved["algo"]["dynamic_sampling"] and saved["algo"]["clip_eps_high"] == 0.28  # the preset merged
@@ -50,7 +53,7 @@ def test_one_step_off_on_the_default_job_learns_within_its_lag(tmp_path):
     per-token lag histogram says so every step, the lag cap (rollout.max_lag=1) holds, the trainer's wait for the
     engines is timed, and the reward rises."""
     result = launch(tmp_path, f"algo.num_steps={NUM_STEPS}", "algo.mode=one_step_off", "logging.progress=false",
-                    "checkpoint.at_end=false", config=("configs/default.yaml",), small=False)
+                    "checkpoint.at_end=false", *ONE_SLOT, config=("configs/default.yaml",), small=False)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "event" not in r]
@@ -74,7 +77,7 @@ def test_async_on_the_default_job_learns_within_its_lag(tmp_path):
     groups, and its weight update waits only for the pass in flight: every token trained is within the lag cap
     (rollout.max_lag=2), the histogram covers every token trained, and the reward rises."""
     result = launch(tmp_path, f"algo.num_steps={NUM_STEPS}", "algo.mode=async", "rollout.partial_tokens=2",
-                    "rollout.max_lag=2", "logging.progress=false", "checkpoint.at_end=false",
+                    "rollout.max_lag=2", "logging.progress=false", "checkpoint.at_end=false", *ONE_SLOT,
                     config=("configs/default.yaml",), small=False)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]

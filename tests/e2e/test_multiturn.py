@@ -22,6 +22,8 @@ def test_the_multiturn_demo_learns_and_trains_only_the_models_tokens(tmp_path):
     # the environments in two Ray actors (rollout.env_workers); tests/e2e/test_calculator.py runs them in-process
     result = launch(tmp_path, f"algo.num_steps={NUM_STEPS}", "logging.progress=false", "checkpoint.at_end=false",
                     "rollout.env_workers=2", "eval.at_end=true", "eval.max_prompts=8",
+                    # one slot (a trainer rank, a TP=1 engine): the episodes are the driver's and the env workers'
+                    "placement.num_slots=1", "engine.tp=1",
                     config=("configs/default.yaml", "configs/multiturn.yaml"), small=False)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
