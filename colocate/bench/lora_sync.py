@@ -30,19 +30,15 @@ def run_lora_sync_bench(rt: Runtime, cfg: JobConfig, *, num_syncs: int, num_warm
     assert cfg.trainer.lora.rank, "a LoRA job's bench"
     specs = ray.get(rt.trainers[0].param_specs.remote(cfg.engine.dtype))  # every tensor, base and adapter
 
-    def make(chosen: list) -> WeightSync:
-        sync = WeightSync(rt.trainers, rt.engines, chosen, cfg=cfg.sync, hf_config=rt.sync.hf_config,
-                          pairs=rt.pairs, transport=rt.sync.transport)
-        sync.open()
-        return sync
-
     # built here, whatever the job's switch made of rt.sync (at sleep level 2 it sends the base too). In place,
     # an engine has one weight arena at a time and each open shares a new one (engine/extension.py): the two are
     # timed one after the other, each right after its own open, not interleaved
     adapter_specs = [s for s in specs if is_adapter(s.name)]
-    stats: dict[str, list[dict]] = {}
+    syncs, stats = {}, {}
     for key, chosen in (("adapter", adapter_specs), ("full_model", specs)):
-        sync = make(chosen)
+        sync = syncs[key] = WeightSync(rt.trainers, rt.engines, chosen, cfg=cfg.sync, hf_config=rt.sync.hf_config,
+                                       pairs=rt.pairs, transport=rt.sync.transport)
+        sync.open()
         runs = [sync.run() for _ in range(num_warmup + num_syncs)]
         stats[key] = runs[num_warmup:]
     timed = {key: {**summary([s["sync_s"] for s in runs]), "sync_bytes": runs[-1]["sync_bytes"],
@@ -52,7 +48,7 @@ def run_lora_sync_bench(rt: Runtime, cfg: JobConfig, *, num_syncs: int, num_warm
     floor_s = memcpy_floor_s(adapter_bytes, device=rt.device)
     cast_floor_s = max(ray.get([t.cast_floor_s.remote(adapter_bytes // len(rt.trainers), cfg.engine.dtype)
                                 for t in rt.trainers]))
-    timed.update(_verified(rt, make(specs), lambda: make(adapter_specs), cfg.engine.dtype))
+    timed.update(_verified(rt, syncs["full_model"], syncs["adapter"], cfg.engine.dtype))
     result = {
         "config": {"model": cfg.model.preset or cfg.model.path, "engine_dtype": cfg.engine.dtype,
                    "engine_tp": cfg.engine.tp, "num_slots": cfg.placement.num_slots, "device": rt.device,
@@ -76,13 +72,14 @@ def run_lora_sync_bench(rt: Runtime, cfg: JobConfig, *, num_syncs: int, num_warm
     return result
 
 
-def _verified(rt: Runtime, full: WeightSync, open_adapter, dtype: str) -> dict:
+def _verified(rt: Runtime, full: WeightSync, adapter: WeightSync, dtype: str) -> dict:
+    """`full` was opened last, so the engines' arena is its own; the adapter's is opened again after it."""
     ray.get([e.sleep.remote(2) for e in rt.engines])
     ray.get([e.wake.remote(["weights"]) for e in rt.engines])
     full.run()
     ray.get([e.wake.remote(["kv_cache"]) for e in rt.engines])
     full_ok = rt.sync.verify_full(dtype) == []
-    adapter = open_adapter()  # after the full sync's: its own arena
+    adapter.open()  # a new arena, replacing the full sync's
     shapes = ray.get(rt.trainers[0].adapter_shapes.remote())
     ray.get([e.__ray_call__.remote(_reinstall_adapter, shapes) for e in rt.engines])
     zeroed_found = rt.sync.verify_full(dtype) != []  # the check sees an adapter the sync has not written yet

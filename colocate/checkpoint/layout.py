@@ -79,11 +79,14 @@ def job_signature(cfg: JobConfig, model_path: str | Path) -> dict:
             "num_samples": cfg.rollout.num_samples, "multi_turn": bool(cfg.rollout.env), "lora": _lora(cfg)}
 
 
+_NO_LORA = "no LoRA (trainer.lora.rank=0)"
+
+
 def _lora(cfg: JobConfig) -> str:
     """What fixes a LoRA job's trained tensors and what they compute: rank, alpha and targets."""
     lora = cfg.trainer.lora
     return (f"LoRA (trainer.lora.rank={lora.rank}, alpha={lora.alpha:g}, target_modules={lora.target_modules})"
-            if lora.rank else "no LoRA (trainer.lora.rank=0)")
+            if lora.rank else _NO_LORA)
 
 
 def resume_point(cfg: JobConfig, model_path: str | Path) -> Path | None:
@@ -127,7 +130,7 @@ def check_compatible(path: Path, mine: dict) -> None:
         kinds = {True: "multi-turn episodes (rollout.env set)", False: "single-turn answers (rollout.env empty)"}
         raise ConfigError(f"checkpoint.resume={str(path)!r} is invalid: it was saved with "
                           f"{kinds[theirs.get('multi_turn', False)]}, this job has {kinds[mine['multi_turn']]}")
-    # a checkpoint of an earlier release has no such key: it trained every weight
-    if theirs.get("lora", "no LoRA (trainer.lora.rank=0)") != mine["lora"]:
-        raise ConfigError(f"checkpoint.resume={str(path)!r} is invalid: it was saved with "
-                          f"{theirs.get('lora', 'no LoRA (trainer.lora.rank=0)')}, this job has {mine['lora']}")
+    theirs_lora = theirs.get("lora", _NO_LORA)  # a checkpoint of an earlier release: it trained every weight
+    if theirs_lora != mine["lora"]:
+        raise ConfigError(f"checkpoint.resume={str(path)!r} is invalid: it was saved with {theirs_lora}, this job "
+                          f"has {mine['lora']}")

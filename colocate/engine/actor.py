@@ -2,8 +2,8 @@
 
 The actor runs vLLM in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); vLLM's own executor starts the TP workers
 (processes on the CPU, Ray workers in the slots' bundles on GPU). At TP=1 the one worker runs in the actor itself,
-on both devices. Everything the controller needs from the
-workers goes through `collective_rpc` to `ColocateWorkerExtension`.
+on both devices. Everything the controller needs from the workers goes through `collective_rpc` to
+`ColocateWorkerExtension`.
 
     engine = EngineActor.options(...).remote(engine_cfg, model_path, device="cpu")
     ray.get(engine.start.remote())                       # raises EngineStartError with vLLM's reason

@@ -116,8 +116,7 @@ class BaseReference:
     base, exactly (the base never trains: trainer/lora.py). No second copy to build, hold or move; its forwards
     are the policy's own FSDP2 collectives, so every rank must score the same number of batches here too."""
 
-    local_bytes = 0
-    offloaded = True  # holds nothing of its own between uses, as an offloaded ReferencePolicy
+    local_bytes = 0  # holds nothing of its own
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -128,12 +127,3 @@ class BaseReference:
 
         with adapters_disabled(self.model):
             return [sequence_logprobs(self.model, b, temperature=temperature, top_p=top_p)[0] for b in batches]
-
-    def offload(self) -> int:
-        return 0
-
-    def onload(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass
