@@ -31,6 +31,12 @@ def engine_env(cfg, device: str, placement_env: dict[str, str] | None = None) ->
     if device == "cpu":
         # 2-core machines: bind nothing (vLLM's auto binding wants a NUMA layout) and one OMP thread per worker.
         env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
+        if cfg.enforce_eager == "true":
+            # Eager means eager here: vLLM still wraps three small ops in torch.compile (vLLM 0.32: the TP vocab
+            # mask, vocab_parallel_embedding.py; the sampler's random draw, topk_topp_sampler.py; the logprob
+            # rank, logprobs.py), and each process traces and compiles them at its first step: measured about
+            # 3 CPU-s per TP worker with inductor's disk cache warm, 13 s cold. Dynamo reads this at import.
+            env["TORCH_COMPILE_DISABLE"] = "1"
     return env
 
 
@@ -73,6 +79,11 @@ class EngineActor:
 
         self._rpc_dir = create_rpc_dir()
         os.environ["VLLM_RPC_BASE_PATH"] = self._rpc_dir
+        if self.device == "cpu" and self.cfg.tp > 1:
+            # the TP workers fork from a server that imports their code once, starting now (engine/worker_start.py)
+            from colocate.engine.worker_start import start_worker_server
+
+            start_worker_server()
         import vllm  # noqa: F401 -- the import is the work
 
         self._prepared = True
@@ -331,8 +342,8 @@ class EngineActor:
         return list(self._deaths)
 
     def _watch_workers(self) -> None:
-        """A thread that records each worker's exit as it happens (this actor is their parent and reaps them).
-        Asked only after the fact, vLLM's shutdown has already replaced the first death's code with its own."""
+        """A thread that records each worker's exit as it happens (on the CPU their forkserver reaps them and
+        reports each exit code through the sentinel, engine/worker_start.py). Asked only after the fact, vLLM's shutdown has already replaced the first death's code with its own."""
         import multiprocessing.connection
         import threading
 
