@@ -11,22 +11,21 @@ import pytest
 
 from colocate.sync.transport import mapped_by
 
-# Seconds each slow file takes in a whole-suite run on two workers (2 cores, AVX2 AMD EPYC; the 0426cf6 run's
-# slowest tests, and earlier runs' figures for the rest, less what their files trimmed since). `make test` hands
-# files out in this order, heaviest first (xdist's loadfile with --no-loadscope-reorder keeps the collection's
-# order; its default orders files by their number of tests, which put the one-test end-to-end files last, where
-# one worker ran them alone for minutes while the other had nothing left). Unlisted files weigh by their
-# directory.
+# Seconds each slow file takes in a whole-suite run on two workers (2 cores, AVX-512 AMD EPYC, the b1cab24 run).
+# `make test` hands files out in this order, heaviest first (xdist's loadfile with --no-loadscope-reorder keeps
+# the collection's order; its default orders files by their number of tests, which put the one-test end-to-end
+# files last, where one worker ran them alone for minutes while the other had nothing left). Unlisted files
+# weigh by their directory.
 FILE_SECONDS = {
-    "tests/e2e/test_faults.py": 470, "tests/e2e/test_failures.py": 400, "tests/e2e/test_algorithms.py": 300,
-    "tests/e2e/test_architectures.py": 250, "tests/e2e/test_reward_model.py": 200, "tests/e2e/test_runtime.py": 190,
-    "tests/e2e/test_multinode.py": 190, "tests/e2e/test_split.py": 180, "tests/e2e/test_resume.py": 170,
-    "tests/e2e/test_cluster.py": 165, "tests/e2e/test_multiturn.py": 140, "tests/e2e/test_isolation.py": 125,
-    "tests/e2e/test_lora.py": 122, "tests/e2e/test_long_answers.py": 118, "tests/e2e/test_gpu_placement.py": 109,
-    "tests/e2e/test_soak_bench.py": 106, "tests/e2e/test_rollout.py": 89, "tests/e2e/test_jobs.py": 75,
-    "tests/e2e/test_gather_job.py": 65, "tests/e2e/test_moe.py": 59, "tests/distributed/test_trainer.py": 58,
-    "tests/distributed/test_bench_train.py": 57, "tests/e2e/test_calculator.py": 50,
-    "tests/e2e/test_fp32_engine.py": 40, "tests/e2e/test_env_workers.py": 40,
+    "tests/e2e/test_faults.py": 282, "tests/e2e/test_failures.py": 232, "tests/e2e/test_resume.py": 136,
+    "tests/e2e/test_algorithms.py": 133, "tests/e2e/test_reward_model.py": 126, "tests/e2e/test_runtime.py": 121,
+    "tests/e2e/test_architectures.py": 120, "tests/e2e/test_multinode.py": 116, "tests/e2e/test_cluster.py": 112,
+    "tests/e2e/test_split.py": 103, "tests/e2e/test_gpu_placement.py": 83, "tests/e2e/test_lora.py": 82,
+    "tests/e2e/test_isolation.py": 78, "tests/e2e/test_long_answers.py": 77, "tests/e2e/test_jobs.py": 61,
+    "tests/distributed/test_bench_train.py": 58, "tests/e2e/test_rollout.py": 54, "tests/e2e/test_soak_bench.py": 47,
+    "tests/e2e/test_calculator.py": 47, "tests/e2e/test_gather_job.py": 46, "tests/e2e/test_multiturn.py": 46,
+    "tests/e2e/test_moe.py": 41, "tests/e2e/test_fp32_engine.py": 31, "tests/distributed/test_trainer.py": 30,
+    "tests/e2e/test_env_workers.py": 24,
 }
 DIRECTORY_SECONDS = {"e2e": 120, "distributed": 30}
 

@@ -64,3 +64,15 @@ def test_workers_start_with_their_own_environment_from_the_server_and_report_exi
     # forked by the server, not by the process that asked: one server for both, neither the parent itself
     assert workers[0]["ppid"] == workers[1]["ppid"] != out["parent"]
     assert out["killed"] == -9  # as a spawned process's: the watchdog and vLLM read the signal from it
+
+
+def test_an_eager_cpu_engine_runs_without_torch_compile():
+    """vLLM wraps three small ops in torch.compile even in eager mode; an eager CPU engine runs them eagerly (its
+    processes would otherwise trace and compile them at their first step). A compiled or CUDA engine is left as
+    vLLM sets it."""
+    from colocate.config import EngineConfig
+    from colocate.engine.actor import engine_env
+
+    assert engine_env(EngineConfig(enforce_eager="true"), "cpu")["TORCH_COMPILE_DISABLE"] == "1"
+    assert "TORCH_COMPILE_DISABLE" not in engine_env(EngineConfig(enforce_eager="false"), "cpu")
+    assert "TORCH_COMPILE_DISABLE" not in engine_env(EngineConfig(enforce_eager="true"), "cuda")
