@@ -343,7 +343,8 @@ class EngineActor:
 
     def _watch_workers(self) -> None:
         """A thread that records each worker's exit as it happens (on the CPU their forkserver reaps them and
-        reports each exit code through the sentinel, engine/worker_start.py). Asked only after the fact, vLLM's shutdown has already replaced the first death's code with its own."""
+        reports each exit code through the sentinel, engine/worker_start.py). Asked only after the fact, vLLM's
+        shutdown has already replaced the first death's code with its own."""
         import multiprocessing.connection
         import threading
 

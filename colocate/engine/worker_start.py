@@ -8,7 +8,7 @@ too), while its two workers import the very same modules side by side.
 
 Here the workers come from Python's forkserver instead: its server process is a fresh interpreter that imports
 those modules once, while the engine prepares (beside the trainers' load), and each worker is forked from that
-state. One import per engine instead of one per worker; a worker then starts in a fraction of a second.
+state. One import per engine instead of one per worker; a worker then starts with no import of its own.
 
 Why not fork the workers from the engine actor itself (vLLM's default outside Ray): the actor is a Ray worker
 with Ray's threads (gRPC, the core worker), and vLLM refuses to fork in a Ray actor
@@ -35,6 +35,7 @@ import os
 
 # What a TP worker imports before it works: the executor's worker loop (the process target), vLLM's CPU worker
 # (its worker class, named in the config) and the worker extension; torch, transformers and vLLM come with them.
+# This module too: the server unpickles each _WorkerProcess.
 PRELOAD = ["vllm.v1.executor.multiproc_executor", "vllm.v1.worker.cpu_worker", "colocate.engine.extension",
            __name__]
 

@@ -210,7 +210,7 @@ class Runtime:
         if self._started_ray:
             processes.update({e["pid"]: e for e in process_tree(os.getpid())[1:] if self._started_for_job(e)})
         new = shm_entries() - self._shm_before
-        # vLLM's engine (multiprocessing, spawn) names two semaphores (sem.mp-*) that only the engine's resource
+        # vLLM's engine (multiprocessing) names two semaphores (sem.mp-*) that only the engine's resource
         # tracker would unlink, and a SIGKILLed job's tracker dies with it. Their names carry no job; the engine
         # actor that created them maps them (by inode: mapped_by), which makes them this job's and no other's.
         self._job_processes = list(processes.values())
