@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +36,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
+    from ray._private.utils import write_ray_address
     from ray.cluster_utils import Cluster
 
     before = (colocate_processes(), shm_segments())
@@ -44,22 +47,30 @@ def two_nodes(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     dashboard_port = free_port()
+    # A temp dir of the cluster's own (short: Ray's socket paths live under it), for its address file above all.
+    # Ray's job supervisor sets a submitted driver's RAY_ADDRESS from <temp dir>/ray_current_cluster (Ray 2.60,
+    # dashboard/modules/job/job_supervisor.py, _get_driver_env_vars), and Cluster writes that file under the
+    # default /tmp/ray whatever the head's temp dir. Shared, it names whichever cluster on this machine started
+    # last (another suite's), and the job `colocate submit` sent here would run there.
+    temp_dir = Path(tempfile.mkdtemp(prefix="cn-", dir="/tmp"))
     cluster = None
     try:
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1",
-            "dashboard_port": dashboard_port,
+            "dashboard_port": dashboard_port, "temp_dir": str(temp_dir),
             # Ray's default (52365) is taken by any other Ray on the machine started first (a job beside this
             # one): the head's agent then serves no HTTP, and the Job API answers "No available agent".
             # Cluster.add_node picks a free one for the second node itself.
             "dashboard_agent_listen_port": free_port()})
-        cluster.add_node(num_cpus=1)
+        write_ray_address(cluster.address, str(temp_dir))
+        cluster.add_node(num_cpus=1)  # in the head's temp dir (Ray's default for a node joining)
         cluster.wait_for_nodes()
         yield {"gcs": cluster.address, "job_server": f"http://127.0.0.1:{dashboard_port}", "env": dict(os.environ),
                "cluster": cluster}
     finally:
         if cluster is not None:
             cluster.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
