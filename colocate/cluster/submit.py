@@ -46,6 +46,8 @@ EXIT_CODES = {"SUCCEEDED": 0, "FAILED": 1, "STOPPED": 143}
 EXIT_INTERRUPTED = 130
 ENTRYPOINT_WIDTH = 60
 STOP_WAIT_S = 60  # a stopped job's time to release its actors and segments (host.signals.catch_stop_signals)
+NO_AGENT = "No available agent to submit job"  # Ray 2.60's 500 body, dashboard/modules/job/job_head.py
+AGENT_WAIT_S = 60.0  # how long submit waits for the head's agent, beyond the 10 s the server waits itself
 
 
 # --- where the job server is, and the token ------------------------------------------------------------------
@@ -231,7 +233,8 @@ def submit_job(cfg: JobConfig, items: list[str], *, address: str | None, token_f
     client, address = connect(address, token_file)
     try:
         with server_errors(address):
-            job_id = client.submit_job(
+            job_id = _submit_once_agent_is_up(
+                client,
                 entrypoint=entrypoint(cfg),
                 # The user's own modules (tasks, reward functions) travel with the working directory; colocate
                 # itself must be installed in the cluster's environment (see docker/).
@@ -253,6 +256,35 @@ def submit_job(cfg: JobConfig, items: list[str], *, address: str | None, token_f
     print(f"colocate: submitted {job_id} to {address}; following its logs (Ctrl-C stops following, not the job)",
           file=sys.stderr)
     return follow_or_detach(client, job_id, address=address, token_file=token_file)
+
+
+def _submit_once_agent_is_up(client, **job) -> str:
+    """client.submit_job, tried again while the head's dashboard agent has not registered.
+
+    The job server hands each job to the agent on the head node. Right after `ray start --head`, on a loaded
+    node, that agent can take longer to come up than the 10 s the server waits for it
+    (WAIT_AVAILABLE_AGENT_TIMEOUT); the server then answers 500 "No available agent to submit job, please try
+    again later", having submitted nothing. Any other failure is the server's, at once (server_errors)."""
+    deadline = time.monotonic() + AGENT_WAIT_S
+    said = False
+    while True:
+        try:
+            return client.submit_job(**job)
+        except RuntimeError as e:
+            if NO_AGENT not in str(e):
+                raise
+        if time.monotonic() >= deadline:
+            # An agent whose HTTP port was taken stays alive without serving, and never registers (Ray 2.60,
+            # dashboard/agent.py, run: "the HTTP service will be disabled").
+            raise JobServerError(f"the job server at {client.get_address()} still has no agent on its head after "
+                                 f"{AGENT_WAIT_S:g} s: the head's dashboard agent did not start (its port, "
+                                 "--dashboard-agent-listen-port, 52365 by default, taken by another Ray on that "
+                                 "host?); see dashboard_agent.log in the head's Ray logs")
+        if not said:
+            print(f"colocate: the job server has no agent on the head yet (a head just started?); trying again for "
+                  f"up to {AGENT_WAIT_S:g} s", file=sys.stderr)
+            said = True
+        time.sleep(1.0)
 
 
 def follow_or_detach(client, job_id: str, *, address: str, token_file: str | None) -> int:

@@ -111,19 +111,39 @@ def _stop_jobs(head: Head, timeout_s: float = 20) -> None:
         print(f"could not stop the jobs on {head.url}: {e}", file=sys.stderr)
 
 
-def _wait_ready(url: str, token: Path, proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:
+def _wait_ready(head: Head, agent_port: int, proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:
+    """The dashboard answers, and so does the head's dashboard agent, which the Job API hands every job to.
+
+    An agent whose port was taken after free_port() chose it stays alive without serving and never registers
+    (Ray 2.60, dashboard/agent.py); every submission then fails with "No available agent", as one did with a
+    second suite running beside this one. Raises _NotReady naming what did not come up."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ray start exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if requests.get(f"{url}/api/version", headers={"Authorization": f"Bearer {token.read_text()}"},
-                            timeout=2).ok:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"the Ray head at {url} was not ready after {timeout_s} s:\n{log.read_text()[-3000:]}")
+    for url in (f"{head.url}/api/version", f"http://127.0.0.1:{agent_port}/api/healthz"):
+        while True:
+            if proc.poll() is not None:
+                raise _NotReady(f"ray start exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if requests.get(url, headers=head.headers, timeout=2).ok:
+                    break
+            except requests.RequestException:
+                pass
+            if "Failed to start HTTP server" in _agent_log(log.parent):  # its port taken: it will never serve
+                raise _NotReady(f"the Ray head's dashboard agent could not listen on {agent_port}")
+            if time.monotonic() > deadline:
+                raise _NotReady(f"{url} of the Ray head did not answer within {timeout_s} s:\n"
+                                f"{log.read_text()[-3000:]}")
+            time.sleep(0.3)
+
+
+class _NotReady(RuntimeError):
+    pass
+
+
+def _agent_log(tmp: Path) -> str:
+    try:
+        return (tmp / "ray" / "session_latest" / "logs" / "dashboard_agent.log").read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def _end_head(proc: subprocess.Popen, ours: set[int], timeout_s: float = 30) -> dict[int, str]:
@@ -158,8 +178,31 @@ def wait_status(client, job_id: str, wanted: set[str], timeout_s: float = 60) ->
 
 
 @contextlib.contextmanager
-def ray_head(num_cpus: int = 2) -> Iterator[Head]:
-    tmp = Path(tempfile.mkdtemp(prefix="cj-", dir="/tmp"))  # short: Ray's socket paths live under it
+def ray_head(num_cpus: int = 2, num_attempts: int = 2) -> Iterator[Head]:
+    """A head that is ready to take jobs; one that is not (a port chosen free and taken before Ray bound it) is
+    ended, and started again with other ports."""
+    for attempt in range(1, num_attempts + 1):
+        tmp = Path(tempfile.mkdtemp(prefix="cj-", dir="/tmp"))  # short: Ray's socket paths live under it
+        proc, head, agent_port = _start_head(tmp, num_cpus)
+        try:
+            _wait_ready(head, agent_port, proc, tmp / "head.log")
+            break
+        except _NotReady:
+            killed = _end_head(proc, _descendants(proc.pid) | _with_marker(str(tmp)))
+            shutil.rmtree(tmp, ignore_errors=True)
+            assert not killed, f"processes of our Ray head still there after it stopped (killed): {killed}"
+            if attempt == num_attempts:
+                raise
+    try:
+        yield head
+    finally:
+        _stop_jobs(head)
+        killed = _end_head(proc, _descendants(proc.pid) | _with_marker(str(tmp)))
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert not killed, f"processes of our Ray head still there after it stopped (killed): {killed}"
+
+
+def _start_head(tmp: Path, num_cpus: int) -> tuple[subprocess.Popen, Head, int]:
     token = tmp / "token"
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
@@ -177,11 +220,4 @@ def ray_head(num_cpus: int = 2) -> Iterator[Head]:
                                  *(f"{k}={v}" for k, v in ports.items())],
                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     head = Head(f"http://127.0.0.1:{dashboard}", token, env, gcs_address=f"127.0.0.1:{ports['--port']}")
-    try:
-        _wait_ready(head.url, token, proc, tmp / "head.log")
-        yield head
-    finally:
-        _stop_jobs(head)
-        killed = _end_head(proc, _descendants(proc.pid) | _with_marker(str(tmp)))
-        shutil.rmtree(tmp, ignore_errors=True)
-    assert not killed, f"processes of our Ray head still there after it stopped (killed): {killed}"
+    return proc, head, ports["--dashboard-agent-listen-port"]

@@ -145,6 +145,57 @@ def test_a_server_that_never_answers_times_out(monkeypatch, capsys):
     assert f"the job server at {address} did not answer within 0.5 s" in one_error_line(capsys)
 
 
+class _AgentComingUp:
+    """Ray's client on a head whose dashboard agent registers after `num_refusals` submissions."""
+
+    def __init__(self, num_refusals: int):
+        self.num_refusals, self.calls = num_refusals, []
+
+    def get_address(self) -> str:
+        return "http://h:1"
+
+    def submit_job(self, **job):
+        self.calls.append(job)
+        if len(self.calls) <= self.num_refusals:
+            # what Ray 2.60's client raises for the server's 500 (dashboard_sdk.py, _raise_error)
+            raise RuntimeError(f"Request failed with status code 500: {jobs.NO_AGENT}, please try again later..")
+        return "raysubmit_7"
+
+
+def test_submit_waits_for_the_heads_agent_then_submits_once(monkeypatch, capsys):
+    monkeypatch.setattr(jobs.time, "sleep", lambda s: None)
+    client = _AgentComingUp(num_refusals=3)
+    assert jobs._submit_once_agent_is_up(client, entrypoint="python -m colocate.cli launch") == "raysubmit_7"
+    assert len(client.calls) == 4 and all(c == {"entrypoint": "python -m colocate.cli launch"} for c in client.calls)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "no agent on the head yet" in err[0]  # said once, not at every try
+
+
+def test_an_agent_that_never_comes_is_one_line_after_the_wait(monkeypatch, capsys):
+    monkeypatch.setattr(jobs, "AGENT_WAIT_S", 0.0)
+    client = _AgentComingUp(num_refusals=10**6)
+    with pytest.raises(jobs.JobServerError) as raised:
+        with jobs.server_errors("http://h:1"):
+            jobs._submit_once_agent_is_up(client, entrypoint="x")
+    assert len(client.calls) == 1
+    line = str(raised.value)
+    assert "\n" not in line and line.startswith("the job server at http://h:1 still has no agent on its head after 0 s")
+    assert "--dashboard-agent-listen-port" in line
+
+
+def test_other_server_failures_are_not_tried_again():
+    class Broken:
+        calls = 0
+
+        def submit_job(self, **job):
+            Broken.calls += 1
+            raise RuntimeError("Request failed with status code 500: Traceback ...")
+
+    with pytest.raises(RuntimeError, match="Traceback"):
+        jobs._submit_once_agent_is_up(Broken(), entrypoint="x")
+    assert Broken.calls == 1
+
+
 class _Answer(http.server.BaseHTTPRequestHandler):
     status, body = 200, b""
 
