@@ -59,9 +59,10 @@ def two_nodes(tmp_path_factory):
             "num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1",
             "dashboard_port": dashboard_port, "temp_dir": str(temp_dir),
             # Ray's default (52365) is taken by any other Ray on the machine started first (a job beside this
-            # one): the head's agent then serves no HTTP, and the Job API answers "No available agent".
-            # Cluster.add_node picks a free one for the second node itself.
-            "dashboard_agent_listen_port": free_port()})
+            # one): the head's agent then serves no HTTP, and the Job API answers "No available agent". None is
+            # port 0 (Ray 2.60, _private/node.py), bound by the agent itself: no other process can take it between
+            # a choice and the bind, as one chosen free here could be. Cluster.add_node does so for the second node.
+            "dashboard_agent_listen_port": None})
         write_ray_address(cluster.address, str(temp_dir))
         cluster.add_node(num_cpus=1)  # in the head's temp dir (Ray's default for a node joining)
         cluster.wait_for_nodes()
