@@ -65,6 +65,8 @@ def run_sync_bench(cfg: JobConfig, *, num_syncs: int, num_warmup: int, out_dir: 
         naive_sync = _NaiveSync(rt, cfg.engine.dtype)
         for key, sync in (*methods.items(), ("baseline_naive", naive_sync)):
             timed[key]["verified_equal"] = _verified_from_scratch(rt, sync, cfg.engine.dtype)
+        above = _above_cast_floor(rt, cfg, timed["colocate"], cast_floor_s=cast_floor_s, engine_bytes=engine_bytes,
+                                  repeats=num_syncs)
         plan, gather_plan = rt.sync.plan, methods["gather"].plan
         num_experts = num_routed_experts(rt.sync.hf_config.to_dict())
         ring_bytes = {key: _ring_bytes(sync, cfg) for key, sync in methods.items()}
@@ -82,6 +84,7 @@ def run_sync_bench(cfg: JobConfig, *, num_syncs: int, num_warmup: int, out_dir: 
         "floor_memcpy_s": floor_s,
         "floor_cast_s": cast_floor_s,
         **timed,
+        "above_cast_floor": above,
         "ratios": {
             **{f"{key.removeprefix('baseline_')}_over_floor": timed[key]["median_s"] / floor_s for key in timed},
             **{f"{key.removeprefix('baseline_')}_over_cast_floor": timed[key]["median_s"] / cast_floor_s
@@ -99,6 +102,35 @@ def run_sync_bench(cfg: JobConfig, *, num_syncs: int, num_warmup: int, out_dir: 
     _plot(colocate["breakdown"], timed["gather"]["breakdown"], rt_transport, Path(out_dir) / f"{name}.png")
     _print(result, path)
     return result
+
+
+def _above_cast_floor(rt: Runtime, cfg: JobConfig, colocate: dict, *, cast_floor_s: float, engine_bytes: int,
+                      repeats: int) -> dict:
+    """Where the job's own sync spends its time above the cast floor. Each trainer rank replays its copies of the
+    last sync, all ranks at once as in a sync, each copy timed alone (sync/shards.py `profile_copies`); the slowest
+    rank's split, at the floor's rate per byte:
+    - cast: its bytes at the cast floor's rate (what no layout can beat);
+    - per_copy: its copies from contiguous rows, above that rate (many calls instead of one cast);
+    - tp_slicing: its copies from column slices (row-parallel weights cut for TP: strided reads), above that rate;
+    - checksum: the read of every written range (ring and gather syncs; in place has none);
+    - calls_and_waiting: the rest of the median sync: Ray calls, ranks waiting for each other, the engine's
+      verify, load and post-load step where they do not overlap the writes."""
+    if rt.sync.transport not in ("in_place", "ring"):
+        return {"profiled": False, "reason": f"sync.transport={rt.sync.transport}: only the CPU's ring and in-place "
+                "writes are replayed (the gather's writes are in `breakdown`)"}
+    rt.sync.run()  # the replay rewrites what this sync wrote, which the engine then already holds
+    profiles = ray.get([t.profile_sync_write.remote(rt.sync.key, repeats=repeats) for t in rt.trainers])
+    slowest = max(profiles, key=lambda p: p["contiguous_s"] + p["strided_s"])
+    per_byte = cast_floor_s / (engine_bytes / len(rt.trainers))
+    checksummed = cfg.sync.verify != "none" and not rt.sync.plan.in_place
+    split = {"cast_s": (slowest["contiguous_bytes"] + slowest["strided_bytes"]) * per_byte,
+             "per_copy_s": slowest["contiguous_s"] - slowest["contiguous_bytes"] * per_byte,
+             "tp_slicing_s": slowest["strided_s"] - slowest["strided_bytes"] * per_byte,
+             "checksum_s": slowest["checksum_s"] if checksummed else 0.0}
+    split["calls_and_waiting_s"] = colocate["median_s"] - sum(split.values())
+    return {"profiled": True, "median_s": colocate["median_s"], **split,
+            "above_floor_s": colocate["median_s"] - cast_floor_s, "checksummed": checksummed,
+            "slowest_rank": profiles.index(slowest), "ranks": profiles}
 
 
 def _methods(rt: Runtime, cfg: JobConfig, specs: list) -> dict[str, WeightSync]:
@@ -272,6 +304,16 @@ def _print(result: dict, path: Path) -> None:
         print(f"{result['config']['num_experts']} experts per layer"
               + (", expert parallel" if result["config"]["expert_parallel"] else "")
               + ": every method's round trips are per bucket (layer), none per expert")
+    above = result["above_cast_floor"]
+    own = result["colocate"]["median_s"]
+    line = (f"colocate ({result['config']['transport']}): {own * 1e3:.1f} ms, {own / result['floor_cast_s']:.2f}x "
+            f"the cast floor ({own / result['floor_memcpy_s']:.2f}x memcpy)")
+    if above["profiled"]:
+        line += "; above the floor: " + ", ".join(
+            f"{label} {above[key] * 1e3:.1f} ms" for key, label in (
+                ("per_copy_s", "per-copy calls"), ("tp_slicing_s", "TP slicing"), ("checksum_s", "checksum"),
+                ("calls_and_waiting_s", "calls and waiting")))
+    print(line)
     print(f"colocate: {r['speedup_vs_naive']:.1f}x faster than naive, {r['speedup_vs_first_version']:.2f}x than the "
           f"first version; gather takes {r['gather_over_colocate']:.2f}x colocate's time")
     print(f"results: {path} (+ .png)")

@@ -18,6 +18,8 @@ the same copy builders on the gathered rows.
 
 from __future__ import annotations
 
+import statistics
+import time
 from typing import NamedTuple
 
 import torch
@@ -156,3 +158,35 @@ def sliced_copies(regions: tuple[Region, ...], pieces: dict[str, list[Piece]],
             source = local[a - first:b - first, piece.src_col:piece.src_col + piece.num_cols].detach()
             copies.append(Copy(worker, ring, start, num_bytes, destination, source))
     return copies
+
+
+def profile_copies(copies: list[Copy], *, repeats: int = 5) -> dict:
+    """Where one writer's time goes, for `colocate bench sync`: the copies of a sync replayed `repeats` times,
+    each timed alone, split by the layout of their source. A copy whose source rows are contiguous is a plain
+    cast (its cost above the cast floor is the number of calls); one whose source is a column slice of the
+    trainer's rows (a row-parallel weight cut for TP) reads strided memory. Then the checksum of every written
+    range, the read a ring or gather sync adds (in place has none). Medians over the repeats, in seconds."""
+    strided = [not c.source.is_contiguous() for c in copies]
+    per_pass: list[tuple[float, float, float]] = []
+    with torch.no_grad():
+        run_copies(copies, checksum=False)  # warm: the pages are resident, the kernels loaded
+        for _ in range(repeats):
+            contiguous_s = strided_s = 0.0
+            for copy, is_strided in zip(copies, strided):
+                started = time.perf_counter()
+                copy.destination.copy_(copy.source)
+                if copy.ring.is_cuda:
+                    torch.cuda.synchronize(copy.ring.device)
+                seconds = time.perf_counter() - started
+                if is_strided:
+                    strided_s += seconds
+                else:
+                    contiguous_s += seconds
+            started = time.perf_counter()
+            range_checksums([c.ring[c.start:c.start + c.num_bytes] for c in copies])
+            per_pass.append((contiguous_s, strided_s, time.perf_counter() - started))
+    contiguous_s, strided_s, checksum_s = (statistics.median(p[i] for p in per_pass) for i in range(3))
+    return {"num_copies": len(copies), "num_strided_copies": sum(strided),
+            "contiguous_bytes": sum(c.num_bytes for c, s in zip(copies, strided) if not s),
+            "strided_bytes": sum(c.num_bytes for c, s in zip(copies, strided) if s),
+            "contiguous_s": contiguous_s, "strided_s": strided_s, "checksum_s": checksum_s}

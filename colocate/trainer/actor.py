@@ -23,7 +23,7 @@ from colocate.host.devices import copy_seconds, cpu_bf16_features, device_memory
 from colocate.host.memory import map_large_blocks, process_rss_bytes, return_free_memory_to_os
 from colocate.sync.buckets import TensorSpec
 from colocate.sync.reshard import SyncPlan
-from colocate.sync.shards import bucket_copies, local_shards, run_copies
+from colocate.sync.shards import bucket_copies, local_shards, profile_copies, run_copies
 from colocate.trainer.batching import MicroBatch, attention_implementation, collate, trainer_micro_batches
 from colocate.trainer.finite import check_weights, clip_checked
 from colocate.trainer.fsdp import checkpoint_layers, shard_by_layer
@@ -392,6 +392,15 @@ class TrainerActor:
         target = DTYPES[dtype]
         source = torch.ones(num_bytes // target.itemsize, dtype=torch.float32, device=self.device)
         return copy_seconds(torch.empty(source.shape, dtype=target, device=self.device), source, repeats=repeats)
+
+    def profile_sync_write(self, key: str, *, repeats: int = 5) -> dict:
+        """Benchmark breakdown: this rank's copies of every bucket of ring or in-place sync `key`, into every
+        engine, replayed and timed by source layout, and their checksum (sync/shards.py `profile_copies`).
+        Hazard: the replay writes into the engine what the last sync wrote; call it right after a sync, before the
+        parameters change, or the engine holds weights no sync verified."""
+        copies = [c for (k, _), (rings, plan, _) in self._rings.items() if k == key
+                  for index in range(len(plan.buckets)) for c in bucket_copies(plan, index, self.shards, rings)]
+        return profile_copies(copies, repeats=repeats)
 
     def take_write_times(self) -> list[tuple[int, float]]:
         """(bucket index, seconds) of every write since the last call (benchmark breakdown)."""

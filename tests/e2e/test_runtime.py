@@ -71,6 +71,19 @@ def test_every_sync_makes_each_worker_equal_to_the_trainer(runtime):
     assert any(not torch.equal(initial[n], after[n]) for n in initial), "training changed no engine weight"
 
 
+def test_the_sync_benchs_replay_of_the_writes_covers_every_engine_byte_and_leaves_the_engine_synced(runtime):
+    """`colocate bench sync`'s breakdown (TrainerActor.profile_sync_write): the ranks replay their in-place copies
+    at once, as in a sync; between them they write each engine weight byte once, and the engine still holds
+    exactly the trainer's weights."""
+    runtime.sync.run()
+    profiles = ray.get([t.profile_sync_write.remote(runtime.sync.key, repeats=2) for t in runtime.trainers])
+    worker_bytes = sum(w["weight_bytes"] for w in ray.get(runtime.engines[0].memory.remote()))
+    written = sum(p["contiguous_bytes"] + p["strided_bytes"] for p in profiles)
+    assert runtime.sync.plan.in_place and 0.9 * worker_bytes <= written <= worker_bytes  # less vocab padding
+    assert all(p["num_strided_copies"] > 0 and p["strided_s"] > 0 for p in profiles)  # o_proj, down_proj
+    assert_engine_equals_trainer(runtime)
+
+
 def test_switching_order_never_holds_both_sides(runtime):
     controller = Controller(runtime.cfg, runtime)
     controller.step(0)

@@ -155,3 +155,35 @@ def test_in_place_plan_addresses_each_workers_parameters_and_needs_no_ring():
         padding_rows = 32 - min(32, 48 - rank * 32)
         total = sum(end - start for start, end, _ in written)
         assert total == sum(math.prod(s) * 2 for s in shapes.values()) - padding_rows * H * 2
+
+
+def test_profile_replays_a_syncs_copies_and_splits_them_by_source_layout():
+    """`colocate bench sync`'s breakdown (sync/shards.py profile_copies): one trainer rank holding every row
+    replays its copies of a TP=2 sliced plan. The copies from column slices are exactly the row-parallel weights'
+    (o_proj, down_proj cut on dim 1), every byte of both workers' slices is counted once, and the replay writes
+    what a sync writes."""
+    from colocate.sync.shards import bucket_copies, local_shards, profile_copies, run_copies
+
+    hf = hf_state(48, False)
+    specs = [TensorSpec(n, tuple(t.shape), torch.bfloat16) for n, t in hf.items()]
+    layouts = [{"tp_rank": r, "tp_size": 2, "params": [(n, s, "torch.bfloat16") for n, s in
+                                                         engine_shapes(hf, TPLayout(r, 2, NQ, NKV, HD, 48), False)]}
+               for r in range(2)]
+    plan = build_sync_plan(specs, layouts, lambda r, s: TPLayout(r, s, NQ, NKV, HD, 48), bucket_bytes=0,
+                           num_slots=len(hf))  # a slot per bucket: the replay of every bucket overwrites nothing
+    rings = [torch.zeros(plan.ring_bytes, dtype=torch.uint8) for _ in range(2)]
+    copies = [c for i in range(len(plan.buckets)) for c in bucket_copies(plan, i, local_shards(hf), rings)]
+    run_copies(copies, checksum=False)
+    synced = [ring.clone() for ring in rings]
+    for ring in rings:
+        ring.zero_()
+    profile = profile_copies(copies, repeats=2)
+    assert all(torch.equal(ring, s) for ring, s in zip(rings, synced))
+    row_parallel = {hf[n].data_ptr() for n in hf if n.endswith(("o_proj.weight", "down_proj.weight"))}
+    assert {c.source.untyped_storage().data_ptr() for c in copies
+                        if not c.source.is_contiguous()} == row_parallel
+    assert profile["num_copies"] == len(copies) and profile["num_strided_copies"] == 2 * len(row_parallel)
+    assert profile["contiguous_bytes"] + profile["strided_bytes"] == sum(c.num_bytes for c in copies)
+    assert profile["strided_bytes"] == sum(hf[n].numel() * 2 for n in hf if n.endswith(("o_proj.weight",
+                                                                                           "down_proj.weight")))
+    assert min(profile["contiguous_s"], profile["strided_s"], profile["checksum_s"]) > 0
