@@ -25,13 +25,23 @@ Hazards:
 - The workers are the server's children, not the actor's: the server reaps them and reports each exit code
   (a signal as its negative, as with spawn) through the process object's sentinel, which the actor watches
   (engine/actor.py `_watch_workers`). The server exits with the actor (its alive pipe closes).
+- That status is 4 bytes on a pipe, readable once, and two threads ask for it: the actor's watcher and vLLM's
+  worker monitor (vllm 0.32 v1/executor/multiproc_executor.py `monitor_workers`, which reads `proc.exitcode`
+  as soon as the sentinel is ready, then `_ensure_worker_termination`'s `is_alive()`). CPython's forkserver
+  Popen.poll (3.11 multiprocessing/popen_forkserver.py) reads with no lock: the thread that loses finds the pipe
+  at its end and stores 255 ("perhaps the forkserver process itself got killed") over the code the other read;
+  one that comes between the read and the server's close sees no status yet (None). Seen in CI with a second
+  test file running beside: a SIGKILLed worker named "exited with code 255". _StatusPopen reads it once.
 """
 
 from __future__ import annotations
 
 import multiprocessing.context
 import multiprocessing.forkserver
+import multiprocessing.popen_forkserver
 import os
+import threading
+from multiprocessing.connection import wait
 
 # What a TP worker imports before it works: the executor's worker loop (the process target), vLLM's CPU worker
 # (its worker class, named in the config) and the worker extension; torch, transformers and vLLM come with them.
@@ -40,8 +50,32 @@ PRELOAD = ["vllm.v1.executor.multiproc_executor", "vllm.v1.worker.cpu_worker", "
            __name__]
 
 
+class _StatusPopen(multiprocessing.popen_forkserver.Popen):
+    """The forkserver's Popen whose exit status is read from the sentinel by one thread only, and kept: every
+    caller, in any thread, gets the code the server wrote (see the module's hazards)."""
+
+    def __init__(self, process_obj):
+        self._status_lock = threading.Lock()
+        super().__init__(process_obj)
+
+    def poll(self, flag=os.WNOHANG):
+        if self.returncode is None and flag != os.WNOHANG:
+            wait([self.sentinel])  # a blocking poll (join) waits outside the lock: is_alive() stays free
+        with self._status_lock:  # the readiness check too: the status is read and stored as one step
+            if self.returncode is None and wait([self.sentinel], 0):
+                try:
+                    self.returncode = multiprocessing.forkserver.read_signed(self.sentinel)
+                except (OSError, EOFError):  # the server closed the pipe with no status: it died
+                    self.returncode = 255
+            return self.returncode
+
+
 class _WorkerProcess(multiprocessing.context.ForkServerProcess):
     """A forkserver child that runs with its parent's environment as it was when start() was called."""
+
+    @staticmethod
+    def _Popen(process_obj):
+        return _StatusPopen(process_obj)
 
     def start(self) -> None:
         self._environ = dict(os.environ)

@@ -1,7 +1,7 @@
 """The forkserver context vLLM's TP workers start from on the CPU (colocate/engine/worker_start.py): a worker sees
 its parent's environment as it was at the worker's start (vLLM sets per-rank variables around each start), it
 is the server's child with the server's imports, and its exit code (a signal's included) reaches the parent as a
-spawned worker's does. In a subprocess: the forkserver is one per process, and the pytest process keeps its own
+spawned worker's does, however many threads ask for it at once. In a subprocess: the forkserver is one per process, and the pytest process keeps its own
 (tests/distributed/conftest.py)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
-import json, multiprocessing.forkserver, os, signal
+import json, multiprocessing.connection, multiprocessing.forkserver, os, signal, threading, time
 from colocate.engine.worker_start import _WorkerContext
 from tests.unit.test_worker_start import probe, sleep_forever
 
@@ -36,7 +36,23 @@ killed = context.Process(target=sleep_forever)
 killed.start()
 os.kill(killed.pid, signal.SIGKILL)
 killed.join()
-print(json.dumps({"workers": results, "killed": killed.exitcode, "parent": os.getpid()}))
+# The status as the engine actor's watcher and vLLM's worker monitor read it: threads at once, right after the
+# sentinel is ready (unguarded, 12 of 30 such rounds gave 255 or None to some reader, and to the process).
+concurrent = []
+for _ in range(20):
+    p = context.Process(target=sleep_forever)
+    p.start()
+    os.kill(p.pid, signal.SIGKILL)
+    multiprocessing.connection.wait([p.sentinel])
+    time.sleep(0.02)  # the server has written the status and closed the pipe: a late reader finds its end
+    barrier, seen = threading.Barrier(8), []
+    readers = [threading.Thread(target=lambda: (barrier.wait(), seen.append(p.exitcode))) for _ in range(8)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+    concurrent.append(sorted(set(seen + [p.exitcode])))
+print(json.dumps({"workers": results, "killed": killed.exitcode, "parent": os.getpid(), "concurrent": concurrent}))
 """
 
 
@@ -64,6 +80,7 @@ def test_workers_start_with_their_own_environment_from_the_server_and_report_exi
     # forked by the server, not by the process that asked: one server for both, neither the parent itself
     assert workers[0]["ppid"] == workers[1]["ppid"] != out["parent"]
     assert out["killed"] == -9  # as a spawned process's: the watchdog and vLLM read the signal from it
+    assert out["concurrent"] == [[-9]] * 20  # every reader, and the process after them, got the signal
 
 
 def test_an_eager_cpu_engine_runs_without_torch_compile():
