@@ -16,12 +16,15 @@ Measured side by side on the same trainers and engine:
 - floors, on the device that does the work: one memcpy of the engine's weight bytes (device to device on GPU),
   and the cast floor: the trainer processes themselves casting their share of the weights from fp32 to the
   engine dtype at once (the trainer keeps fp32, the engine bf16: every sync reads 2 bytes per byte written).
-Every method is also verified from scratch: the engine's weights are discarded (level-2 sleep: zeros), the
+Where the job's own sync spends its time above the cast floor (`above_cast_floor` in the JSON, one line of the
+summary): per-copy calls, TP slicing's strided reads, the checksum's read, the writes inside a sync over their
+replay alone, and Ray's calls. Every method is also verified from scratch: the engine's weights are discarded (level-2 sleep: zeros), the
 method syncs alone, and each worker's parameters must then equal the trainer's after the cast.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 
@@ -65,8 +68,7 @@ def run_sync_bench(cfg: JobConfig, *, num_syncs: int, num_warmup: int, out_dir: 
         naive_sync = _NaiveSync(rt, cfg.engine.dtype)
         for key, sync in (*methods.items(), ("baseline_naive", naive_sync)):
             timed[key]["verified_equal"] = _verified_from_scratch(rt, sync, cfg.engine.dtype)
-        above = _above_cast_floor(rt, cfg, timed["colocate"], cast_floor_s=cast_floor_s, engine_bytes=engine_bytes,
-                                  repeats=num_syncs)
+        above = _above_cast_floor(rt, cfg, cast_floor_s=cast_floor_s, engine_bytes=engine_bytes, repeats=num_syncs)
         plan, gather_plan = rt.sync.plan, methods["gather"].plan
         num_experts = num_routed_experts(rt.sync.hf_config.to_dict())
         ring_bytes = {key: _ring_bytes(sync, cfg) for key, sync in methods.items()}
@@ -104,33 +106,41 @@ def run_sync_bench(cfg: JobConfig, *, num_syncs: int, num_warmup: int, out_dir: 
     return result
 
 
-def _above_cast_floor(rt: Runtime, cfg: JobConfig, colocate: dict, *, cast_floor_s: float, engine_bytes: int,
-                      repeats: int) -> dict:
-    """Where the job's own sync spends its time above the cast floor. Each trainer rank replays its copies of the
-    last sync, all ranks at once as in a sync, each copy timed alone (sync/shards.py `profile_copies`); the slowest
-    rank's split, at the floor's rate per byte:
-    - cast: its bytes at the cast floor's rate (what no layout can beat);
+def _above_cast_floor(rt: Runtime, cfg: JobConfig, *, cast_floor_s: float, engine_bytes: int, repeats: int) -> dict:
+    """Where the job's own sync spends its time above the cast floor, over `repeats` more syncs. Each trainer rank
+    then replays its copies of the last one, all ranks at once as in a sync, each copy timed alone
+    (sync/shards.py `profile_copies`). The slowest rank's split, at the cast floor's rate per byte:
+    - cast: its bytes at the floor's rate (what no layout can beat);
     - per_copy: its copies from contiguous rows, above that rate (many calls instead of one cast);
     - tp_slicing: its copies from column slices (row-parallel weights cut for TP: strided reads), above that rate;
     - checksum: the read of every written range (ring and gather syncs; in place has none);
-    - calls_and_waiting: the rest of the median sync: Ray calls, ranks waiting for each other, the engine's
-      verify, load and post-load step where they do not overlap the writes."""
+    - writes_over_replay: its writes inside the syncs, above the replay of the same copies (the other rank's and
+      the engine's work beside them, Python between buckets);
+    - calls: the sync's wall time above its slowest rank's writes (Ray's calls, the engine's check and load
+      where they do not overlap the writes)."""
     if rt.sync.transport not in ("in_place", "ring"):
         return {"profiled": False, "reason": f"sync.transport={rt.sync.transport}: only the CPU's ring and in-place "
                 "writes are replayed (the gather's writes are in `breakdown`)"}
-    rt.sync.run()  # the replay rewrites what this sync wrote, which the engine then already holds
+    walls, writes = [], []
+    for _ in range(repeats):
+        ray.get([t.take_write_times.remote() for t in rt.trainers])
+        walls.append(rt.sync.run()["sync_s"])
+        writes.append(max(sum(s for _, s in times) for times in ray.get([t.take_write_times.remote()
+                                                                          for t in rt.trainers])))
+    # the replay rewrites what the last sync wrote, which the engine then already holds
     profiles = ray.get([t.profile_sync_write.remote(rt.sync.key, repeats=repeats) for t in rt.trainers])
     slowest = max(profiles, key=lambda p: p["contiguous_s"] + p["strided_s"])
     per_byte = cast_floor_s / (engine_bytes / len(rt.trainers))
     checksummed = cfg.sync.verify != "none" and not rt.sync.plan.in_place
+    wall_s, writes_s = statistics.median(walls), statistics.median(writes)
     split = {"cast_s": (slowest["contiguous_bytes"] + slowest["strided_bytes"]) * per_byte,
              "per_copy_s": slowest["contiguous_s"] - slowest["contiguous_bytes"] * per_byte,
              "tp_slicing_s": slowest["strided_s"] - slowest["strided_bytes"] * per_byte,
              "checksum_s": slowest["checksum_s"] if checksummed else 0.0}
-    split["calls_and_waiting_s"] = colocate["median_s"] - sum(split.values())
-    return {"profiled": True, "median_s": colocate["median_s"], **split,
-            "above_floor_s": colocate["median_s"] - cast_floor_s, "checksummed": checksummed,
-            "slowest_rank": profiles.index(slowest), "ranks": profiles}
+    split["writes_over_replay_s"] = writes_s - sum(split.values())
+    split["calls_s"] = wall_s - writes_s
+    return {"profiled": True, "median_s": wall_s, "runs": repeats, **split, "above_floor_s": wall_s - cast_floor_s,
+            "checksummed": checksummed, "slowest_rank": profiles.index(slowest), "ranks": profiles}
 
 
 def _methods(rt: Runtime, cfg: JobConfig, specs: list) -> dict[str, WeightSync]:
@@ -312,7 +322,8 @@ def _print(result: dict, path: Path) -> None:
         line += "; above the floor: " + ", ".join(
             f"{label} {above[key] * 1e3:.1f} ms" for key, label in (
                 ("per_copy_s", "per-copy calls"), ("tp_slicing_s", "TP slicing"), ("checksum_s", "checksum"),
-                ("calls_and_waiting_s", "calls and waiting")))
+                ("writes_over_replay_s", "writes in the sync over their replay"), ("calls_s", "Ray calls")))
+        line += f" (over {above['runs']} more syncs, median {above['median_s'] * 1e3:.1f} ms)"
     print(line)
     print(f"colocate: {r['speedup_vs_naive']:.1f}x faster than naive, {r['speedup_vs_first_version']:.2f}x than the "
           f"first version; gather takes {r['gather_over_colocate']:.2f}x colocate's time")
