@@ -1,8 +1,8 @@
 """The forkserver context vLLM's TP workers start from on the CPU (colocate/engine/worker_start.py): a worker sees
 its parent's environment as it was at the worker's start (vLLM sets per-rank variables around each start), it
 is the server's child with the server's imports, and its exit code (a signal's included) reaches the parent as a
-spawned worker's does, however many threads ask for it at once. In a subprocess: the forkserver is one per process, and the pytest process keeps its own
-(tests/distributed/conftest.py)."""
+spawned worker's does, however many threads ask for it at once. In a subprocess: the forkserver is one per
+process, and the pytest process keeps its own (tests/distributed/conftest.py)."""
 
 from __future__ import annotations
 
