@@ -575,8 +575,14 @@ def _advice(phase: Phase, largest: str, cfg: JobConfig, plan: SwitchPlan) -> str
 def check_environment(device: str) -> None:
     """Known traps that break memory switching silently."""
     if device == "cuda" and "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-        raise ConfigError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is invalid with colocate: vLLM's sleep "
-                          "mode then frees nothing; unset it")
+        # Not vLLM's sleep mode: vLLM 0.32 turns expandable segments off around its own pool and back on after
+        # (vllm/device_allocator/cumem.py, CuMemAllocator.use_memory_pool), so the engine still frees at sleep.
+        # torch-memory-saver refuses them (its entrypoint's _sanity_checks; trainer/offload.py), and the ring the
+        # engine allocates and shares by CUDA IPC would live in one, which no run of colocate has checked (vLLM
+        # measured opening such a handle ~9x slower: distributed/weight_transfer/sharded_rdt_trainer.py).
+        raise ConfigError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is invalid with colocate: "
+                          "torch-memory-saver (the trainer's offload) refuses it, and the sync ring's CUDA IPC is "
+                          "unchecked on expandable segments; unset it")
 
 
 def preflight(cfg: JobConfig, *, device: str, available_bytes: int | None = None) -> Prediction:
