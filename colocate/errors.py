@@ -35,7 +35,17 @@ class UserError(ColocateError):
 
 
 class ConfigError(UserError, ValueError):
-    """A user mistake in the job configuration; the CLI prints it as one line and exits with code 2."""
+    """A user mistake in the job configuration; the CLI prints it as one line and exits with code 2.
+
+    `fix`: the `key=value` overrides its hint suggests, as values of the keys' types (empty when it names no
+    single value). The checks accept them, or refuse another key next (tests/unit/test_hints.py applies each)."""
+
+    def __init__(self, message: str, *, fix: dict[str, object] | None = None):
+        super().__init__(message)
+        self.fix = dict(fix or {})
+
+    def __reduce__(self):  # pickled across Ray with its fix (BaseException's own would drop the keyword)
+        return type(self), self.args, {"fix": self.fix}
 
 
 class ExportError(UserError, ValueError):

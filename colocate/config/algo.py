@@ -93,7 +93,8 @@ class AlgoConfig:
         self._check_clip()
         if self.kl_in_reward and self.advantage != "reinforce_pp":
             raise bad("algo.kl_in_reward", True, f"folds the KL into REINFORCE++'s token returns; valid with "
-                      f"algo.advantage=reinforce_pp (algo.advantage={self.advantage} takes the KL in the loss)")
+                      f"algo.advantage=reinforce_pp (algo.advantage={self.advantage} takes the KL in the loss)",
+                      fix={"algo.advantage": "reinforce_pp"})
         if self.kl_in_reward and self.kl_coef == 0:
             raise bad("algo.kl_in_reward", True, "needs algo.kl_coef > 0 (the KL's weight in the return)")
         if self.tis_cap < 1:
@@ -111,14 +112,17 @@ class AlgoConfig:
             if value is not None and value < 0:
                 raise bad(f"algo.{key}", value, f"must be >= 0: it makes the ratio's clip range [1 - clip_eps_low, "
                           f"1 + clip_eps_high] = [{low:g}, {high:g}]" + (", low > high" if low > high else "") +
-                          "; e.g. DAPO's clip-higher is clip_eps_low=0.2, clip_eps_high=0.28")
+                          "; e.g. DAPO's clip-higher is clip_eps_low=0.2, clip_eps_high=0.28",
+                          fix={"algo.clip_eps_low": 0.2, "algo.clip_eps_high": 0.28})
         if self.clip_low > 1:
             raise bad("algo.clip_eps_low", self.clip_low, f"the clip range's lower end 1 - {self.clip_low:g} is "
                       "below 0, where no ratio lies; valid: 0..1 (1: no lower clip)")
         if self.clip_ratio_c is not None:
             if self.policy_loss != "ppo":
                 raise bad("algo.clip_ratio_c", self.clip_ratio_c, f"the dual clip bounds PPO's clipped loss; "
-                          f"algo.policy_loss={self.policy_loss} has none to bound. Valid with it: null")
+                          f"algo.policy_loss={self.policy_loss} has none to bound. Valid with it: null",
+                          fix={"algo.clip_ratio_c": None})
             if self.clip_ratio_c <= 1:
                 raise bad("algo.clip_ratio_c", self.clip_ratio_c, "must be > 1 (a bound on the ratio of a "
-                          "negative advantage, above the clip), e.g. 3; or null for no dual clip")
+                          "negative advantage, above the clip), e.g. 3; or null for no dual clip",
+                          fix={"algo.clip_ratio_c": 3})

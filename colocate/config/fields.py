@@ -6,8 +6,18 @@ from __future__ import annotations
 from colocate.errors import ConfigError
 
 
-def bad(key: str, value, valid: str) -> ConfigError:
-    return ConfigError(f"{key}={value!r} is invalid: {valid}")
+def bad(key: str, value, valid: str, *, fix: dict[str, object] | None = None) -> ConfigError:
+    """`fix`: the overrides the hint in `valid` suggests (ConfigError.fix); its text should name them."""
+    return ConfigError(f"{key}={value!r} is invalid: {valid}", fix=fix)
+
+
+def overrides(fix: dict[str, object]) -> str:
+    """`fix` as the command line writes it: `rollout.partial_tokens=2 rollout.max_lag=1` (true, false, null)."""
+    return " ".join(f"{key}={override_value(value)}" for key, value in fix.items())
+
+
+def override_value(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def positive(section, prefix: str, *names: str) -> None:

@@ -14,11 +14,12 @@ the model, the devices, the paths the job writes) is checked in one place, coloc
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from colocate.config.algo import GREEDY_TEMPERATURE, GROUP_ADVANTAGES, OVERLAPPED_MODES, AlgoConfig
-from colocate.config.fields import bad, non_negative, one_of, positive
-from colocate.config.reward_model import RewardModelConfig, reward_models_in
+from colocate.config.fields import bad, non_negative, one_of, overrides, positive
+from colocate.config.reward_model import RewardModelConfig, reward_model_spec, reward_models_in
 
 
 @dataclass
@@ -32,6 +33,9 @@ class ModelConfig:
     seed: int = 0
     """Seed of the embedded model's random initialisation."""
 
+
+# the embedded reward models a bare `model:` / `judge:` is pointed to (colocate/models/sources.py builds them)
+EMBEDDED_REWARD_MODELS = {"model": "tiny-rm", "judge": "tiny"}
 
 # vLLM 0.32's accepted max_lora_rank values (vllm/config/lora.py, MaxLoRARanks)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -111,7 +115,7 @@ class TrainerConfig:
         positive(self, "trainer", "lr", "micro_batch_size", "num_threads")
         if self.activation_offload and not self.activation_checkpointing:
             raise bad("trainer.activation_offload", True, "offloads the checkpointed layer inputs: needs "
-                       "trainer.activation_checkpointing=true")
+                       "trainer.activation_checkpointing=true", fix={"trainer.activation_checkpointing": True})
         if self.logprob_chunk_tokens is not None and self.logprob_chunk_tokens <= 0:
             raise bad("trainer.logprob_chunk_tokens", self.logprob_chunk_tokens,
                        "must be > 0 (tokens per chunk), or null for all of a micro-batch's logits at once")
@@ -260,21 +264,15 @@ class RolloutConfig:
         non_negative(self, "rollout", "env_timeout_s", "max_turn_tokens", "env_workers")
         if self.turn_stop and not self.env:
             raise bad("rollout.turn_stop", self.turn_stop, "ends a turn of rollout.env's episodes, and rollout.env is "
-                      "empty; set rollout.env, or leave rollout.turn_stop empty")
+                      "empty; set rollout.env, or leave rollout.turn_stop empty", fix={"rollout.turn_stop": ""})
         if self.env_workers and not self.env:
             raise bad("rollout.env_workers", self.env_workers, "holds rollout.env's environments, and rollout.env is "
-                      "empty; set rollout.env, or rollout.env_workers=0")
+                      "empty; set rollout.env, or rollout.env_workers=0", fix={"rollout.env_workers": 0})
         one_of(self, "rollout", "turn_reward", ["sum", "last"])
         one_of(self, "rollout", "env_errors", ["fail", "drop"])
         if self.partial_tokens and self.leftover == "drop":
             raise bad("rollout.leftover", "drop", "partial rollout (rollout.partial_tokens > 0) carries unfinished "
-                       "answers over; valid with it: carry")
-        partial, lag = self.partial_tokens, self.max_lag
-        if partial and self.max_tokens > (lag + 1) * partial:
-            raise bad("rollout.partial_tokens", partial,
-                       f"an answer of rollout.max_tokens={self.max_tokens} needs more than rollout.max_lag + 1 = "
-                       f"{lag + 1} passes and would be restarted forever; valid: partial_tokens >= "
-                       f"{-(-self.max_tokens // (lag + 1))}, or a larger rollout.max_lag")
+                       "answers over; valid with it: carry", fix={"rollout.leftover": "carry"})
         if self.rewards and self.reward_fn:
             raise bad("rollout.rewards", self.rewards, "rollout.reward_fn is set too; give one of them "
                        "(a module:function can be a component of rollout.rewards)")
@@ -285,20 +283,29 @@ class RolloutConfig:
         for key in ("reward_fn", "rewards"):
             if getattr(self, key):
                 raise bad(f"rollout.{key}", getattr(self, key), "rollout.env is set: an episode's reward is its "
-                          "environment's (rollout.turn_reward); valid with it: empty")
+                          "environment's (rollout.turn_reward); valid with it: empty", fix={f"rollout.{key}": ""})
         if self.ignore_eos:
             raise bad("rollout.ignore_eos", True, "a turn of rollout.env ends at the model's EOS; valid with it: "
-                      "false")
-        if self.partial_tokens:
-            # each turn's end ends a request, so an episode takes at least a pass per turn, plus a pass per
-            # segment: beyond max_lag + 1 passes (policy versions) it would be restarted forever
-            passes = self.max_turns - 1 + -(-self.max_tokens // self.partial_tokens)
-            if passes > self.max_lag + 1:
-                raise bad("rollout.max_turns", self.max_turns, f"with partial rollout an episode can take "
-                          f"max_turns - 1 + ceil(max_tokens / partial_tokens) = {passes} passes, more than "
-                          f"rollout.max_lag + 1 = {self.max_lag + 1} policy versions, and would be restarted by the "
-                          f"lag cap; valid: a rollout.max_lag >= {passes - 1}, fewer turns, or a larger "
-                          "rollout.partial_tokens")
+                      "false", fix={"rollout.ignore_eos": False})
+        # partial rollout's passes against the lag cap: JobConfig._check_partial_rollout (it depends on the mode)
+
+
+def partial_rollout_fix(rollout: RolloutConfig, *, mode: str, partial: int) -> dict[str, int]:
+    """The least change with which every answer under partial rollout, in segments of at least `partial` tokens,
+    finishes within the lag cap: a larger rollout.partial_tokens, or a larger rollout.max_lag where no segment
+    size can do it (too many turns). Equal to {"rollout.partial_tokens": partial} when that fits already.
+
+    An answer takes a pass per segment and, with rollout.env, one more per turn after the first (each turn's end
+    ends a request); beyond rollout.max_lag + 1 passes (policy versions) it would be restarted forever. With
+    algo.mode=one_step_off a token is a version old before its first pass, so its segments get max_lag passes."""
+    turns = rollout.max_turns - 1 if rollout.env else 0
+    segments = rollout.max_lag + 1 - turns  # the most segments an answer may take
+    if mode == "one_step_off":
+        segments = min(segments, rollout.max_lag)
+    if segments >= 1:
+        return {"rollout.partial_tokens": max(partial, -(-rollout.max_tokens // segments))}
+    needed = -(-rollout.max_tokens // partial)
+    return {"rollout.max_lag": max(turns + needed - 1, needed if mode == "one_step_off" else 0)}
 
 
 @dataclass
@@ -324,7 +331,8 @@ class DataConfig:
         one_of(self, "data", "too_long", ["filter", "error"])
         non_negative(self, "data", "max_prompt_tokens")
         if (self.train_files or self.val_files) and not self.prompt_key:
-            raise bad("data.prompt_key", "", "name the column holding the prompts, e.g. prompt")
+            raise bad("data.prompt_key", "", "name the column holding the prompts, e.g. prompt",
+                      fix={"data.prompt_key": "prompt"})
 
 
 @dataclass
@@ -351,7 +359,8 @@ class EvalConfig:
         positive(self, "eval", "num_samples")
         if self.temperature == 0 and self.num_samples > 1:
             raise bad("eval.num_samples", self.num_samples, "greedy decoding (eval.temperature=0) gives one "
-                       "answer per prompt; valid: 1, or set eval.temperature > 0 for pass@k")
+                       "answer per prompt; valid: 1, or set eval.temperature > 0 for pass@k",
+                      fix={"eval.num_samples": 1})
 
 
 @dataclass
@@ -411,10 +420,6 @@ class PlacementConfig:
         positive(self, "placement", "num_slots")
         non_negative(self, "placement", "engine_slots")
         one_of(self, "placement", "device", ["auto", "cpu", "cuda"])
-        if self.engine_slots >= self.num_slots:
-            raise bad("placement.engine_slots", self.engine_slots, f"a split placement leaves at least one of "
-                      f"placement.num_slots={self.num_slots} to the trainers; valid: 0 (co-located) or "
-                      f"1..{self.num_slots - 1}")
 
     @property
     def split(self) -> bool:
@@ -491,13 +496,16 @@ class JobConfig:
         for section in dataclasses.fields(self):
             if hasattr(getattr(self, section.name), "check"):
                 getattr(self, section.name).check()
+        self._check_partial_rollout()
         if self.placement.split:
             self._check_split()
         elif self.placement.num_slots % self.engine.tp:
-            raise bad("engine.tp", self.engine.tp, f"must divide placement.num_slots={self.placement.num_slots}")
+            tp = math.gcd(self.placement.num_slots, self.engine.tp)
+            raise bad("engine.tp", self.engine.tp, f"must divide placement.num_slots={self.placement.num_slots}, "
+                      f"e.g. engine.tp={tp}", fix={"engine.tp": tp})
         elif self.sync.transport == "broadcast":
             raise bad("sync.transport", "broadcast", "is the split placement's sync (placement.engine_slots > 0); "
-                      "valid co-located: auto, gather, in_place, ring")
+                      "valid co-located: auto, gather, in_place, ring", fix={"sync.transport": "auto"})
         for key, value in (("rollout.max_tokens", self.rollout.max_tokens),
                            ("data.max_prompt_tokens", self.data.max_prompt_tokens),
                            ("eval.max_tokens", self.eval.max_tokens)):
@@ -509,7 +517,8 @@ class JobConfig:
             raise bad("trainer.max_tokens_per_micro_batch", budget,
                        f"the longest sequence this job can train is {longest} tokens ({self._longest_why()}); "
                        f"valid: >= {longest}, or a shorter longest sequence (engine.max_model_len, or "
-                       "data.max_prompt_tokens + rollout.max_tokens)")
+                       "data.max_prompt_tokens + rollout.max_tokens)",
+                       fix={"trainer.max_tokens_per_micro_batch": longest})
         self._check_algo_against_sampling()
         self._check_reward_model()
         self._check_lora()
@@ -518,6 +527,30 @@ class JobConfig:
             raise bad("data.val_files", "", "evaluation (eval.every_steps, eval.at_start, eval.at_end) of a run on "
                        "data.train_files needs validation prompts; give data.val_files or turn evaluation off")
 
+
+    def _check_partial_rollout(self) -> None:
+        """Every answer under partial rollout must finish within the lag cap (partial_rollout_fix); the refusal
+        suggests the change that passes this check and the mode's."""
+        rollout, mode, partial = self.rollout, self.algo.mode, self.rollout.partial_tokens
+        fix = partial_rollout_fix(rollout, mode=mode, partial=partial) if partial else {}
+        if not partial or fix == {"rollout.partial_tokens": partial}:
+            return
+        (key, value), = fix.items()
+        valid = f"{key} >= {value}" + (", or a larger rollout.max_lag" if key == "rollout.partial_tokens" else "")
+        lag, max_tokens = rollout.max_lag, rollout.max_tokens
+        if mode == "one_step_off" and max_tokens > lag * partial:
+            raise bad("rollout.partial_tokens", partial, f"with algo.mode=one_step_off a token is already one "
+                      f"version old when trained, so an answer of rollout.max_tokens={max_tokens} must finish "
+                      f"within rollout.max_lag = {lag} passes; valid: {valid}", fix=fix)
+        if rollout.env:
+            passes = rollout.max_turns - 1 + -(-max_tokens // partial)
+            raise bad("rollout.max_turns", rollout.max_turns, f"with partial rollout an episode can take "
+                      f"max_turns - 1 + ceil(max_tokens / partial_tokens) = {passes} passes, more than "
+                      f"rollout.max_lag + 1 = {lag + 1} policy versions, and would be restarted by the lag cap; "
+                      f"valid: {valid}, or fewer turns", fix=fix)
+        raise bad("rollout.partial_tokens", partial, f"an answer of rollout.max_tokens={max_tokens} needs more "
+                  f"than rollout.max_lag + 1 = {lag + 1} passes and would be restarted forever; valid: {valid}",
+                  fix=fix)
 
     def _check_lora(self) -> None:
         rank, engine_rank = self.trainer.lora.rank, self.engine.max_lora_rank
@@ -536,12 +569,18 @@ class JobConfig:
         if not specs:
             return
         if not specs[0].path:
+            embedded = EMBEDDED_REWARD_MODELS[specs[0].kind]
+            fix = {"rollout.rewards": ",".join(
+                f"{spec.kind}:{embedded}" + (f":{spec.weight:g}" if spec.weight != 1 else "")
+                if (spec := reward_model_spec(item)) and not spec.path else item
+                for item in self.rollout.rewards.split(","))}
+            whole = f" (rollout.rewards={fix['rollout.rewards']})" if "," in self.rollout.rewards else ""
             raise bad("rollout.rewards", self.rollout.rewards, f"{specs[0].kind}: needs the reward model's path, "
-                      f"e.g. {specs[0].kind}:/models/my-rm or the embedded {specs[0].kind}:tiny-rm")
+                      f"e.g. {specs[0].kind}:/models/my-rm or the embedded {specs[0].kind}:{embedded}{whole}", fix=fix)
         engine_slots = self.placement.engine_slots or self.placement.num_slots
         if self.reward_model.tp > engine_slots:
             raise bad("reward_model.tp", self.reward_model.tp, f"the reward model runs on the policy engines' "
-                      f"slots, {engine_slots} here; valid: 1 to {engine_slots}")
+                      f"slots, {engine_slots} here; valid: 1 to {engine_slots}", fix={"reward_model.tp": engine_slots})
         max_len = self.reward_model.max_model_len or self.engine.max_model_len
         if specs[0].kind == "judge" and self.reward_model.judge_max_tokens >= max_len:
             raise bad("reward_model.judge_max_tokens", self.reward_model.judge_max_tokens,
@@ -555,41 +594,51 @@ class JobConfig:
         if algo.advantage in GROUP_ADVANTAGES and rollout.num_samples < 2:
             raise bad("rollout.num_samples", rollout.num_samples, f"algo.advantage={algo.advantage} takes each "
                       "sample's baseline from the other samples of its prompt: with one, every advantage is 0; "
-                      "valid: >= 2, or algo.advantage=reinforce_pp (a batch baseline)")
+                      "valid: >= 2, or algo.advantage=reinforce_pp (a batch baseline)", fix={"rollout.num_samples": 2})
         if algo.advantage in GROUP_ADVANTAGES and rollout.temperature < GREEDY_TEMPERATURE:
             raise bad("rollout.temperature", rollout.temperature, "greedy sampling gives every sample of a prompt "
                       f"the same answer, so algo.advantage={algo.advantage} makes every advantage 0; valid: > 0 "
-                      "(e.g. 1.0)")
+                      "(e.g. 1.0)", fix={"rollout.temperature": 1.0})
         if algo.dynamic_sampling and algo.advantage not in GROUP_ADVANTAGES:
             raise bad("algo.dynamic_sampling", True, f"drops groups whose rewards are all equal, which a group "
                       f"baseline gives no gradient; algo.advantage={algo.advantage} has a batch baseline, so such a "
-                      "group still carries one. Valid with it: false; or a group estimator (grpo, dr_grpo, rloo)")
+                      "group still carries one. Valid with it: false; or a group estimator (grpo, dr_grpo, rloo)",
+                      fix={"algo.dynamic_sampling": False})
         if algo.mask_truncated and rollout.ignore_eos:
             raise bad("algo.mask_truncated", True, "rollout.ignore_eos=true makes every answer run to its budget, "
-                      "so every one would be left out of the loss; valid with it: false")
+                      "so every one would be left out of the loss; valid with it: false",
+                      fix={"algo.mask_truncated": False})
         if algo.mode in OVERLAPPED_MODES:
             self._check_overlapped()
         if algo.overlong_buffer >= rollout.max_tokens:
             raise bad("algo.overlong_buffer", algo.overlong_buffer, f"must be smaller than rollout.max_tokens="
-                      f"{rollout.max_tokens} (the punishment ramps over the last overlong_buffer tokens), or 0")
+                      f"{rollout.max_tokens} (the punishment ramps over the last overlong_buffer tokens), or 0",
+                      fix={"algo.overlong_buffer": 0})
 
     def _check_split(self) -> None:
         """Engines and trainers on separate slots: nothing shares a device, so nothing sleeps or moves, and the
         sync crosses devices over a process group."""
-        slots = self.placement.engine_slots
-        if slots % self.engine.tp:
-            raise bad("placement.engine_slots", slots, f"holds whole engines of engine.tp={self.engine.tp} workers "
-                      f"each; valid: a multiple of {self.engine.tp} below placement.num_slots={self.placement.num_slots}")
+        slots, num_slots, tp = self.placement.engine_slots, self.placement.num_slots, self.engine.tp
+        fix = slot_layout_fix(num_slots=num_slots, engine_slots=slots, tp=tp)
+        if slots >= num_slots:
+            raise bad("placement.engine_slots", slots, f"a split placement leaves at least one of "
+                      f"placement.num_slots={num_slots} to the trainers; valid: 0 (co-located) or 1..{num_slots - 1} "
+                      f"(a multiple of engine.tp={tp}), e.g. {overrides(fix)}", fix=fix)
+        if slots % tp:
+            raise bad("placement.engine_slots", slots, f"holds whole engines of engine.tp={tp} workers each; valid: "
+                      f"a multiple of {tp} below placement.num_slots={num_slots}, e.g. {overrides(fix)}", fix=fix)
         if self.sync.transport not in ("auto", "broadcast"):
             raise bad("sync.transport", self.sync.transport, "a split placement's engines share no device with a "
                       "trainer, so the sync is broadcast to them over a process group; valid with "
-                      "placement.engine_slots > 0: auto, broadcast")
+                      "placement.engine_slots > 0: auto, broadcast", fix={"sync.transport": "auto"})
         if self.engine.sleep_level not in ("auto", "0"):
             raise bad("engine.sleep_level", self.engine.sleep_level, "a split placement's engines have their "
-                      "devices to themselves, so they never sleep; valid with placement.engine_slots > 0: auto or 0")
+                      "devices to themselves, so they never sleep; valid with placement.engine_slots > 0: auto or 0",
+                      fix={"engine.sleep_level": "auto"})
         if self.trainer.offload not in ("auto", "false"):
             raise bad("trainer.offload", self.trainer.offload, "a split placement's trainers have their devices "
-                      "to themselves, so their state stays; valid with placement.engine_slots > 0: auto or false")
+                      "to themselves, so their state stays; valid with placement.engine_slots > 0: auto or false",
+                      fix={"trainer.offload": "auto"})
 
     def _check_overlapped(self) -> None:
         """The engines generate while the trainer trains (one_step_off, async): nothing may sleep or move, and a
@@ -599,27 +648,44 @@ class JobConfig:
                      "async": "generates answers without pause, while the trainer trains"}[mode]
         if self.engine.sleep_level not in ("auto", "0"):
             raise bad("engine.sleep_level", self.engine.sleep_level, f"algo.mode={mode} {generates}, so the engine "
-                      "never sleeps; valid with it: auto or 0")
+                      "never sleeps; valid with it: auto or 0", fix={"engine.sleep_level": "auto"})
         if self.trainer.offload not in ("auto", "false"):
             raise bad("trainer.offload", self.trainer.offload, f"algo.mode={mode} trains while the engine "
-                      "generates, so the trainer's state stays on the device; valid with it: auto or false")
+                      "generates, so the trainer's state stays on the device; valid with it: auto or false",
+                      fix={"trainer.offload": "auto"})
         if rollout.max_lag < 1:
             raise bad("rollout.max_lag", rollout.max_lag, f"algo.mode={mode} trains tokens sampled one policy "
-                      "version before; valid with it: >= 1")
-        partial = rollout.partial_tokens
+                      "version before; valid with it: >= 1", fix={"rollout.max_lag": 1})
         if mode == "async":
-            if not partial:
-                raise bad("rollout.partial_tokens", partial, "algo.mode=async updates the engines' weights between "
-                          "two passes, and a pass is bounded only by partial rollout; valid with it: > 0 (e.g. "
-                          f"{max(1, rollout.max_tokens // 4)}, a quarter of rollout.max_tokens)")
+            if not rollout.partial_tokens:
+                quarter = -(-rollout.max_tokens // 4)  # bounds the update's wait to a quarter of an answer
+                fix = {"rollout.partial_tokens": quarter,
+                       **partial_rollout_fix(rollout, mode=mode, partial=quarter)}
+                raise bad("rollout.partial_tokens", 0, "algo.mode=async updates the engines' weights between "
+                          f"two passes, and a pass is bounded only by partial rollout; valid with it: > 0, e.g. "
+                          f"{overrides(fix)} (a quarter of rollout.max_tokens, or the least with which an answer "
+                          "finishes within the lag cap)", fix=fix)
             if self.algo.dynamic_sampling:
                 raise bad("algo.dynamic_sampling", True, "is not built for algo.mode=async yet (its refills roll "
-                          "out on the main thread); valid with it: false, or algo.mode=sync / one_step_off")
-        elif partial and rollout.max_tokens > rollout.max_lag * partial:
-            raise bad("rollout.partial_tokens", partial, f"with algo.mode=one_step_off a token is already one "
-                      f"version old when trained, so an answer of rollout.max_tokens={rollout.max_tokens} must "
-                      f"finish within rollout.max_lag = {rollout.max_lag} passes; valid: partial_tokens >= "
-                      f"{-(-rollout.max_tokens // rollout.max_lag)}, or a larger rollout.max_lag")
+                          "out on the main thread); valid with it: false, or algo.mode=sync / one_step_off",
+                          fix={"algo.dynamic_sampling": False})
+
+
+def slot_layout_fix(*, num_slots: int, engine_slots: int, tp: int) -> dict[str, int]:
+    """The least change to placement.engine_slots (else engine.tp) that makes the layout valid on num_slots slots
+    (empty when it is): co-located, engine.tp divides num_slots; split, engine_slots is a multiple of engine.tp
+    below num_slots. A smaller engine.tp is a divisor of the old one, so it still divides the model's heads."""
+    if not engine_slots:
+        return {} if num_slots % tp == 0 else {"engine.tp": math.gcd(num_slots, tp)}
+    if num_slots < 2:  # no slot left for the trainers: co-located
+        return {"placement.engine_slots": 0, **slot_layout_fix(num_slots=num_slots, engine_slots=0, tp=tp)}
+    slots = min(engine_slots, num_slots - 1)
+    if slots >= tp:
+        slots -= slots % tp
+    elif tp < num_slots:
+        slots = tp
+    fix = {"placement.engine_slots": slots} if slots != engine_slots else {}
+    return fix if slots % tp == 0 else {**fix, "engine.tp": math.gcd(slots, tp)}
 
 
 # vLLM engine arguments colocate sets itself (from the key named), so a pass-through must not

@@ -49,7 +49,11 @@ def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> None:
     """What needs this machine's files and the user's code, but no device. `writes_here=False`: the job writes on
     another machine (`colocate submit`: the cluster's), whose directories its own launch checks there."""
     if not cfg.model.path and cfg.model.preset not in models.PRESETS:
-        raise bad("model.preset", cfg.model.preset, "valid: " + ", ".join(sorted(models.PRESETS)))
+        import difflib
+
+        near = (difflib.get_close_matches(cfg.model.preset, list(models.PRESETS), n=1) or ["tiny"])[0]
+        raise bad("model.preset", cfg.model.preset, "valid: " + ", ".join(sorted(models.PRESETS)) +
+                  f"; e.g. model.preset={near}", fix={"model.preset": near})
     _check_model_path(cfg.model.path)
     _check_chunked_head(cfg)
     _check_activation_checkpointing(cfg)
@@ -152,11 +156,12 @@ def check_experts(cfg: JobConfig) -> None:
     model = cfg.model.path or f"model.preset={cfg.model.preset}"
     if not dims.num_experts:
         raise bad("engine.expert_parallel", True, f"{model} is a dense model (no routed experts in its config); "
-                  "expert parallelism splits a MoE model's experts (e.g. model.preset=tiny-moe); valid: false")
+                  "expert parallelism splits a MoE model's experts (e.g. model.preset=tiny-moe); valid: false",
+                  fix={"engine.expert_parallel": False})
     if dims.num_experts < cfg.engine.tp:
         raise bad("engine.expert_parallel", True, f"{model} has {dims.num_experts} experts per layer, fewer than "
                   f"engine.tp={cfg.engine.tp} workers to split them over; valid: false, or engine.tp <= "
-                  f"{dims.num_experts}")
+                  f"{dims.num_experts}", fix={"engine.expert_parallel": False})
 
 
 def check_lora(cfg: JobConfig) -> None:
@@ -173,7 +178,7 @@ def check_lora(cfg: JobConfig) -> None:
         raise bad("trainer.lora.target_modules", cfg.trainer.lora.target_modules,
                   f"{', '.join(missing)} {'matches' if len(missing) == 1 else 'match'} no linear layer of {model}; "
                   "valid: all-linear, "
-                  + ", ".join(have))
+                  + ", ".join(have), fix={"trainer.lora.target_modules": "all-linear"})
 
 
 def check_turn_stop(turn_stop: str, tokenizer) -> None:
@@ -259,7 +264,8 @@ def _check_chunked_head(cfg: JobConfig) -> None:
             if section.get(key) not in (None, 0, 1, 1.0):
                 raise bad("trainer.logprob_chunk_tokens", cfg.trainer.logprob_chunk_tokens,
                            f"the model transforms its logits after lm_head ({key}={section[key]}), which the "
-                           "chunked log-prob pass does not; set trainer.logprob_chunk_tokens=null")
+                           "chunked log-prob pass does not; set trainer.logprob_chunk_tokens=null",
+                           fix={"trainer.logprob_chunk_tokens": None})
 
 
 def _check_activation_checkpointing(cfg: JobConfig) -> None:
@@ -274,7 +280,7 @@ def _check_activation_checkpointing(cfg: JobConfig) -> None:
         if cls is not None and not getattr(cls, "supports_gradient_checkpointing", False):
             raise bad("trainer.activation_checkpointing", True, f"{name} cannot checkpoint its layers "
                        "(transformers' supports_gradient_checkpointing is False); set "
-                       "trainer.activation_checkpointing=false")
+                       "trainer.activation_checkpointing=false", fix={"trainer.activation_checkpointing": False})
 
 
 def _check_model_path(path: str) -> None:

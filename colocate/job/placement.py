@@ -29,11 +29,14 @@ How vLLM 0.32 places an engine's TP workers (read from its sources; `vllm/v1/exe
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
 from colocate.config import JobConfig
+from colocate.config.fields import overrides
 from colocate.config.reward_model import reward_models_in
+from colocate.config.schema import slot_layout_fix
 from colocate.errors import ConfigError, PlacementError
 from colocate.host.devices import cpu_bf16_features
 
@@ -124,7 +127,8 @@ def resolve_device(requested: str) -> str:
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("placement.device='cuda' is invalid: no CUDA device is visible here; valid: auto, cpu")
+        raise ConfigError("placement.device='cuda' is invalid: no CUDA device is visible here; valid: auto, cpu",
+                          fix={"placement.device": "auto"})
     return requested
 
 
@@ -140,25 +144,38 @@ def plan_slots(cfg: JobConfig, *, device: str, num_devices: int, where: str = "t
     """Check the job against the devices available and return its slot plan; ConfigError names the bad key."""
     kind = "GPUs" if device == "cuda" else "CPU cores"
     if cfg.placement.num_slots > num_devices:
+        fix = _fewer_slots(cfg, num_devices)
         raise ConfigError(f"placement.num_slots={cfg.placement.num_slots} is invalid: {where} has {num_devices} "
-                          f"{kind}; valid: 1..{num_devices} (and a multiple of engine.tp={cfg.engine.tp})")
+                          f"{kind}; valid: 1..{num_devices} (and a multiple of engine.tp={cfg.engine.tp}), e.g. "
+                          f"{overrides(fix)}", fix=fix)
     if device == "cpu":
         if cfg.engine.sleep_backend == "vllm":
             raise ConfigError("engine.sleep_backend='vllm' is invalid on a CPU run: vLLM's sleep mode needs CUDA; "
-                              "valid: auto, portable")
+                              "valid: auto, portable", fix={"engine.sleep_backend": "auto"})
         if cfg.trainer.mixed_precision and not cpu_bf16_features():
             raise ConfigError("trainer.mixed_precision=True is invalid on this CPU: it computes bf16 natively only "
                               "with AVX-512 BF16 or AMX (flags avx512_bf16, amx_bf16), which it lacks, and emulated "
-                              "bf16 is slower than fp32; valid: false")
+                              "bf16 is slower than fp32; valid: false", fix={"trainer.mixed_precision": False})
     elif cfg.sync.transport == "in_place":
         raise ConfigError("sync.transport='in_place' is invalid on a CUDA run: the engine's weights live in vLLM's "
-                          "sleep-mode allocator, which CUDA IPC cannot share; valid: auto, gather")
+                          "sleep-mode allocator, which CUDA IPC cannot share; valid: auto, gather",
+                          fix={"sync.transport": "auto"})
     elif cfg.sync.transport == "ring":
         raise ConfigError("sync.transport='ring' is invalid on a CUDA run: every trainer rank would map every "
-                          "engine worker's ring, but each rank sees only its own GPU; valid: auto, gather")
+                          "engine worker's ring, but each rank sees only its own GPU; valid: auto, gather",
+                          fix={"sync.transport": "auto"})
     return SlotPlan(device=device, num_slots=cfg.placement.num_slots, tp=cfg.engine.tp,
                     num_split_engine_slots=cfg.placement.engine_slots,
                     reward_model_tp=cfg.reward_model.tp if reward_models_in(cfg.rollout.rewards) else 0)
+
+
+def _fewer_slots(cfg: JobConfig, num_devices: int) -> dict[str, int]:
+    """The most slots `num_devices` can hold in the job's layout (slot_layout_fix: engine.tp divides them, a split
+    leaves the trainers one)."""
+    tp, engine_slots = cfg.engine.tp, cfg.placement.engine_slots
+    num_slots = num_devices if engine_slots or num_devices < tp else num_devices - num_devices % tp
+    return {"placement.num_slots": num_slots,
+            **slot_layout_fix(num_slots=num_slots, engine_slots=engine_slots, tp=tp)}
 
 
 def plan_nodes(plan: SlotPlan, node_devices: dict[str, int]) -> list[str]:
@@ -172,14 +189,15 @@ def plan_nodes(plan: SlotPlan, node_devices: dict[str, int]) -> list[str]:
     if plan.tp > largest:
         raise ConfigError(f"engine.tp={plan.tp} is invalid on this Ray cluster: an engine's TP workers must share one "
                           f"node, and its largest node has {largest} {kind} (nodes: {listed}); valid: engine.tp <= "
-                          f"{largest}")
+                          f"{largest}, e.g. engine.tp={math.gcd(largest, plan.tp)}",
+                          fix={"engine.tp": math.gcd(largest, plan.tp)})
     free = {node: node_devices[node] // plan.tp for node in order}  # engines each node can still hold
     key = "placement.engine_slots" if plan.split else "placement.num_slots"
     if sum(free.values()) < plan.num_engines:
         raise ConfigError(f"{key}={plan.num_split_engine_slots or plan.num_slots} is invalid on this Ray cluster: "
                           f"its {plan.num_engines} engine(s) of engine.tp={plan.tp} need {plan.tp} {kind} each "
                           f"within one node, and its nodes ({listed} {kind}) hold {sum(free.values())}; valid: "
-                          f"{key} <= {sum(free.values()) * plan.tp}")
+                          f"{key} <= {sum(free.values()) * plan.tp}", fix={key: sum(free.values()) * plan.tp})
     engine_nodes = []
     for _ in range(plan.num_engines):
         node = next(n for n in order if free[n])
@@ -204,7 +222,7 @@ def sync_transport(cfg: JobConfig, device: str, *, multi_node: bool = False) -> 
         if multi_node and cfg.sync.transport in ("in_place", "ring"):
             raise ConfigError(f"sync.transport={cfg.sync.transport!r} is invalid for a job across several nodes: "
                               "every trainer rank would write into engines on other nodes' shared memory; valid: "
-                              "auto, gather")
+                              "auto, gather", fix={"sync.transport": "auto"})
         return cfg.sync.transport
     return "in_place" if device == "cpu" and not multi_node else "gather"
 

@@ -144,10 +144,10 @@ def test_split_placement_across_nodes_keeps_engines_whole_and_trainers_on_what_i
 @pytest.mark.parametrize("overrides, message", [
     (["placement.num_slots=3", "placement.engine_slots=3"],
      "placement.engine_slots=3 is invalid: a split placement leaves at least one of placement.num_slots=3 to the "
-     "trainers; valid: 0 (co-located) or 1..2"),
+     "trainers; valid: 0 (co-located) or 1..2 (a multiple of engine.tp=2), e.g. placement.engine_slots=2"),
     (["placement.num_slots=4", "placement.engine_slots=3", "engine.tp=2"],
      "placement.engine_slots=3 is invalid: holds whole engines of engine.tp=2 workers each; valid: a multiple of 2 "
-     "below placement.num_slots=4"),
+     "below placement.num_slots=4, e.g. placement.engine_slots=2"),
     (["placement.num_slots=2", "placement.engine_slots=1", "engine.tp=1", "sync.transport=in_place"],
      "sync.transport='in_place' is invalid: a split placement's engines share no device with a trainer, so the sync "
      "is broadcast to them over a process group; valid with placement.engine_slots > 0: auto, broadcast"),
