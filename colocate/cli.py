@@ -278,8 +278,15 @@ def cmd_export(args) -> int:
     return 0
 
 
+def config_docs() -> str:
+    """docs/config.md: every key's docstring, and the model presets from their registry."""
+    from colocate.models.sources import preset_docs
+
+    return config_docs_markdown(notes=preset_docs())
+
+
 def cmd_config_docs(args) -> int:
-    print(config_docs_markdown(), end="")
+    print(config_docs(), end="")
     return 0
 
 

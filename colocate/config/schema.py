@@ -27,7 +27,7 @@ class ModelConfig:
     path: str = ""
     """Hugging Face model directory or hub id; empty builds the embedded `preset` into `cache_dir`."""
     preset: str = "tiny"
-    """Embedded model preset when `path` is empty: tiny (tests, default job), tiny-tied, tiny-chat (every printable ASCII character: chat and tool-call formats), bench (>= 0.4 GB bf16)."""
+    """Embedded model preset when `path` is empty, built once into `cache_dir`."""
     cache_dir: str = "~/.cache/colocate/models"
     """Where embedded presets are built once and reused."""
     seed: int = 0

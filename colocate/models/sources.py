@@ -8,17 +8,10 @@ Face model directory: `transformers`, vLLM and colocate's trainer all load it by
     >>> path = ensure_model(ModelConfig(preset="tiny"))   # builds on the first call, reuses after
     >>> tokenizer = load_tokenizer(path)
 
-Presets:
-- ``tiny``: 2 layers, hidden 128, 4,096 positions; for tests and the default CPU job (seconds to build, learns
-  in minutes).
-- ``tiny-chat``: tiny over every printable ASCII character and the newline, for chat and tool-call formats.
-- ``tiny-moe``: tiny's attention under 8 routed experts (top-2) in each layer, a Qwen3-MoE (docs/moe.md).
-- ``bench``: 24 layers, hidden 1024, vocab 32768; >= 0.4 GB of bf16 weights, for the sync/switch benchmarks.
-- ``bench-moe``: bench's attention and vocabulary over 4 layers of 32 experts (top-4), 0.56 GB of bf16 weights.
-
-Reward presets (`rollout.rewards=model:tiny-rm`): ``tiny-rm``, tiny's body under a one-logit sequence
-classification head (Qwen2ForSequenceClassification), random, so CI serves a reward model without downloads.
-A generative judge can be any causal preset (`judge:tiny`).
+The presets are the registry PRESETS below, each with its use in PRESET_USES; reward presets
+(`rollout.rewards=model:tiny-rm`) are REWARD_PRESETS: a preset's body under a one-logit sequence classification
+head (Qwen2ForSequenceClassification), random, so CI serves a reward model without downloads. A generative judge
+can be any causal preset (`judge:tiny`). `colocate config-docs` lists them all from here (preset_docs).
 """
 
 from __future__ import annotations
@@ -102,6 +95,32 @@ PRESETS["tiny-chat"] = replace(PRESETS["tiny"], vocab_size=len(SPECIAL_TOKENS) +
                                characters=CHAT_CHARACTERS)
 # reward presets: a preset's body with a one-logit classification head (vLLM's pooling runner serves it)
 REWARD_PRESETS: dict[str, Preset] = {"tiny-rm": PRESETS["tiny"]}
+# what each preset is for, in docs/config.md (preset_docs); a preset missing here is listed by its shape alone
+PRESET_USES = {
+    "tiny": "tests and the default job: seconds to build, learns in minutes",
+    "tiny-tied": "tiny with lm_head tied to the embeddings, as small Qwen and Llama models ship them",
+    "tiny-moe": "tiny's attention over routed experts, a Qwen3-MoE (docs/moe.md)",
+    "bench": ">= 0.4 GB of bf16 weights, for the sync and switch benchmarks",
+    "bench-moe": "bench's attention and vocabulary over experts, for `colocate bench sync` of a MoE",
+    "tiny-chat": "every printable ASCII character and the newline: chat and tool-call formats",
+    "tiny-rm": "tiny's body under a one-logit classification head",
+}
+
+
+def preset_docs() -> dict[str, str]:
+    """What docs/config.md says of the presets, generated from the registry (PRESETS, REWARD_PRESETS): a sentence
+    for each key that names them, which `colocate config-docs` adds to that key's docstring."""
+    def listed(presets: dict[str, Preset]) -> str:
+        return ", ".join(f"{name} ({_shape(p)}" + (f"; {PRESET_USES[name]}" if name in PRESET_USES else "") + ")"
+                         for name, p in presets.items())
+    return {"model.preset": f"The presets: {listed(PRESETS)}.",
+            "rollout.rewards": f"Embedded reward models (model:NAME): {listed(REWARD_PRESETS)}."}
+
+
+def _shape(p: Preset) -> str:
+    experts = f", {p.num_experts} experts, top-{p.num_experts_per_tok}" if p.num_experts else ""
+    return (f"{p.num_layers} layers, hidden {p.hidden_size}{experts}, vocabulary {p.vocab_size}"
+            + (", tied lm_head" if p.tie_word_embeddings else ""))
 
 
 def preset_dir(config: ModelConfig) -> Path:

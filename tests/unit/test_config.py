@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from colocate.cli import main
-from colocate.config import config_docs_markdown, load_config
+from colocate.cli import config_docs, main
+from colocate.config import load_config
 from colocate.errors import ConfigError
 from colocate.host.devices import cpu_bf16_features
 
@@ -107,8 +107,17 @@ def test_yaml_that_is_not_a_mapping(tmp_path, capsys):
 
 def test_config_docs_are_generated_and_committed():
     committed = (ROOT / "docs" / "config.md").read_text()
-    assert committed == config_docs_markdown(), "docs/config.md is stale: run `colocate config-docs > docs/config.md`"
+    assert committed == config_docs(), "docs/config.md is stale: run `colocate config-docs > docs/config.md`"
     assert "| `engine.tp` | int | `2` |" in committed
+
+
+def test_config_docs_list_every_preset_of_the_registry():
+    from colocate.models.sources import PRESETS, REWARD_PRESETS
+
+    rows = {line.split(" | ")[0].strip("| `"): line for line in config_docs().splitlines() if line.startswith("| `")}
+    assert [name for name in PRESETS if f" {name} (" not in rows["model.preset"]] == []
+    assert [name for name in REWARD_PRESETS if f" {name} (" not in rows["rollout.rewards"]] == []
+    assert {"tiny-moe", "bench-moe"} <= PRESETS.keys() and "tiny-rm" in REWARD_PRESETS  # those the docstring missed
 
 
 def test_every_key_is_documented():
