@@ -27,18 +27,36 @@ Hazards:
   engine call with no Ray dependency, and only the load that follows it waits for the writes' checksums
   (weight_sync.WeightSync._schedule_broadcast).
 - The group's timeout is the sync's fault bound: a member that dies or hangs mid-broadcast makes the others'
-  collective raise after `timeout_s` instead of hanging the job.
+  collective raise BroadcastError (at once when the transport sees the peer gone, else after `timeout_s`)
+  instead of hanging the job; the job's watchdog then names the member that was lost (job/faults.py).
+- On NCCL that needs blocking wait. By default torch's NCCL group has a watchdog thread that finds the failed or
+  overdue collective and, under TORCH_NCCL_ASYNC_ERROR_HANDLING's default (3, SkipCleanUp), rethrows it in that
+  thread, which ends the process: a lost member killed the survivors, while `wait()` itself never raised (it only
+  orders the caller's stream after the collective). Read in torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp
+  (main, as of torch 2.9-2.13): the constructor reads TORCH_NCCL_BLOCKING_WAIT and starts no watchdog thread
+  under it ("the main thread would throw an exception and it is the user's responsibility to handle it");
+  WorkNCCL::wait then blocks until the collective completes, fails or passes the group's timeout, aborts the
+  communicator (NCCLComm::abort, so no kernel is left spinning on the GPU) and rethrows in the caller as
+  DistBackendError, a RuntimeError, as gloo's errors are. The variable is read once, by the constructor, so it is
+  set around this group's construction alone (_nccl_group): the trainers' FSDP2 group and vLLM's keep their
+  watchdogs and their asynchronous waits.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import threading
 from dataclasses import dataclass
 
 import torch
 
 from colocate.sync.reshard import SyncPlan
 from colocate.sync.verify import tensor_spans
+
+
+class BroadcastError(RuntimeError):
+    """This member's broadcast failed: another member of the group died, or hung past the group's timeout."""
 
 
 @dataclass(frozen=True)
@@ -89,8 +107,9 @@ def open_store(host: str, name: str, *, size: int, timeout_s: float):
 class BroadcastChannel:
     """One process's membership of a broadcast group (rank 0: the feeder)."""
 
-    def __init__(self, group, store, rank: int, size: int):
-        self.group, self.store, self.rank, self.size = group, store, rank, size
+    def __init__(self, group, store, rank: int, size: int, name: str = ""):
+        self.group, self.store, self.rank, self.size, self.name = group, store, rank, size, name
+        self.failed: str | None = None  # the first failure: the group is broken from then on
 
     @classmethod
     def join(cls, address: StoreAddress, *, rank: int, size: int, device: torch.device, timeout_s: float,
@@ -103,32 +122,60 @@ class BroadcastChannel:
         if store is None:
             store = TCPStore(address.host, address.port, size, is_master=False, timeout=timeout)
         prefixed = PrefixStore(f"colocate-broadcast/{address.name}", store)
-        return cls(_process_group(prefixed, rank, size, device, timeout), store, rank, size)
+        return cls(_process_group(prefixed, rank, size, device, timeout), store, rank, size, address.name)
 
     def broadcast(self, data: torch.Tensor) -> None:
-        """Rank 0's `data` into every member's `data` (same size on every member; a collective)."""
+        """Rank 0's `data` into every member's `data` (same size on every member; a collective). Raises
+        BroadcastError if a member is lost (see the module's hazards), and at once on any call after that."""
         from torch.distributed import BroadcastOptions
 
         if data.numel() == 0:
             return
+        where = f"the broadcast group {self.name} (member {self.rank} of {self.size})"
+        if self.failed is not None:
+            raise BroadcastError(f"{where} failed earlier: {self.failed}")
         options = BroadcastOptions()
         options.rootRank, options.rootTensor = 0, 0
-        self.group.broadcast([data], options).wait()
+        try:
+            self.group.broadcast([data], options).wait()
+        except RuntimeError as e:  # gloo: a peer's connection closed, or the timeout; NCCL: the same (blocking wait)
+            self.failed = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise BroadcastError(f"{where} lost a member or passed its timeout: {self.failed}") from None
 
 
 def _process_group(store, rank: int, size: int, device: torch.device, timeout: datetime.timedelta):
     import torch.distributed as dist
 
     if device.type == "cuda":
-        # Thin and untested here (no GPU on CI): torch's own NCCL group, built as torch.distributed builds a new
-        # group's (torch/distributed/distributed_c10d.py, `_new_process_group_helper`: ProcessGroupNCCL(store,
-        # group_rank, group_size, options)). The communicator is made at the first collective, on the device of
-        # its tensors: the caller's ring on its own GPU.
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
+        return _nccl_group(store, rank, size, timeout)
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
+
+BLOCKING_WAIT = "TORCH_NCCL_BLOCKING_WAIT"
+_ENVIRON_LOCK = threading.Lock()  # two groups built at once in one process must not restore each other's value
+
+
+def _nccl_group(store, rank: int, size: int, timeout: datetime.timedelta):
+    """torch's own NCCL group, built as torch.distributed builds a new group's (torch/distributed/
+    distributed_c10d.py, `_new_process_group_helper`: ProcessGroupNCCL(store, group_rank, group_size, options)),
+    with blocking wait (module hazards): a lost member raises in the survivors, within `timeout`. The communicator
+    is made at the first collective, on the device of its tensors: the caller's ring on its own GPU.
+    Hazard: os.environ is the process's C environment; a C++ thread calling getenv while it is written could
+    read it mid-change. The write is two short calls, at the sync's open, before this group has any thread."""
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    with _ENVIRON_LOCK:
+        previous = os.environ.get(BLOCKING_WAIT)
+        os.environ[BLOCKING_WAIT] = "1"
+        try:
+            return dist.ProcessGroupNCCL(store, rank, size, options)
+        finally:
+            if previous is None:
+                del os.environ[BLOCKING_WAIT]
+            else:
+                os.environ[BLOCKING_WAIT] = previous
 
 
 class BroadcastFeeder:
@@ -146,7 +193,7 @@ class BroadcastFeeder:
 
         # Hazard (buffer reuse): a staging slot is refilled num_slots buckets later, by this same rank, after
         # its broadcast of the earlier bucket returned: the bytes have left (gloo copies them out; NCCL's
-        # collective is ordered on this rank's stream before the next cast into the slot).
+        # blocking wait returns once the collective completed on the GPU).
         staging = {t: torch.empty(plan.ring_bytes, dtype=torch.uint8, device=device) for t in channels}
         writer = GatherWriter(plan, groups, rank=rank, world_size=world_size, device=device,
                               targets=sorted(staging.items()), checksum=checksum)

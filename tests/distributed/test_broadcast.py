@@ -2,7 +2,8 @@
 and the feeder of each TP rank broadcasts that TP rank's slice of every bucket to the worker of that TP rank in
 every engine, each a process of its own with no trainer beside it. Every worker then holds exactly its TP slice
 of the trainer's weights, bit for bit, after every sync: one engine of TP=2 fed by two ranks, two engines of
-TP=1 fed by one broadcast (rank 1 gathers only), one rank feeding both TP ranks, and the full-tensor plan."""
+TP=1 fed by one broadcast (rank 1 gathers only), one rank feeding both TP ranks, and the full-tensor plan. A member
+lost mid-sync (dead, or alive and silent) makes the survivors raise a named BroadcastError, never hang."""
 
 from __future__ import annotations
 
@@ -113,6 +114,71 @@ def _member(rank: int, world_size: int, port: int, num_trainers: int, tp: int, n
 def test_broadcast_sync_is_bit_exact_after_every_sync(num_trainers, tp, num_engines, sliced):
     run_distributed(_member, num_trainers, tp, num_engines, sliced, world_size=num_trainers + tp * num_engines,
                     init=False)
+
+
+LOST_TIMEOUT_S = 5  # the group's bound in the lost-member tests: a hung member costs the survivors this long
+
+
+def _losing_a_member(rank: int, world_size: int, port: int, how: str):
+    """A feeder (0) and two members; after one good broadcast member 2 is lost (it exits, or stays alive and never
+    joins the next broadcast). The survivors' next broadcast returns or raises BroadcastError (whichever of them
+    waited on the lost member), never hangs past the group's timeout, and each survivor lives on to report."""
+    import os
+    import time
+
+    from torch.distributed import TCPStore
+
+    from colocate.sync.broadcast import BroadcastChannel, BroadcastError, StoreAddress, open_store
+
+    board = TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
+                     timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    cpu = torch.device("cpu")
+    if rank == 0:
+        store, address = open_store("127.0.0.1", "lost", size=3, timeout_s=TIMEOUT_S)
+        board.set("port", str(address.port))
+        channel = BroadcastChannel.join(address, rank=0, size=3, device=cpu, timeout_s=LOST_TIMEOUT_S, store=store)
+    else:
+        board.wait(["port"])
+        address = StoreAddress("127.0.0.1", int(board.get("port")), "lost")
+        channel = BroadcastChannel.join(address, rank=rank, size=3, device=cpu, timeout_s=LOST_TIMEOUT_S)
+    sent = torch.arange(1 << 16, dtype=torch.int64).to(torch.uint8)
+    data = sent.clone() if rank == 0 else torch.zeros_like(sent)
+    channel.broadcast(data)
+    assert torch.equal(data, sent)
+    if rank == 2:
+        board.set("lost", str(os.getpid()))
+        if how == "hangs":
+            board.wait(["done"], datetime.timedelta(seconds=TIMEOUT_S))
+        os._exit(0)  # its sockets close as a killed process's do (exit code 0: the harness counts no failure)
+    board.wait(["lost"])
+    while how == "dies" and os.path.exists(f"/proc/{board.get('lost').decode()}/stat"):
+        time.sleep(0.05)
+    if rank:
+        data.zero_()
+    try:
+        channel.broadcast(data)
+        board.set(f"outcome{rank}", "received" if torch.equal(data, sent) else "wrong bytes")
+    except BroadcastError as e:
+        with pytest.raises(BroadcastError, match="failed earlier"):
+            channel.broadcast(data)  # the group is broken: no second collective on it
+        board.set(f"outcome{rank}", str(e))
+    if rank != 0:
+        return
+    board.wait(["outcome0", "outcome1"])
+    outcomes = [board.get(f"outcome{r}").decode() for r in (0, 1)]
+    board.set("done", "1")
+    failed = [o for o in outcomes if o != "received"]
+    assert failed, outcomes  # a survivor met the loss
+    assert all(o.startswith("the broadcast group lost (member ") and "lost a member or passed its timeout: " in o
+               for o in failed), outcomes
+    time.sleep(0.5 if how == "hangs" else 0)  # member 2 reads "done" before this store goes
+
+
+@pytest.mark.parametrize("how", ["dies", "hangs"])
+def test_a_lost_member_makes_the_survivors_raise_instead_of_hanging(how):
+    """The fault path of the split sync on gloo, which NCCL's blocking wait gives the same shape on GPUs
+    (sync/broadcast.py; tests/gpu/test_cuda_broadcast.py): a named BroadcastError in the survivors."""
+    run_distributed(_losing_a_member, how, world_size=3, init=False)
 
 
 def test_feeders_spread_over_the_ranks_and_cover_every_tp_rank():
