@@ -52,6 +52,7 @@ def cmd_validate(args) -> int:
         raise ConfigError(f"--gpus {args.gpus} --gpu-memory-gib {args.gpu_memory_gib} is invalid: expected at "
                           "least one GPU and a positive size")
     from colocate.job.checks import GpuNode, check_job
+    from colocate.job.placement import plan_line
     from colocate.job.preflight import model_dims
     from colocate.job.resolve import resolve_job
 
@@ -76,7 +77,7 @@ def cmd_validate(args) -> int:
     switch = prediction.plan
     print(f"# switch plan: engine sleep level {switch.engine_sleep_level}, trainer offload "
           f"{str(switch.trainer_offload).lower()}")
-    print(f"#   {switch.reason}")
+    print(f"#   {plan_line(cfg, switch.reason, device=resolved.device)}")
     if not prediction.phases:
         print("# predicted memory: none (the model's config.json is not on this machine)")
         return 0

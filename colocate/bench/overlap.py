@@ -15,8 +15,9 @@ same total. Per mode: wall seconds per step, trained tokens per second, the seco
 
 Next to the measurement, labelled a model: the schedule's own prediction from the sync mode's measured phase
 times, one_step_off taking max(rollout, train) + the rest where sync takes rollout + train + the rest. It is the
-speed-up where the two sides do not contend (a GPU node whose engine and trainer have the compute to run at
-once); the measured ratio on this machine's 2 shared cores is the contended end. The PNG shows engine busy and
+speed-up where the two sides do not contend (engines and trainers on devices of their own; not two processes
+on one GPU, which the GPU time-slices: docs/gpu.md); the measured ratio on this machine's 2 shared cores is the
+contended end. The PNG shows engine busy and
 trainer busy over time for each mode.
 """
 

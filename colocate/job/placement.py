@@ -34,6 +34,7 @@ import os
 from dataclasses import dataclass
 
 from colocate.config import JobConfig
+from colocate.config.algo import OVERLAPPED_MODES
 from colocate.config.fields import overrides
 from colocate.config.reward_model import reward_models_in
 from colocate.config.schema import slot_layout_fix
@@ -225,6 +226,24 @@ def sync_transport(cfg: JobConfig, device: str, *, multi_node: bool = False) -> 
                               "auto, gather", fix={"sync.transport": "auto"})
         return cfg.sync.transport
     return "in_place" if device == "cpu" and not multi_node else "gather"
+
+
+# Measured on one H200 (docs/gpu.md, co-located overlap): compute-bound GEMMs and decode-like memory-bound GEMVs,
+# each 6 s alone, took 12.12 s at once from two processes, 0.99x of one after the other (one process, two streams:
+# 1.02x). The GPU time-slices processes, so the co-located engine's and trainer's kernels do not run side by side.
+TWO_PROCESSES_ON_ONE_GPU = 0.99
+
+
+def plan_line(cfg: JobConfig, reason: str, *, device: str) -> str:
+    """The switch plan's line that `colocate validate` and `colocate launch` print: its `reason`, and for a
+    co-located one_step_off or async job on `device` "cuda", that the GPU time-slices the two sides' processes,
+    so the mode overlaps nothing there, and the key that does (placement.engine_slots)."""
+    if device != "cuda" or cfg.algo.mode not in OVERLAPPED_MODES or cfg.placement.split:
+        return reason
+    return (f"{reason}; on a GPU the co-located engine and trainer are two processes, which the GPU time-slices "
+            f"(two at once took {TWO_PROCESSES_ON_ONE_GPU}x the time of one after the other, measured on an H200), "
+            f"so algo.mode={cfg.algo.mode} gains no speed from its overlap here: give the engines GPUs of their own "
+            "with placement.engine_slots > 0 (docs/async.md)")
 
 
 def sync_in_place(cfg: JobConfig, device: str) -> bool:

@@ -19,6 +19,7 @@ from colocate.host.signals import Terminated, catch_stop_signals, stop_outcome, 
 from colocate.job.checks import CheckedJob, check_job, read_inputs
 from colocate.job.controller import Controller
 from colocate.job.faults import parse_injections
+from colocate.job.placement import plan_line
 from colocate.job.preflight import SwitchPlan
 from colocate.job.resolve import resolve_job
 from colocate.job.runtime import Runtime
@@ -104,7 +105,8 @@ def _attempt(cfg: JobConfig, metrics: MetricsWriter, prompts, resume_from, start
                                   "reason": runtime.switch.reason},
                        **({"reward_model": runtime.reward_model_info} if runtime.reward_model_info else {})})
         if cfg.logging.progress:
-            print(f"switch plan: {runtime.switch.reason}", file=sys.stderr, flush=True)
+            print(f"switch plan: {plan_line(cfg, runtime.switch.reason, device=runtime.device)}", file=sys.stderr,
+                  flush=True)
         started.append(Controller(cfg, runtime, metrics, prompts=prompts, resume_from=resume_from))
         return started[-1].run()
 
