@@ -70,6 +70,18 @@ LOOPBACK = "127.0.0.1"
 # Trainers on one node: gloo on loopback, every rank a client of the store rank 0's actor hosts on loopback
 # (TrainerActor.rendezvous). GLOO_SOCKET_IFNAME: else gloo listens on the address the hostname resolves to.
 ONE_NODE_TRAINER_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True", "GLOO_SOCKET_IFNAME": "lo"}
+# The job's actors at the priority of the node's Ray daemons (whoever started them: this driver, or `ray start`),
+# not 15 below it. Every Ray worker process calls nice(worker_niceness), default 15, as its core worker starts
+# (Ray's src/ray/common/ray_config_def.h and the CoreWorker constructor; 2.60's _raylet.so logs "Adjusted worker
+# niceness to") to keep the CPU for its daemons and the driver; a job's actors are its main work, and beside any
+# busy nice-0 process they got about 4% of a core each (tests/e2e/test_multinode.py finished no step in 300 s).
+# RayConfig reads RAY_worker_niceness in each worker's own environment, so the job's runtime_env sets it for
+# every actor of this job and what they start (vLLM's Ray workers inherit the runtime_env; the TP workers the
+# actors fork inherit their nice): Ray's own job manager does the same for its supervisor actor
+# (dashboard/modules/job/job_manager.py). Per job, not per cluster: on a cluster the job joins, other jobs'
+# workers keep the cluster's setting. Hazard: a Ray started with _system_config worker_niceness would override
+# this (the system config is applied over the environment). See docs/cluster.md.
+ACTOR_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 
 
 class Runtime:
@@ -166,7 +178,7 @@ class Runtime:
         if ray.is_initialized():
             return
         verbose = self.cfg.logging.level in ("DEBUG", "INFO")
-        env = {"PYTHONPATH": os.pathsep.join(_python_path()), JOB_ENV: self.job}
+        env = {"PYTHONPATH": os.pathsep.join(_python_path()), JOB_ENV: self.job, **ACTOR_PRIORITY_ENV}
         common = dict(log_to_driver=verbose, logging_level=logging.WARNING, namespace=self.namespace,
                       runtime_env={"env_vars": env})
         with _sigterm_handler_kept():

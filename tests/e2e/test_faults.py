@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from colocate.host.procfs import same_process, session_processes
+from colocate.host.procfs import process_tree, same_process, session_processes
 from colocate.sync.transport import SHM_DIR, segment_job
 from colocate.telemetry.metrics import read_records
 from tests.e2e.conftest import ROOT, assert_nothing_left, colocate_processes, launch, shm_segments
@@ -41,6 +41,18 @@ def _steps(run: Path) -> list[int]:
 
 def _events(run: Path, name: str) -> list[dict]:
     return [r for r in read_records(run / "metrics.jsonl") if r.get("event") == name]
+
+
+def thread_niceness(pid: int) -> set[int]:
+    """The nice value of every thread of process `pid` (none if it is gone). Linux keeps nice per thread: Ray's
+    nice() at a worker's start moves the thread that called it and every thread started after."""
+    values = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            values.add(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+        except (OSError, IndexError, ValueError):
+            continue  # a thread or process that ended meanwhile
+    return values
 
 
 def test_faults_in_rollout_sync_and_training_are_named_restarted_and_the_last_stops_the_job(tmp_path):
@@ -87,6 +99,11 @@ def test_a_killed_controller_is_cleaned_and_resumed(tmp_path):
     assert (out / "checkpoints" / "step_00000001").is_dir()
     record = json.loads((out / "job.json").read_text())
     assert record["controller"]["pid"] == job.pid and record["state"] == "running"
+    # a Ray of the job's own: every process under the controller (Ray's daemons, the actors, vLLM's forkserver
+    # and TP workers) runs at the controller's priority, none at Ray's worker default of nice 15 below it
+    nice = os.getpriority(os.PRIO_PROCESS, job.pid)
+    tree = {e["pid"]: thread_niceness(e["pid"]) for e in process_tree(job.pid)}
+    assert len(tree) > 4 and {pid: n for pid, n in tree.items() if n - {nice}} == {}, tree
     job.send_signal(signal.SIGKILL)
     job.wait()
     result = subprocess.run([str(cli), "clean", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180)

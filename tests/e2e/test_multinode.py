@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import ROOT, assert_nothing_left, colocate_processes, shm_segments
+from tests.e2e.test_faults import thread_niceness
 
 pytestmark = pytest.mark.e2e
 BIN = Path(sys.executable).parent
@@ -119,7 +120,12 @@ def test_a_job_across_two_nodes_syncs_exactly_on_both_and_stop_ends_it(two_nodes
     assert placement["engine_nodes"] == placement["slot_nodes"]
     assert placement["pairs"] == [[0, 0], [1, 0]]
     assert startup["sync_transport"] == "gather"  # in place would write across nodes
-    assert len(actor_processes()) == 4  # a trainer and an engine on each node
+    actors = actor_processes()
+    assert len(actors) == 4  # a trainer and an engine on each node
+    # a cluster the job joins (its raylets started by this process): the actors at the raylets' priority, not
+    # at Ray's worker default of nice 15 below it (runtime.ACTOR_PRIORITY_ENV)
+    niceness = {pid: thread_niceness(pid) for pid in actors}
+    assert all(n == {os.getpriority(os.PRIO_PROCESS, 0)} for n in niceness.values()), niceness
 
     stopped = subprocess.run([str(BIN / "colocate"), "stop", job, "--address", two_nodes["job_server"]],
                              cwd=ROOT, env=two_nodes["env"], capture_output=True, text=True, timeout=120)
