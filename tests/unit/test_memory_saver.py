@@ -7,6 +7,7 @@ its storages are real tensors and the byte counts are theirs."""
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -134,3 +135,28 @@ def test_a_resume_that_cannot_fit_names_the_rank_and_the_shortfall_and_keeps_the
     assert saver.paused == {"colocate-trainer"}  # nothing was resumed: a retry once memory is free can still resume
     o._free_bytes = lambda: 80 * GIB
     assert o.onload() == (1 << 30) + 64
+
+
+class FakePool:
+    """torch.cuda.MemPool's snapshot as the package's pool table holds it: whole segments, not blocks."""
+
+    def __init__(self, segment_sizes: list[int]):
+        self.segment_sizes = segment_sizes
+
+    def snapshot(self) -> list[dict]:
+        return [{"total_size": size} for size in self.segment_sizes]
+
+
+def test_offload_and_onload_both_report_the_pools_segments_which_the_pause_moves(saver):
+    """The core pauses and resumes whole segments (csrc/core.cpp: one allocation per segment of the pool), which
+    hold more than the storages given (small tensors share a 2 MiB segment; blocks freed in the region stay
+    reserved): both directions report the segments, as the first GPU run's onload did (270,532,608 bytes) while
+    its offload reported the storages alone (201,375,744)."""
+    tensors = state()
+    segments = [4 << 20, 2 << 20, 64 << 20]  # the state's, a small-block segment, a temporary's freed block
+    saver._impl = SimpleNamespace(_mem_pools={("colocate-trainer", True, False, "pinned", None): FakePool(segments),
+                                              ("another-tag", True, False, "pinned", None): FakePool([1 << 30])})
+    o = offloader(saver)
+    moved = o.offload(tensors)
+    assert moved == sum(segments) > (4 << 20) + 64  # this tag's segments only, more than the storages
+    assert o.onload() == moved
