@@ -25,7 +25,8 @@ def test_sleep_frees_and_wake_restores(tmp_path, level):
     from colocate.models.sources import ensure_model
 
     path = ensure_model(ModelConfig(preset="tiny", cache_dir=str(tmp_path)))
-    engine = EngineActor(EngineConfig(tp=1, gpu_memory_utilization=0.3, enforce_eager="false"), path, device="cuda", sleep_backend="vllm",
+    engine = EngineActor(EngineConfig(tp=1, gpu_memory_utilization=0.3, enforce_eager="false"), path, device="cuda",
+                         sleep_backend="vllm",
                          eos_token_id=2)
     engine.start()
     try:
