@@ -47,6 +47,11 @@ from colocate.host.procfs import process_state
 INTERRUPT_SIGNAL = signal.SIGUSR2
 PROBE_TIMEOUT_S = 5.0  # a member's pid() that does not return within this is silent: busy, or lost
 LOSS_WAIT_S = 60.0  # how long a silent member's fate is awaited (Ray's health check takes ~15-30 s by default)
+# How long a dead TP worker's engine actor is awaited for the exit it recorded. The actor runs one call at a time:
+# its worker_deaths() waits behind the rollout call its dead worker blocks, until vLLM's executor has noticed,
+# shut the other workers down and failed the pass (seconds; more than 10 with a second test file on 2 cores,
+# when the cause was given up for "its process is gone"). The record itself follows the death by milliseconds.
+DEATH_RECORD_WAIT_S = 60.0
 
 
 class WatchdogInterrupt(KeyboardInterrupt):
@@ -251,7 +256,9 @@ class Watchdog:
                 continue  # another node's processes: Ray reports their deaths
             state = process_state(m.pid)
             if state in (None, "Z"):
-                first = self._first_death(m.engine) if m.engine is not None and m.actor_id is None else None
+                first = None
+                if m.engine is not None and m.actor_id is None:  # a vLLM worker: its engine recorded how
+                    first = self._first_death(m.engine, seen_dead=True)
                 m, cause = first or (m, self._cause(m))
                 return JobFault(f"{m.describe(self.local_node)} died during {_where(phase, step)}: {cause}")
             if state in ("T", "t"):
@@ -270,13 +277,14 @@ class Watchdog:
         """A Ray actor's process is the raylet's child: Ray keeps its exit status to itself."""
         return "its process is gone (killed, crashed, or out of memory)"
 
-    def _first_death(self, engine: int) -> tuple[Member, str] | None:
+    def _first_death(self, engine: int, *, seen_dead: bool) -> tuple[Member, str] | None:
         """The engine's worker that died first, and how (its engine actor, their parent, recorded the exits in
-        order: after the first, vLLM terminates the others, so whichever the watchdog saw gone is no cause)."""
-        try:
-            deaths = ray.get(self.runtime.engines[engine].worker_deaths.remote(), timeout=10)
-        except Exception:  # the engine actor itself is stuck or gone
-            return None
+        order: after the first, vLLM terminates the others, so whichever the watchdog saw gone is no cause).
+        `seen_dead`: a worker of it is gone, so a record will come: awaited (DEATH_RECORD_WAIT_S); else one
+        answer, which may hold none (an engine's error of another kind)."""
+        handle = self.runtime.engines[engine]
+        deaths = recorded_deaths(lambda: handle.worker_deaths.remote(), ray.get,
+                                 wait_s=DEATH_RECORD_WAIT_S if seen_dead else 10.0, until_one=seen_dead)
         for _, pid, code in deaths:
             member = next((m for m in self.members if m.pid == pid and m.engine == engine), None)
             if member is not None:
@@ -300,7 +308,7 @@ class Watchdog:
                 and member.node != self.local_node else self._cause(member)
             return JobFault(f"{member.describe(self.local_node)} died during {_where(phase, step)}: {cause}")
         if isinstance(error, RayTaskError) and member is not None and member.engine is not None:
-            first = self._first_death(member.engine)  # an engine's error because its worker died
+            first = self._first_death(member.engine, seen_dead=False)  # an engine's error: did a worker die?
             if first is not None:
                 m, cause = first
                 return JobFault(f"{m.describe(self.local_node)} died during {_where(phase, step)}: {cause}")
@@ -342,6 +350,25 @@ class Watchdog:
             if (actor_id and m.actor_id == actor_id) or (pid and m.pid == pid and m.actor_id):
                 return m
         return None
+
+
+def recorded_deaths(call, get, *, wait_s: float, until_one: bool, poll_s: float = 0.2) -> list:
+    """An engine actor's record of its workers' exits: its first answer, or with `until_one` the first answer that
+    holds an exit; [] when the actor is gone or has not answered within `wait_s`. `call()` asks the actor
+    (worker_deaths.remote()); `get(ref, timeout=...)` waits for the answer (ray.get). A call is asked again only
+    after its answer: one in the actor's queue at a time."""
+    deadline = time.monotonic() + wait_s
+    ref = call()
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            deaths = get(ref, timeout=remaining)
+        except Exception:  # the actor is gone, or never answered (Ray's GetTimeoutError)
+            return []
+        if deaths or not until_one:
+            return deaths
+        time.sleep(min(poll_s, max(remaining, 0.0)))  # answered before its recorder thread saw the exit
+        ref = call()
+    return []
 
 
 def _field(pattern: str, text: str) -> str | None:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from colocate.job.faults import Member, parse_injection, process_state, signal_name
+from colocate.job.faults import Member, parse_injection, process_state, recorded_deaths, signal_name
 
 
 def test_exit_codes_read_as_causes():
@@ -66,3 +66,33 @@ def test_a_checkpoint_save_has_its_own_bound_and_its_fault_names_it():
     assert watchdog.timeout_s("sync") == watchdog.timeout_s("switch") == 600
     assert "within 3600 s (fault.checkpoint_timeout_s)" in str(watchdog._overdue("checkpoint", 20))
     assert "(fault.sync_timeout_s)" in str(watchdog._overdue("switch", 20))
+
+
+class _EngineActor:
+    """The engine actor's worker_deaths() as the watchdog meets it (the boundary: a Ray actor): answers queued
+    calls in order; the first `empty` answers hold no exit yet (its recorder had not seen it), or it is gone."""
+
+    def __init__(self, empty: int, gone: bool = False):
+        self.empty, self.gone, self.calls = empty, gone, 0
+
+    def call(self) -> int:
+        self.calls += 1
+        return self.calls
+
+    def get(self, ref: int, timeout: float) -> list:
+        assert timeout > 0 and ref == self.calls  # one call in the actor's queue at a time: the newest
+        if self.gone:
+            raise RuntimeError("The actor died unexpectedly before finishing this task.")
+        return [] if ref <= self.empty else [(1, 4242, -9)]
+
+
+def test_a_dead_workers_record_is_awaited_and_any_other_answer_taken_as_it_is():
+    actor = _EngineActor(empty=2)  # seen dead before its engine recorded it: the next answers hold the exit
+    assert recorded_deaths(actor.call, actor.get, wait_s=30, until_one=True, poll_s=0.01) == [(1, 4242, -9)]
+    assert actor.calls == 3
+    actor = _EngineActor(empty=2)  # an engine's error of another kind: its first answer, empty, stands
+    assert recorded_deaths(actor.call, actor.get, wait_s=30, until_one=False) == [] and actor.calls == 1
+    actor = _EngineActor(empty=0, gone=True)  # the engine actor itself is gone: nothing recorded to read
+    assert recorded_deaths(actor.call, actor.get, wait_s=30, until_one=True) == []
+    actor = _EngineActor(empty=10 ** 9)  # never records: the wait ends
+    assert recorded_deaths(actor.call, actor.get, wait_s=0.2, until_one=True, poll_s=0.01) == []
