@@ -26,6 +26,7 @@ FILE_SECONDS = {
     "tests/e2e/test_calculator.py": 47, "tests/e2e/test_gather_job.py": 46, "tests/e2e/test_multiturn.py": 46,
     "tests/e2e/test_moe.py": 41, "tests/e2e/test_fp32_engine.py": 31, "tests/distributed/test_trainer.py": 30,
     "tests/e2e/test_env_workers.py": 24,
+    "tests/unit/test_gpu_check.py": 30,  # one run of scripts/gpu_check.py --device cpu (25-50 s by the load)
 }
 DIRECTORY_SECONDS = {"e2e": 120, "distributed": 30}
 
