@@ -39,16 +39,26 @@ EMBEDDED_REWARD_MODELS = {"model": "tiny-rm", "judge": "tiny"}
 
 # vLLM 0.32's accepted max_lora_rank values (vllm/config/lora.py, MaxLoRARanks)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+MAX_LORA_RANK = VLLM_LORA_RANKS[-1]
 # The projections vLLM wraps with LoRA layers (column-parallel q/k/v/gate/up, packed into qkv_proj and
 # gate_up_proj; row-parallel o/down), each with a TP rule in the sync (sync/reshard.py); "all-linear": all of them
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"
 
 
+def engine_lora_rank(trainer_rank: int, engine_rank: int = 0) -> int:
+    """The rank of the engine's adapter buffers: engine.max_lora_rank when given, else the smallest of vLLM's ranks
+    that holds the trainer's (vLLM serves an adapter of a smaller rank in larger buffers, the rows of A and columns
+    of B past it zero: engine/lora.py). 0 without LoRA."""
+    if engine_rank or not trainer_rank:
+        return engine_rank
+    return next(r for r in VLLM_LORA_RANKS if r >= trainer_rank)
+
+
 @dataclass
 class LoraConfig:
     rank: int = 0
-    """LoRA rank: 0 trains every weight; > 0 freezes the base and trains rank-r adapters on trainer.lora.target_modules (the optimizer holds their state alone; each sync sends only them, unless the engine discards its weights: engine.sleep_level=2). One of vLLM's ranks: 1, 8, 16, 32, 64, 128, 256, 320, 512."""
+    """LoRA rank: 0 trains every weight; > 0 freezes the base and trains rank-r adapters on trainer.lora.target_modules (the optimizer holds their state alone; each sync sends only them, unless the engine discards its weights: engine.sleep_level=2). Any rank from 1 to 512: the engine holds it in buffers of engine.max_lora_rank, its extra rows zero."""
     alpha: float = 16.0
     """LoRA scaling numerator: the update is alpha / rank x B A."""
     target_modules: str = "all-linear"
@@ -57,9 +67,9 @@ class LoraConfig:
     def check(self) -> None:
         if self.rank < 0:
             raise bad("trainer.lora.rank", self.rank, "must be >= 0 (0: no LoRA, train every weight)")
-        if self.rank and self.rank not in VLLM_LORA_RANKS:
-            raise bad("trainer.lora.rank", self.rank,
-                      "valid: 0 (no LoRA) or one of vLLM's LoRA ranks " + ", ".join(map(str, VLLM_LORA_RANKS)))
+        if self.rank > MAX_LORA_RANK:
+            raise bad("trainer.lora.rank", self.rank, f"valid: 0 (no LoRA) or 1 to {MAX_LORA_RANK} (vLLM's largest "
+                      "max_lora_rank)")
         if not self.alpha > 0:
             raise bad("trainer.lora.alpha", self.alpha, "must be > 0")
         for target in self.targets:
@@ -150,7 +160,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     """Reuse the KV cache of a shared prefix: the samples of one prompt share its prefill."""
     max_lora_rank: int = 0
-    """With trainer.lora.rank > 0: the largest adapter rank the engine holds (vLLM's max_lora_rank: 1, 8, 16, 32, 64, 128, 256, 320 or 512, at least the trainer's); 0: the trainer's rank."""
+    """With trainer.lora.rank > 0: the largest adapter rank the engine holds (vLLM's max_lora_rank: 1, 8, 16, 32, 64, 128, 256, 320 or 512, at least the trainer's); 0: the smallest of them that holds the trainer's rank."""
     expert_parallel: bool = False
     """MoE models: split the experts across each engine's TP workers, each expert whole (vLLM enable_expert_parallel), instead of splitting every expert's intermediate dimension."""
     extra_args: str = ""
@@ -167,7 +177,8 @@ class EngineConfig:
         non_negative(self, "engine", "max_num_seqs")
         if self.max_lora_rank and self.max_lora_rank not in VLLM_LORA_RANKS:
             raise bad("engine.max_lora_rank", self.max_lora_rank,
-                      "valid: 0 (the trainer's LoRA rank) or one of " + ", ".join(map(str, VLLM_LORA_RANKS)))
+                      "valid: 0 (the smallest that holds the trainer's LoRA rank) or one of "
+                      + ", ".join(map(str, VLLM_LORA_RANKS)))
         one_of(self, "engine", "dtype", ["bfloat16", "float16", "float32"])
         one_of(self, "engine", "sleep_level", ["auto", "0", "1", "2"])
         one_of(self, "engine", "sleep_backend", ["auto", "vllm", "portable"])
@@ -556,10 +567,12 @@ class JobConfig:
         rank, engine_rank = self.trainer.lora.rank, self.engine.max_lora_rank
         if rank and engine_rank and rank > engine_rank:
             raise bad("trainer.lora.rank", rank, f"is above engine.max_lora_rank={engine_rank}, the largest adapter "
-                      f"the engine holds; valid: <= {engine_rank}, or engine.max_lora_rank=0 (the trainer's rank)")
+                      f"rank the engine holds; valid: 1 to {engine_rank}, or engine.max_lora_rank=0 (then "
+                      f"{engine_lora_rank(rank)}: the smallest of vLLM's ranks that holds it)",
+                      fix={"engine.max_lora_rank": 0})
         if engine_rank and not rank:
             raise bad("engine.max_lora_rank", engine_rank, "applies to a LoRA job (trainer.lora.rank > 0); valid "
-                      "here: 0")
+                      "here: 0", fix={"engine.max_lora_rank": 0})
 
     def _check_reward_model(self) -> None:
         specs = reward_models_in(self.rollout.rewards)
@@ -697,7 +710,8 @@ _ENGINE_ARGS_OF_OURS = {
     "enable_expert_parallel": "engine.expert_parallel", "moe_backend": None,
     "kv_cache_memory_bytes": "engine.kv_cache_gib", "worker_extension_cls": None, "skip_tokenizer_init": None,
     "distributed_executor_backend": None, "logprobs_mode": None, "enable_lora": "trainer.lora.rank",
-    "max_lora_rank": "engine.max_lora_rank", "max_loras": None, "max_cpu_loras": None}
+    "max_lora_rank": "engine.max_lora_rank", "max_loras": None, "max_cpu_loras": None,
+    "lora_target_modules": "trainer.lora.target_modules"}
 
 
 def engine_extra_args(engine: EngineConfig) -> dict:

@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from colocate.config import JobConfig
+from colocate.config.schema import engine_lora_rank
 from colocate.job.placement import resolve_device, sleep_backend, sync_transport
 from colocate.job.preflight import SwitchPlan, switch_plan
 
@@ -88,8 +89,8 @@ def resolve_job(cfg: JobConfig, *, switch: SwitchPlan | None = None, device: str
         cfg,
         placement=dataclasses.replace(cfg.placement, device=device),
         engine=dataclasses.replace(cfg.engine, sleep_level=level, sleep_backend=backend, enforce_eager=eager,
-                                   # a LoRA job's engine holds the trainer's rank unless told more
-                                   max_lora_rank=cfg.engine.max_lora_rank or cfg.trainer.lora.rank),
+                                   # a LoRA job's: given, or the smallest of vLLM's ranks that holds the trainer's
+                                   max_lora_rank=engine_lora_rank(cfg.trainer.lora.rank, cfg.engine.max_lora_rank)),
         trainer=dataclasses.replace(cfg.trainer, offload=offload, offload_backend=offload_backend),
         sync=dataclasses.replace(cfg.sync, transport=transport))
     return ResolvedJob(config, device, switch, tuple(decisions))

@@ -81,8 +81,8 @@ def is_adapter(name: str) -> bool:
 def _adapter_tensor(name: str, hf: dict[str, torch.Tensor], layout: TPLayout) -> torch.Tensor:
     """vLLM's LoRA layers (vllm/lora/layers): a column-parallel layer holds all of A and its TP rows of B (k and v
     by KV head, like their weights), a row-parallel one (o, down) its TP columns of A and all of B. An engine
-    buffer may hold more rank than the adapter (engine.max_lora_rank): compare its first rows (A); B arrives
-    padded by the trainer."""
+    buffer may hold more rank than the adapter (engine.max_lora_rank): compare its first rows (A; the rest must
+    be zero, compare_engine_state); B arrives padded by the trainer."""
     module = name[: -len(".lora_A.weight")]
     projection, matrix = module.rpartition(".")[2], name[-len("lora_A.weight"):-len(".weight")]
     full = hf[name]
@@ -152,8 +152,10 @@ def compare_engine_state(engine_state: dict[str, torch.Tensor], hf: dict[str, to
                 mismatched.append(name)
             continue
         expected = engine_tensor(name, hf, layout)
-        # vocabulary padding rows, and an adapter's A rows past the trainer's rank, are not the trainer's
-        actual = actual[: expected.shape[0]]
-        if actual.shape != expected.shape or not torch.equal(actual, expected.to(actual.dtype)):
+        # vocabulary padding rows, and an adapter's A rows past the trainer's rank, are not the trainer's; those A
+        # rows must be zero, as vLLM computes with the whole buffer (a stale page there: engine/lora.py)
+        actual, extra = actual[: expected.shape[0]], actual[expected.shape[0]:]
+        if actual.shape != expected.shape or not torch.equal(actual, expected.to(actual.dtype)) or \
+                (is_adapter(name) and extra.count_nonzero()):
             mismatched.append(name)
     return mismatched

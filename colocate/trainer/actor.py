@@ -46,7 +46,7 @@ class TrainerActor:
         # the loss's settings, and the sampling the engine used (its logprobs are those after temperature, top-p)
         self.algo, self.sampling = algo or AlgoConfig(), sampling or RolloutConfig()
         self.pad_id = pad_id
-        self.engine_lora_rank = engine_lora_rank  # LoRA: the rank of the engine's adapter buffers (0: the trainer's)
+        self.engine_lora_rank = engine_lora_rank  # LoRA: the rank of the engine's adapter buffers (0: as resolved)
         self.device = local_cuda_device() if device == "cuda" else torch.device("cpu")
         if self.device.type == "cpu":
             map_large_blocks()  # the step's peak RSS is then its live tensors (host/memory.py)
@@ -147,9 +147,10 @@ class TrainerActor:
         self.scaled_b = None
         self.sync_tensors = self.params  # what the engines receive, by name (sync/shards.py reads its shards)
         if lora.rank:
+            from colocate.config.schema import engine_lora_rank
             from colocate.trainer.lora import ScaledB
 
-            self.scaled_b = ScaledB(model, self.params, engine_rank=self.engine_lora_rank or lora.rank)
+            self.scaled_b = ScaledB(model, self.params, engine_rank=engine_lora_rank(lora.rank, self.engine_lora_rank))
             self.sync_tensors = {**self.params, **self.scaled_b.tensors}
         self.shards = local_shards(self.sync_tensors)
         return_free_memory_to_os()  # the full checkpoint every rank loaded before sharding it

@@ -48,8 +48,11 @@ def _vllm(model_dir: str, ids: list[list[int]], max_tokens: int, eos: int, adapt
 
     lora = {}
     if adapter:
+        from colocate.config.schema import engine_lora_rank
+
+        # vLLM takes a few max_lora_ranks (1, 8, 16, ...): the smallest that holds the adapter's, as a job's engine
         rank = json.loads(open(os.path.join(adapter, "adapter_config.json")).read())["r"]
-        lora = dict(enable_lora=True, max_lora_rank=rank, max_loras=1)
+        lora = dict(enable_lora=True, max_lora_rank=engine_lora_rank(rank), max_loras=1)
     llm = LLM(model=model_dir, dtype="float32", max_model_len=128, enforce_eager=True,
               kv_cache_memory_bytes=64 << 20, seed=0, **lora)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=[eos], detokenize=False)

@@ -87,6 +87,8 @@ HINTED = [
     (["model.preset=tiny-moe", "engine.expert_parallel=true", "engine.tp=16", "placement.num_slots=16"], validate(),
      "placement.num_slots"),
     (MOE_LORA, validate(), None),
+    (["trainer.lora.rank=12", "engine.max_lora_rank=8"], validate(), None),
+    (["engine.max_lora_rank=8"], validate(), None),
     # a 0.5B model, checked on a GPU node (this machine's memory is not the point): logits soft-capped after
     # lm_head (no chunked log-probs), and a class that cannot checkpoint its layers (the test says so)
     (["model.path={softcapped}"], GPU, None),

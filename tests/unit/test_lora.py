@@ -112,7 +112,8 @@ def vllm_adapter_shapes(state: dict, layout: TPLayout, engine_rank: int) -> list
 
 
 @pytest.mark.parametrize("tp_size", [1, 2, 4], ids=lambda t: f"tp{t}")  # tp4: each KV head on two workers
-@pytest.mark.parametrize("rank, engine_rank", [(8, 8), (8, 16)], ids=["same_rank", "engine_rank_larger"])
+@pytest.mark.parametrize("rank, engine_rank", [(8, 8), (8, 16), (4, 8)],
+                         ids=["same_rank", "engine_rank_larger", "rank_4_in_vllms_8"])
 def test_adapter_pieces_fill_each_workers_lora_buffers(tp_size, rank, engine_rank):
     state = adapter_state(rank, engine_rank)
     for tp_rank in range(tp_size):
@@ -128,8 +129,14 @@ def test_adapter_pieces_fill_each_workers_lora_buffers(tp_size, rank, engine_ran
         # the oracle's view of a synced worker: padding rows are vLLM's zeros, compared only up to the rank
         engine_state = {n: torch.nan_to_num(t, nan=0.0) for n, t in built.items()}
         assert compare_engine_state(engine_state, state, layout) == []
-        engine_state[shapes[0][0]][0, 0] += 1
-        assert compare_engine_state(engine_state, state, layout) == [shapes[0][0]]
+        first = shapes[0][0]  # an A
+        synced = engine_state[first].clone()
+        engine_state[first][0, 0] += 1
+        assert compare_engine_state(engine_state, state, layout) == [first]
+        if rank < engine_rank:  # a stale page past the adapter's rank is found: vLLM computes with the whole buffer
+            engine_state[first] = synced
+            engine_state[first][rank, 0] = float("nan")
+            assert compare_engine_state(engine_state, state, layout) == [first]
 
 
 def test_a_sub_layer_the_adapter_leaves_out_must_stay_zero():
@@ -174,13 +181,13 @@ def test_the_preflight_count_is_the_trainers():
 
 
 @pytest.mark.parametrize("overrides, line", [
-    (["trainer.lora.rank=12"], "trainer.lora.rank=12 is invalid: valid: 0 (no LoRA) or one of vLLM's LoRA ranks 1, "
-                               "8, 16, 32, 64, 128, 256, 320, 512"),
-    (["trainer.lora.rank=16", "engine.max_lora_rank=8"],
-     "trainer.lora.rank=16 is invalid: is above engine.max_lora_rank=8, the largest adapter the engine holds; "
-     "valid: <= 8, or engine.max_lora_rank=0 (the trainer's rank)"),
-    (["engine.max_lora_rank=24"], "engine.max_lora_rank=24 is invalid: valid: 0 (the trainer's LoRA rank) or one of "
-                                  "1, 8, 16, 32, 64, 128, 256, 320, 512"),
+    (["trainer.lora.rank=600"], "trainer.lora.rank=600 is invalid: valid: 0 (no LoRA) or 1 to 512 (vLLM's largest "
+                                "max_lora_rank)"),
+    (["trainer.lora.rank=12", "engine.max_lora_rank=8"],
+     "trainer.lora.rank=12 is invalid: is above engine.max_lora_rank=8, the largest adapter rank the engine holds; "
+     "valid: 1 to 8, or engine.max_lora_rank=0 (then 16: the smallest of vLLM's ranks that holds it)"),
+    (["engine.max_lora_rank=24"], "engine.max_lora_rank=24 is invalid: valid: 0 (the smallest that holds the "
+                                  "trainer's LoRA rank) or one of 1, 8, 16, 32, 64, 128, 256, 320, 512"),
     (["engine.max_lora_rank=8"], "engine.max_lora_rank=8 is invalid: applies to a LoRA job (trainer.lora.rank > 0); "
                                  "valid here: 0"),
     (["trainer.lora.rank=8", "trainer.lora.alpha=0"], "trainer.lora.alpha=0.0 is invalid: must be > 0"),
@@ -201,3 +208,19 @@ def test_target_modules_that_match_nothing_are_refused_before_anything_starts():
     assert str(e.value) == ("trainer.lora.target_modules='q_proj,up_proj' is invalid: up_proj matches no linear layer "
                             "of model.preset=tiny-moe; valid: all-linear, q_proj, k_proj, v_proj, o_proj")
     check_lora(load_config(None, ["trainer.lora.rank=8", "trainer.lora.target_modules=q_proj,up_proj"]))  # dense
+
+
+@pytest.mark.parametrize("rank, engine_rank, resolved", [
+    (1, 0, 1), (4, 0, 8), (8, 0, 8), (9, 0, 16), (12, 0, 16), (100, 0, 128), (321, 0, 512), (512, 0, 512),
+    (4, 16, 16), (12, 16, 16)])
+def test_any_rank_up_to_the_engines_is_taken_and_held_in_vllms_next_rank(rank, engine_rank, resolved):
+    """vLLM takes nine max_lora_ranks and serves a smaller adapter in larger buffers: every trainer rank from 1 to
+    512 runs, in the smallest of them that holds it unless engine.max_lora_rank says more (what the engine
+    starts with and the trainer pads B to: job/resolve.py, trainer/actor.py)."""
+    from colocate.config.schema import engine_lora_rank
+    from colocate.job.resolve import resolve_job
+
+    cfg = load_config(None, [f"trainer.lora.rank={rank}", f"engine.max_lora_rank={engine_rank}"])
+    assert engine_lora_rank(rank, engine_rank) == resolved
+    assert resolve_job(cfg, device="cpu").config.engine.max_lora_rank == resolved
+    assert resolve_job(load_config(None, []), device="cpu").config.engine.max_lora_rank == 0  # no LoRA
