@@ -56,6 +56,8 @@ class EngineActor:
         self._asleep: set[str] = set()  # the tags still asleep: nothing may generate before both woke
         self._deaths: list[tuple[int, int, int | None]] = []  # worker exits, in order (_watch_workers)
         self._adapter = None  # a LoRA job: the LoRARequest every generation carries (engine/lora.py)
+        self._adapter_shapes: dict[str, tuple[int, ...]] = {}  # and the trainer's adapter tensors it holds
+        self._sleep_level = 0  # of the last sleep: a level-2 wake discarded the adapter's buffers (wake)
 
     # ------------------------------------------------------------------------------------------------ life
 
@@ -100,6 +102,8 @@ class EngineActor:
             stop_busy_polling()
 
         started = time.perf_counter()
+        self._adapter_shapes = dict(adapter_shapes or {})
+        assert bool(self._adapter_shapes) == bool(self.cfg.max_lora_rank), "a LoRA engine starts with its adapter"
         try:
             self.llm = LLM(**self._llm_kwargs())
         except Exception as e:  # vLLM raises many types; the controller needs one clear line
@@ -131,7 +135,7 @@ class EngineActor:
             # behaviour policy of the loss; raw logprobs would be those of the unscaled logits
             logprobs_mode="processed_logprobs",
             **({"max_num_seqs": self.cfg.max_num_seqs} if self.cfg.max_num_seqs else {}),
-            **(_lora_kwargs(self.cfg.max_lora_rank) if self.cfg.max_lora_rank else {}),
+            **(_lora_kwargs(self.cfg.max_lora_rank, self._adapter_shapes) if self.cfg.max_lora_rank else {}),
             **engine_extra_args(self.cfg),
         )
         if self.device == "cpu":
@@ -293,6 +297,7 @@ class EngineActor:
     def sleep(self, level: int) -> int:
         """Free weights and KV cache (level 2: weights discarded, sync restores them). Returns bytes freed."""
         self._asleep = {"weights", "kv_cache"}
+        self._sleep_level = level
         if self.sleep_backend == "vllm":
             return self._freed_on_devices(lambda: self.llm.sleep(level=level))
         return sum(self.llm.collective_rpc("colocate_sleep", args=(level,)))
@@ -303,6 +308,9 @@ class EngineActor:
             restored = -self._freed_on_devices(lambda: self.llm.wake_up(tags=tags))
         else:
             restored = sum(self.llm.collective_rpc("colocate_wake", args=(tags, commit)))
+        if "weights" in tags and self._sleep_level == 2 and self._adapter is not None:
+            # the adapter's buffers were discarded with the weights: zeros before the sync writes the adapter
+            self.llm.collective_rpc("colocate_reset_adapter")  # (engine/lora.py reset_adapter)
         if "kv_cache" in tags:
             self.llm.reset_prefix_cache()  # the KV cache came back without its contents
         self._asleep -= set(tags)
@@ -372,10 +380,14 @@ def _exit_code(proc) -> int | None:
         return None
 
 
-def _lora_kwargs(max_lora_rank: int) -> dict:
+def _lora_kwargs(max_lora_rank: int, adapter_shapes: dict[str, tuple[int, ...]]) -> dict:
     """vLLM's LoRA arguments for the policy's one adapter. max_loras=1: a slot for it alone (every request carries
-    it, engine/lora.py); max_cpu_loras=1: no second copy registered."""
-    return dict(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1, max_cpu_loras=1)
+    it, engine/lora.py); max_cpu_loras=1: no second copy registered; lora_target_modules: the projections the
+    trainer adapts, so vLLM wraps nothing else (a MoE model's experts above all: engine/lora.py)."""
+    from colocate.engine.lora import adapter_targets
+
+    return dict(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1, max_cpu_loras=1,
+                lora_target_modules=adapter_targets(adapter_shapes))
 
 
 def _raise_first_error(per_worker: list[tuple]) -> None:

@@ -32,7 +32,7 @@ import time
 import torch
 
 from colocate.engine.experts import expert_report
-from colocate.engine.lora import engine_tensors, install_adapter, shape_2d
+from colocate.engine.lora import engine_tensors, experts_carry_no_lora, install_adapter, reset_adapter, shape_2d
 from colocate.engine.worker_exit import exit_without_finalization
 from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.sync.load import verify_then_load
@@ -65,6 +65,7 @@ def _cpu_only_patches() -> None:
 
 
 _cpu_only_patches()
+experts_carry_no_lora()  # a LoRA job's MoE experts keep their kernel (engine/lora.py); every platform
 exit_without_finalization()  # a TP worker that shut down cleanly exits without 2.6 s of teardown
 
 
@@ -222,6 +223,10 @@ class ColocateWorkerExtension:
     def colocate_install_adapter(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """A LoRA job: the policy's adapter, all zeros, in this worker's slot (engine/lora.py)."""
         install_adapter(self, shapes)
+
+    def colocate_reset_adapter(self) -> None:
+        """After a level-2 wake: the adapter's buffers zeroed, vLLM's LoRA metadata rewritten (engine/lora.py)."""
+        reset_adapter(self)
 
     def colocate_sleep(self, level: int) -> int:
         from colocate.engine.sleep import PortableSleep

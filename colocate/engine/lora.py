@@ -28,6 +28,11 @@ Hazards:
   it does for the base weights.
 - vLLM's CPU LoRA path gives a token with no adapter the last slot's (punica_cpu): every request of a LoRA job
   carries the adapter, so no batch mixes the two.
+- Which modules vLLM wraps: all it supports unless `lora_target_modules` names some (vllm/lora/model_manager.py
+  `_create_lora_modules`), MoE experts included, whose LoRA layer (lora/layers/fused_moe.py) has a layout no
+  trainer tensor maps to. The engine names the trainer's projections (`adapter_targets`): only they are wrapped,
+  and a MoE model's experts stay plain (`experts_carry_no_lora`).
+- A level-2 sleep discards the adapter's buffers with the weights (`reset_adapter`).
 """
 
 from __future__ import annotations
@@ -54,6 +59,13 @@ def _adapter_manager(worker):
     return manager._adapter_manager
 
 
+def adapter_targets(shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The projections the trainer adapts (`q_proj`, ...), from its adapter tensors' names: the engine's
+    `lora_target_modules`, so vLLM wraps those and nothing else (packed modules by their parts: qkv_proj when
+    any of q/k/v is named, lora/utils.py `is_in_target_modules`)."""
+    return sorted({name.split(".lora_")[0].rsplit(".", 1)[1] for name in shapes})
+
+
 def install_adapter(worker, shapes: dict[str, tuple[int, ...]]) -> None:
     """Register, activate and pin the policy's adapter in this worker, all zeros. `shapes`: the trainer's adapter
     parameters (name -> shape, PEFT names without the prefix; A is [rank, in]). Zeros are the step-0 policy: the
@@ -63,7 +75,7 @@ def install_adapter(worker, shapes: dict[str, tuple[int, ...]]) -> None:
 
     manager = worker.model_runner.lora_manager
     adapters = manager._adapter_manager
-    targets = sorted({name.split(".lora_")[0].rsplit(".", 1)[1] for name in shapes})
+    targets = adapter_targets(shapes)
     rank = next(shape[0] for name, shape in shapes.items() if name.endswith(".lora_A.weight"))
     helper = PEFTHelper.from_dict({"r": rank, "lora_alpha": rank, "target_modules": targets,
                                    "vllm_max_position_embeddings": manager.max_position_embeddings})
@@ -92,14 +104,66 @@ def adapter_views(worker) -> dict[str, torch.Tensor]:
     assert adapters.lora_index_to_id == [ADAPTER_ID], adapters.lora_index_to_id
     views = {}
     for module_name, module in adapters.modules.items():
-        if not hasattr(module, "lora_a_stacked"):
-            continue
+        # only the trainer's projections are wrapped (lora_target_modules): linear layers, one A and B per part
+        assert hasattr(module, "lora_a_stacked"), f"vLLM wrapped {module_name} ({type(module).__name__}) for LoRA"
         sub_names = adapters.packed_modules.get(module_name, [module_name])
         assert len(sub_names) == len(module.lora_a_stacked), (module_name, sub_names)
         for s, sub in enumerate(sub_names):
             views[f"{sub}.lora_A.weight"] = module.lora_a_stacked[s]
             views[f"{sub}.lora_B.weight"] = module.lora_b_stacked[s]
     return views
+
+
+def reset_adapter(worker) -> None:
+    """After a level-2 wake, before the sync writes the adapter: zero every LoRA buffer this worker holds and make
+    vLLM rewrite its LoRA metadata at the next batch, so nothing a discarded page held survives.
+
+    Why (vLLM 0.32): the LoRA layers and the punica wrapper's metadata are allocated while the model loads
+    (v1/worker/gpu_worker.py `load_model`, under the cumem pool tagged "weights"; lora/layers/base_linear.py
+    `create_lora_weights`, lora/punica_wrapper/punica_base.py). A level-2 sleep discards that pool
+    (device_allocator/sleep_mode_backend.py `CuMemBackend.suspend` offloads only "runtime" and "cudagraph"), and
+    wake maps fresh physical memory (device_allocator/cumem.py `CuMemAllocator.wake_up`: `create_and_map`, zeroed
+    on ROCm only); gpu_worker.py `wake_up` restores named buffers only, and LoRA buffers are plain tensor
+    attributes. The sync then writes the adapter's A rows and scaled B, but not A's rows past the trainer's
+    rank, nor the part of a packed layer the adapter leaves out (k of qkv_proj for q_proj,v_proj): those would
+    compute with whatever the pages held (a NaN there poisons every output, even times B's zero columns).
+    vLLM re-writes a slot only when it activates an adapter (`set_lora` -> `reset_lora`), and ours stays active;
+    its token-to-slot metadata only when the batch's mapping differs from the last (model_manager.py
+    `set_adapter_mapping`, `_last_mapping`). So: each wrapped layer's own `reset_lora` for every slot, and the
+    mapping cache forgotten. In-place writes: the buffers keep their identity (CUDA graphs and the in-place sync's
+    arena hold them)."""
+    adapters = _adapter_manager(worker)
+    with torch.no_grad():
+        for module in adapters.modules.values():
+            for slot in range(adapters.lora_slots):
+                module.reset_lora(slot)
+    adapters._last_mapping = None
+    adapters._last_slot_layout = None
+
+
+def experts_carry_no_lora() -> None:
+    """A LoRA job's MoE experts keep the kernel they have without LoRA. vLLM 0.32 picks the unquantized experts'
+    kernel for "LoRA enabled" whenever the engine has LoRA at all (fused_moe/layer.py: `is_lora_enabled=
+    vllm_config.lora_config is not None`), and then returns Triton (or FlashInfer's TRT-LLM on Blackwell) before
+    it reads `moe_backend` (fused_moe/oracle/unquantized.py `select_unquantized_moe_backend`): on the CPU that is a
+    kernel the CPU build lacks (seen: "triton.language has no attribute bfloat16" at the first generation), and on
+    CUDA a choice that bypasses the Triton layout the sync writes (engine/actor.py `moe_backend`). colocate never
+    wraps the experts (lora_target_modules names linear projections only, `adapter_targets`), so for them LoRA is
+    not enabled: their method is built with a config that says so (fused_moe/unquantized_fused_moe_method.py
+    `UnquantizedFusedMoEMethod.__init__`). Imported once per worker process (engine/extension.py)."""
+    import dataclasses
+
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    init = UnquantizedFusedMoEMethod.__init__
+    if getattr(init, "colocate_patched", False):
+        return
+
+    def without_lora(self, moe):
+        init(self, dataclasses.replace(moe, is_lora_enabled=False) if moe.is_lora_enabled else moe)
+
+    without_lora.colocate_patched = True
+    UnquantizedFusedMoEMethod.__init__ = without_lora
 
 
 def engine_tensors(worker) -> dict[str, torch.Tensor]:

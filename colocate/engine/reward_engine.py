@@ -28,11 +28,14 @@ from colocate.engine.actor import EngineActor
 
 def reward_engine_config(engine: EngineConfig, rm: RewardModelConfig) -> EngineConfig:
     """The reward model's engine settings: the policy engine's (dtype, eager mode, seed), with the reward model's
-    size, context and memory. No prefix caching (a classifier pools over its whole input) and none of the policy
-    engine's extra vLLM arguments (they were given for the policy)."""
+    size, context and memory. No prefix caching (a classifier pools over its whole input) and none of what the
+    policy's engine was given for the policy: its extra vLLM arguments, its LoRA buffers (the reward model carries
+    no adapter: max_lora_rank=0 starts it without enable_lora), its expert parallelism (a layout of the policy's
+    experts over the policy's TP; the reward model has its own model and reward_model.tp)."""
     return dataclasses.replace(engine, tp=rm.tp, max_model_len=rm.max_model_len or engine.max_model_len,
                                kv_cache_gib=rm.kv_cache_gib, gpu_memory_utilization=rm.gpu_memory_utilization,
-                               enable_prefix_caching=False, max_num_seqs=0, extra_args="")
+                               enable_prefix_caching=False, max_num_seqs=0, extra_args="", max_lora_rank=0,
+                               expert_parallel=False)
 
 
 def chat_or_plain(tokenizer, user: str, assistant: str | None) -> list[int]:
