@@ -79,7 +79,8 @@ def _job_for(cfg: JobConfig, keys: dict, length: int) -> JobConfig:
         cfg, trainer=dataclasses.replace(cfg.trainer, **_trainer_keys(keys, length)),
         rollout=dataclasses.replace(cfg.rollout, max_tokens=length),
         data=dataclasses.replace(cfg.data, max_prompt_tokens=PROMPT),
-        engine=dataclasses.replace(cfg.engine, max_model_len=max(cfg.engine.max_model_len, PROMPT + length)))
+        engine=dataclasses.replace(cfg.engine, max_model_len=max(cfg.engine.max_model_len, PROMPT + length), tp=1),
+        placement=dataclasses.replace(cfg.placement, num_slots=1, engine_slots=0))  # the one rank measured
 
 
 def _sequences(length: int, vocab: int) -> list[Sequence]:
@@ -175,12 +176,11 @@ def run_train_bench(cfg: JobConfig, *, lengths: list[int], out_dir: str, name: s
         for reading in _run_variant(cfg, keys, model_path, lengths):
             job = _job_for(cfg, keys, reading["length"])
             # train_step sets the gradients to None first: the first micro-batch's backward allocates them while
-            # it frees its activations, so only the micro-batches after it carry them whole
-            grads = {"gradients (fp32 shard)": 4 * dims.num_params}
-            steps = [{**(grads if i else {}), **micro_batch_bytes(job, dims, shape=shape)}
+            # it frees its activations, so only the micro-batches after it carry them whole (accumulating)
+            steps = [micro_batch_bytes(job, dims, shape=shape, accumulating=bool(i))
                      for i, shape in enumerate(step_shapes(job, dims.vocab_size, reading["length"]))]
             parts = max(steps, key=lambda p: sum(p.values()))
-            bound = sum(grads.values()) + sum(micro_batch_bytes(job, dims).values())
+            bound = sum(micro_batch_bytes(job, dims, accumulating=True).values())
             measured = reading["peak_rss_bytes"] - reading["rss_before_bytes"]
             predicted = sum(parts.values())
             row = {"variant": variant, **reading, "tokens_per_s": reading["tokens"] / reading["step_s"],

@@ -8,10 +8,11 @@ A first step creates AdamW's state; then, for each length, the gradients are rel
 process's peak RSS is reset (`/proc/self/clear_refs` 5 resets VmHWM), one step runs on sequences of exactly that
 many tokens (a 64-token prompt and the rest answer, as the preflight assumes), and the peak is read.
 
-The step's own memory, measured: peak RSS during the step less RSS before it. Predicted: the gradients (fp32,
-the rank's shard) plus what `preflight.micro_batch_bytes` says one micro-batch holds (activations kept for
-backward, the log-prob pass, FSDP2's unsharded groups, the padding mask), for a config whose answers are that
-long. Each row's ratio is measured / predicted, side by side in one run; the judgment is |ratio - 1| <= 15%.
+The step's own memory, measured: peak RSS during the step (forward, backward and AdamW's step) less RSS before
+it. Predicted: `preflight.predict_train_peaks` for a config whose one micro-batch is that step (world size 1,
+answers that long): the larger of its forward+backward peak and its optimizer step's, each over the resident
+state, with the parts of the moment that peaks (trainer/step_moments.py). Each row's ratio is measured /
+predicted, side by side in one run; the judgment is |ratio - 1| <= 15%.
 """
 
 from __future__ import annotations
@@ -58,10 +59,13 @@ def cases(cfg: JobConfig, lengths: list[int]) -> list[tuple[int, int, float]]:
 
 
 def _config_for(cfg: JobConfig, length: int, rows: int, top_p: float) -> JobConfig:
+    """The job whose step is the measured one: one rank, one micro-batch of `rows` sequences of `length`."""
     return dataclasses.replace(
         cfg, trainer=dataclasses.replace(cfg.trainer, micro_batch_size=rows),
-        rollout=dataclasses.replace(cfg.rollout, max_tokens=length - PROMPT_TOKENS, top_p=top_p),
-        engine=dataclasses.replace(cfg.engine, max_model_len=max(cfg.engine.max_model_len, length)))
+        rollout=dataclasses.replace(cfg.rollout, max_tokens=length - PROMPT_TOKENS, top_p=top_p, num_prompts=1,
+                                    num_samples=rows),
+        engine=dataclasses.replace(cfg.engine, max_model_len=max(cfg.engine.max_model_len, length), tp=1),
+        placement=dataclasses.replace(cfg.placement, num_slots=1, engine_slots=0))
 
 
 def _sequences(length: int, rows: int, vocab: int) -> list[Sequence]:
@@ -120,7 +124,7 @@ def _next_reading(queue, worker) -> dict | None:
 
 
 def run_train_memory_bench(cfg: JobConfig, *, lengths: list[int], out_dir: str, name: str) -> dict:
-    from colocate.job.preflight import micro_batch_bytes, model_dims
+    from colocate.job.preflight import model_dims, predict_train_peaks
     from colocate.models.sources import ensure_model
 
     assert lengths == sorted(lengths) and lengths, "lengths ascending"
@@ -138,11 +142,15 @@ def run_train_memory_bench(cfg: JobConfig, *, lengths: list[int], out_dir: str, 
     rows = []
     while (reading := _next_reading(queue, worker)) is not None:
         job = _config_for(cfg, reading["length"], reading["rows"], reading["top_p"])
-        parts = {"gradients (fp32 shard)": 4 * dims.num_params, **micro_batch_bytes(job, dims)}
+        peaks = predict_train_peaks(job, dims, device="cpu")
+        backward = peaks.forward_backward_bytes >= peaks.optimizer_step_bytes  # the larger of the step's two
+        parts = peaks.forward_backward_parts if backward else peaks.optimizer_step_parts
         predicted = sum(parts.values())
         measured = reading["peak_rss_bytes"] - reading["rss_before_bytes"]
         row = {**reading, "tokens": reading["length"] * reading["rows"], "measured_step_bytes": measured,
-               "predicted_step_bytes": predicted, "predicted_parts": parts, "ratio": measured / predicted,
+               "predicted_step_bytes": predicted, "predicted_parts": parts,
+               "predicted_moment": peaks.forward_backward_moment if backward else "optimizer step",
+               "ratio": measured / predicted,
                "within_tolerance": abs(measured / predicted - 1) <= TOLERANCE}
         rows.append(row)
         print(f"length {row['length']:>6} x{row['rows']} top_p {row['top_p']:<4} measured "

@@ -1,11 +1,7 @@
-"""What one training micro-batch holds on a trainer rank beyond its state: activations kept for backward, the
-loss's log-prob pass over the vocabulary, and FSDP2's unsharded groups. Pure arithmetic on the model's
-dimensions, for the preflight (before any actor starts) and for `colocate bench train-memory`, which checks it
-against a real train step's measured peak.
-
-    parts = micro_batch_parts(dims, num_tokens=2 * 1088, micro_batch_size=2, compute_bytes=2, temperature=1.0,
-                              top_p=1.0)
-    parts["activations kept for backward"], parts["logits and log-softmax"], ...
+"""What one training micro-batch holds on a trainer rank, per token: the activations autograd keeps for the
+backward, and the log-prob pass over the vocabulary. Pure arithmetic on the model's dimensions; the moments of a
+train step that these add up in (FSDP2's groups, the gradients as they build up, AdamW's step) are
+trainer/step_moments.py's.
 
 Activations, per token (h hidden, q = heads x head_dim, kv = kv heads x head_dim, i intermediate, c the compute
 dtype's bytes: 4, or 2 under bf16 mixed precision). Read from transformers' Qwen2 decoder
@@ -24,15 +20,29 @@ A layer has two norm+projection pairs, so `2 (4h + 4 + 2c h) + c (2q + 2kv) + 4 
 input add `4h + 4 + 2c h`, the rotary cos/sin `2 c head_dim`, the input ids 8. tests/unit/test_step_memory.py
 walks a real Qwen2's autograd graph and finds exactly these bytes in fp32 and bf16.
 
-The log-prob pass (trainer/logprobs.py) over V vocabulary entries per token: the model's logits (c V, alive through
-the backward: the train step holds them), an fp32 copy or the temperature's quotient (4V; neither in fp32 at
-temperature 1, where `logits.float()` returns the logits themselves), log-softmax's output (4V, kept for backward),
-and in the backward the gather's and log-softmax's gradients (4V each): `(c + 12) V` at the peak, `(c + 8) V` in
-fp32 at temperature 1, whichever of forward and backward it falls in. A nucleus (top_p < 1) adds the sort's values
-and int64 indices, the softmax, the cumulative sum, the mask and two [tokens, V] results: `17 V` more. Chunked
-(`trainer.logprob_chunk_tokens`, trainer/logprobs.py), that peak is one chunk's: each chunk's forward frees its
-logits, and its recompute in the backward holds the same again; every token keeps 16 bytes of output. The entropy (a
-metric, no gradient) is taken 256 positions at a time, beside no peak of its own.
+CUDA's math attention: fp32 grouped-query attention without a mask has no fused kernel on CUDA. Flash attention
+takes half precision only (`check_dtypes_low_precision`), memory-efficient attention refuses grouped-query heads
+(`check_batch_size_and_num_heads_dense<false>`; aten/src/ATen/native/transformers/cuda/sdp_utils.cpp,
+`can_use_flash_attention` / `can_use_mem_efficient_attention`), and transformers passes `enable_gqa` when there is
+no mask (integrations/sdpa_attention.py `use_gqa_in_sdpa`), so sdpa falls to `_scaled_dot_product_attention_math`
+(aten/src/ATen/native/transformers/attention.cpp): it keeps the scaled q, k and v repeated to every head, o_proj's
+contiguous input, and the softmax's [heads, T, T] output in the compute dtype: `4 c q + c heads T` bytes a token.
+At 4,096 tokens of Qwen2.5-7B that is 1.75 GiB a layer. The CPU's flash kernel takes fp32 and grouped heads.
+
+The log-prob pass (trainer/logprobs.py) over V vocabulary entries per token, measured op by op with torch's
+MemTracker (tests/unit/test_step_memory.py):
+- forward: the model's logits (c V; unchunked the caller holds them through the pass, a chunk's go once copied),
+  an fp32 copy or the temperature's quotient (4V; neither in fp32 at temperature 1, where `logits.float()` returns
+  the logits themselves) and log-softmax's output (4V): `(c + copy + 4) V` unchunked, `8 V` a chunk; the entropy
+  (a metric, no gradient) adds 12 bytes x V for its 256-position slice, whatever the length;
+- backward: log-softmax's saved output, its incoming gradient (the gather's scatter) and its result: `12 V`,
+  in any dtype. The logits and their copy are gone by then (nothing saves them).
+A nucleus (top_p < 1: the sort's values and int64 indices, the softmax, the cumulative sum, the mask, two
+[tokens, V] results) adds 26 V forward (beside which the entropy's slice is gone) and 12 V backward; an entropy
+bonus (algo.entropy_coef > 0: the entropy with its gradient, whole) 13 V forward and 9 V backward. Chunked
+(`trainer.logprob_chunk_tokens`), each peak is one chunk's: the chunk's forward runs again inside the head's
+backward, up to its log-softmax (torch.utils.checkpoint stops a recompute early once the backward's tensors are
+made: the metric's entropy is not recomputed); every token keeps 16 bytes of output.
 
 Padding: a micro-batch of rows of unequal length carries transformers' [rows, 1, T, T] boolean sdpa mask, and
 every layer's attention keeps its own copy converted to the compute dtype for its backward (aten's
@@ -40,10 +50,6 @@ scaled_dot_product_attention turns a boolean mask into an additive one before it
 backward node keeps it): `rows T^2 (1 + layers c)` bytes, quadratic in the length. A micro-batch of one row
 needs no mask (sdpa runs causal). With a mask, k and v are kept at the query heads' size (grouped-query sdpa
 runs without a mask only). tests/unit/test_step_memory.py finds both in the graph too.
-
-FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, `foreach_reduce`): a group's reduce-scatter
-copies its unsharded gradients into one flat buffer in the reduce dtype (fp32) before it frees them, so the
-largest group's gradients exist twice for a moment.
 """
 
 from __future__ import annotations
@@ -53,9 +59,14 @@ from typing import Protocol
 from colocate.config.algo import GREEDY_TEMPERATURE
 
 FP32 = 4
-LOGITS_BYTES_PER_VOCAB = 8  # beyond the model's own logits: log-softmax's output, then two gradients of it
+LOGSOFTMAX_BYTES_PER_VOCAB = 4  # forward: log-softmax's output, beside the logits and their copy
 COPY_BYTES_PER_VOCAB = 4  # an fp32 copy (bf16 logits) or the temperature's quotient; fp32 at T=1 makes neither
-NUCLEUS_BYTES_PER_VOCAB = 17  # top_p < 1: sort values + int64 indices, softmax, mask, masked and scattered copies
+BACKWARD_BYTES_PER_VOCAB = 12  # log-softmax's saved output, its incoming gradient and its result
+NUCLEUS_FORWARD_BYTES_PER_VOCAB = 26  # top_p < 1: sort values + int64 indices, softmax, cumsum, mask, two results
+NUCLEUS_BACKWARD_BYTES_PER_VOCAB = 12
+ENTROPY_GRAD_BYTES_PER_VOCAB = (13, 9)  # an entropy bonus: forward, backward
+ENTROPY_BYTES_PER_VOCAB = 12  # the metric's exp, masked log p and product, 256 positions at a time
+ENTROPY_ROWS = 256  # trainer/logprobs.py ENTROPY_ROWS
 CHUNKED_OUTPUT_BYTES = 16  # chunked head: (logprob, entropy) in fp32 per token, in the chunks and concatenated
 
 
@@ -72,108 +83,88 @@ class Dims(Protocol):
     tie_word_embeddings: bool
 
 
+def uses_math_attention(dims: Dims, *, compute_bytes: int, masked: bool, device: str) -> bool:
+    """CUDA sdpa runs its math kernel for fp32 grouped-query attention without a mask (the module docstring)."""
+    return device == "cuda" and compute_bytes == FP32 and not masked and dims.num_heads != dims.num_kv_heads
+
+
 def _norm_and_projection(dims: Dims, c: int) -> int:
     """An RMSNorm and the projection after it: the fp32 input and rsqrt, the normalised value, the input."""
     return FP32 * dims.hidden_size + FP32 + 2 * c * dims.hidden_size
 
 
-def layer_bytes_per_token(dims: Dims, *, compute_bytes: int, masked: bool = False) -> int:
-    """What one decoder layer keeps per token for its backward (the table above)."""
+def layer_bytes_per_token(dims: Dims, *, compute_bytes: int, masked: bool = False, math_length: int = 0) -> int:
+    """What one decoder layer keeps per token for its backward (the table above). `math_length`: the row length
+    when attention runs CUDA's math kernel (uses_math_attention), whose softmax output grows with it."""
     c = compute_bytes
     q = dims.num_heads * dims.head_dim
-    kv = q if masked else dims.num_kv_heads * dims.head_dim
-    attention = c * (2 * q + 2 * kv) + FP32 * dims.num_heads
+    if math_length:
+        attention = c * 4 * q + c * dims.num_heads * math_length
+    else:
+        kv = q if masked else dims.num_kv_heads * dims.head_dim
+        attention = c * (2 * q + 2 * kv) + FP32 * dims.num_heads
     return 2 * _norm_and_projection(dims, c) + attention + 4 * c * dims.intermediate_size
+
+
+def head_input_bytes_per_token(dims: Dims, *, compute_bytes: int) -> int:
+    """The final norm and lm_head's input, and the input ids."""
+    return _norm_and_projection(dims, compute_bytes) + 8
 
 
 def checkpointed_bytes_per_token(dims: Dims, *, compute_bytes: int) -> int:
     """trainer.activation_checkpointing: each layer keeps only its input (the hidden states, in the compute dtype:
     FSDP2 casts the layer's inputs), the final norm and lm_head theirs; a layer's own activations exist only
-    while the backward recomputes it (micro_batch_parts adds the largest, one layer's)."""
-    return dims.num_layers * compute_bytes * dims.hidden_size + _norm_and_projection(dims, compute_bytes) + 8
+    while the backward recomputes it (trainer/step_moments.py counts the one being recomputed)."""
+    return dims.num_layers * compute_bytes * dims.hidden_size + head_input_bytes_per_token(dims,
+                                                                                          compute_bytes=compute_bytes)
 
 
-def saved_bytes_per_token(dims: Dims, *, compute_bytes: int, masked: bool = False) -> int:
+def saved_bytes_per_token(dims: Dims, *, compute_bytes: int, masked: bool = False, math_length: int = 0) -> int:
     """Bytes autograd keeps per token through the decoder, for the backward (the table above). `masked`: sdpa
     gets a padding mask, and transformers then repeats k and v to every query head before the kernel
     (integrations/sdpa_attention.py `use_gqa_in_sdpa`: grouped-query sdpa only without a mask), so the kernel
     keeps them that size."""
-    layer = layer_bytes_per_token(dims, compute_bytes=compute_bytes, masked=masked)
-    # + the final norm and lm_head's input, the ids
-    return dims.num_layers * layer + _norm_and_projection(dims, compute_bytes) + 8
+    layer = layer_bytes_per_token(dims, compute_bytes=compute_bytes, masked=masked, math_length=math_length)
+    return dims.num_layers * layer + head_input_bytes_per_token(dims, compute_bytes=compute_bytes)
 
 
 def rotary_bytes(dims: Dims, *, num_tokens: int, compute_bytes: int) -> int:
     return 2 * compute_bytes * dims.head_dim * num_tokens  # cos and sin, shared by every layer
 
 
-def logits_bytes_per_token(dims: Dims, *, compute_bytes: int, temperature: float, top_p: float) -> int:
+def logprob_pass_peaks(dims: Dims, *, num_tokens: int, compute_bytes: int, temperature: float, top_p: float,
+                       chunk_tokens: int | None, entropy_grad: bool = False) -> tuple[int, int]:
+    """(forward, backward) peaks of the log-prob pass over `num_tokens` positions: all at once, or one chunk's
+    (trainer.logprob_chunk_tokens: a chunk's forward runs again inside the head's backward, so the backward's
+    peak is the larger of the two), plus every token's two fp32 outputs when chunked. The module docstring
+    gives each term."""
     if temperature < GREEDY_TEMPERATURE:  # scored as the plain distribution (trainer/logprobs.py)
         temperature, top_p = 1.0, 1.0
     copy = COPY_BYTES_PER_VOCAB if compute_bytes != FP32 or temperature != 1.0 else 0
-    per_vocab = compute_bytes + copy + LOGITS_BYTES_PER_VOCAB + (NUCLEUS_BYTES_PER_VOCAB if top_p < 1.0 else 0)
-    return per_vocab * dims.vocab_size
+    # unchunked, the caller holds the model's logits through the pass; a chunk's are the pass's argument alone,
+    # freed once copied
+    held = compute_bytes if chunk_tokens is None or not copy else 0
+    positions = num_tokens if chunk_tokens is None else min(num_tokens, chunk_tokens)
+    base = held + copy + LOGSOFTMAX_BYTES_PER_VOCAB
+    # after log-softmax: the entropy, 256 positions at a time (or whole, with its gradient); before it, the
+    # nucleus's temporaries: whichever is larger
+    entropy = positions * ENTROPY_GRAD_BYTES_PER_VOCAB[0] if entropy_grad else \
+        ENTROPY_BYTES_PER_VOCAB * min(positions, ENTROPY_ROWS)
+    nucleus = positions * NUCLEUS_FORWARD_BYTES_PER_VOCAB if top_p < 1.0 else 0
+    forward_bytes = (positions * base + max(entropy, nucleus)) * dims.vocab_size
+    # a chunk's recompute stops once it has made what its backward saved (torch.utils.checkpoint's early stop,
+    # on by default): the metric's entropy after log-softmax is not recomputed, its gradient's is
+    recompute = (positions * base + max(entropy if entropy_grad else 0, nucleus)) * dims.vocab_size
+    backward = BACKWARD_BYTES_PER_VOCAB + (NUCLEUS_BACKWARD_BYTES_PER_VOCAB if top_p < 1.0 else 0) \
+        + (ENTROPY_GRAD_BYTES_PER_VOCAB[1] if entropy_grad else 0)
+    backward_bytes = positions * backward * dims.vocab_size
+    outputs = num_tokens * CHUNKED_OUTPUT_BYTES if chunk_tokens is not None else 0
+    if chunk_tokens is not None:  # a chunk's forward runs again in the backward
+        backward_bytes = max(backward_bytes, recompute)
+    return forward_bytes + outputs, backward_bytes + outputs
 
 
 def attention_mask_bytes(dims: Dims, *, rows: int, length: int, compute_bytes: int,
                          num_layers: int | None = None) -> int:
     """The padded micro-batch's boolean mask and each layer's additive copy of it (`num_layers` copies alive)."""
     return rows * length * length * (1 + (dims.num_layers if num_layers is None else num_layers) * compute_bytes)
-
-
-def kept_group_params(dims: Dims) -> int:
-    """The FSDP2 group alive, unsharded, from the end of the forward into the backward (trainer/fsdp.py
-    shard_by_layer): untied, lm_head's own group; tied, the root (embeddings = lm_head, final norm)."""
-    return dims.root_params if dims.tie_word_embeddings else dims.vocab_size * dims.hidden_size
-
-
-def unsharded_group_bytes(dims: Dims, *, compute_bytes: int) -> int:
-    """At the backward's start: the kept group (above) unsharded with its full gradients until its
-    reduce-scatter; of the decoder layers, the current one, the prefetched one and one layer's unsharded
-    gradients; and the reduce-scatter's flat fp32 input of the larger group. The untied embeddings are resharded
-    after their forward, and gathered again only at the end of the backward, when the activations are gone."""
-    kept = kept_group_params(dims)
-    return compute_bytes * (2 * kept + 3 * dims.layer_params) + FP32 * max(kept, dims.layer_params)
-
-
-def logprob_pass_bytes(dims: Dims, *, num_tokens: int, compute_bytes: int, temperature: float, top_p: float,
-                       chunk_tokens: int | None) -> int:
-    """The log-prob pass's peak: all tokens' logits at once, or one chunk's (trainer.logprob_chunk_tokens; its
-    forward and its recompute in the backward hold the same) plus every token's two fp32 outputs (logprob and
-    entropy), in the chunks and in their concatenation."""
-    per_token = logits_bytes_per_token(dims, compute_bytes=compute_bytes, temperature=temperature, top_p=top_p)
-    if chunk_tokens is None:
-        return num_tokens * per_token
-    return min(num_tokens, chunk_tokens) * per_token + num_tokens * CHUNKED_OUTPUT_BYTES
-
-
-def micro_batch_parts(dims: Dims, *, num_tokens: int, micro_batch_size: int, compute_bytes: int,
-                      temperature: float, top_p: float, chunk_tokens: int | None = None,
-                      checkpointed: bool = False, masked: bool | None = None) -> dict[str, int]:
-    """What one micro-batch of `num_tokens` (`micro_batch_size` rows x padded length) adds on a rank while it
-    trains. `masked`: whether attention takes a materialised mask; None: when rows are padded (more than one).
-    A packed row (one row of several sequences) has one under sdpa and eager, none under flash-attention varlen.
-
-    Checkpointed, the backward meets the log-prob pass first and recomputes the layers after it: the pass's
-    temporaries are freed by then, and what stays is the logits (unchunked) or the chunks' outputs. The peak is
-    the larger of the two moments, so the recompute counts only what it adds beyond the pass."""
-    length, c = num_tokens // micro_batch_size, compute_bytes
-    masked = micro_batch_size > 1 if masked is None else masked
-    rotary = rotary_bytes(dims, num_tokens=length, compute_bytes=c)
-    logprob_pass = logprob_pass_bytes(dims, num_tokens=num_tokens, compute_bytes=c, temperature=temperature,
-                                      top_p=top_p, chunk_tokens=chunk_tokens)
-    if checkpointed:
-        recompute = num_tokens * layer_bytes_per_token(dims, compute_bytes=c, masked=masked)
-        left = num_tokens * (CHUNKED_OUTPUT_BYTES if chunk_tokens is not None else c * dims.vocab_size)
-        parts = {"activations kept for backward": num_tokens * checkpointed_bytes_per_token(dims, compute_bytes=c)
-                 + rotary,
-                 "one layer recomputed": max(0, left + recompute - logprob_pass)}
-    else:
-        parts = {"activations kept for backward": num_tokens * saved_bytes_per_token(dims, compute_bytes=c,
-                                                                                   masked=masked) + rotary}
-    parts["logits and log-softmax"] = logprob_pass
-    if masked:
-        # checkpointed: only the layer being recomputed makes its additive copy of the mask
-        parts["attention masks"] = attention_mask_bytes(dims, rows=micro_batch_size, length=length,
-                                                        compute_bytes=c, num_layers=1 if checkpointed else None)
-    return parts

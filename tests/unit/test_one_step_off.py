@@ -59,7 +59,7 @@ def test_one_step_off_keeps_both_sides_resident_in_every_phase():
 
 @pytest.mark.parametrize("overrides, device, available", [
     (["model.preset=bench", "trainer.micro_batch_size=1", "engine.kv_cache_gib=2"], "cpu", 11 * GIB),
-    ([f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2"], "cuda", H100),
+    ([f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2", "rollout.max_tokens=64"], "cuda", H100),
 ], ids=["bench_on_11gib_cpu", "qwen7b_8x80gib"])
 def test_one_step_off_that_cannot_fit_names_the_phase_and_the_shortfall(overrides, device, available):
     sync = preflight(load_config(None, overrides), device=device, available_bytes=available)

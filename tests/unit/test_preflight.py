@@ -11,16 +11,19 @@ from colocate.cli import main
 from colocate.config import load_config
 from colocate.errors import ConfigError
 from colocate.job.preflight import (
+    CUDA_CONTEXT_BYTES,
     CUDA_GRAPH_POOL_BYTES,
     ENGINE_ASLEEP_BYTES,
     GIB,
     NCCL_COMMUNICATOR_BYTES,
+    NCCL_COMMUNICATOR_PEERS_BYTES,
     SwitchPlan,
     check_environment,
     check_fits,
     model_dims,
     plan_switch,
     predict_phases,
+    predict_train_peaks,
     preflight,
     switch_plan,
 )
@@ -88,26 +91,30 @@ def test_cuda_predicts_four_phases_with_their_parts():
     _, by_name = cuda_phases("placement.num_slots=8", "engine.tp=2", plan=SwitchPlan(2, True, ""))
     assert list(by_name) == ["startup", "rollout", "train", "sync"]
     # every process's context, and an NCCL communicator each: the trainer's FSDP2 group, the worker's TP group
-    contexts = {"cuda contexts (2 processes, est.)", "nccl communicators (2, est.)"}
+    contexts = {"cuda contexts (2 processes, est.)", "nccl communicators (fsdp2 of 8, tp of 2; est.)"}
     asleep = {"engine outside its sleep pool (est.)", "cuda graph pool, kept asleep (est.)"}
     # the sharding transient is gone (torch's cache emptied) before the engine claims its share: the larger counts
     assert set(by_name["startup"].parts) == {*contexts, "trainer params (fp32 shard)", "sync ring",
                                              "engine (gpu_memory_utilization)"}
     assert set(by_name["rollout"].parts) == {*contexts, "engine (gpu_memory_utilization)", "sync ring"}
+    # 16 padded rows of 67 tokens: the step peaks in lm_head's backward, every layer's activations and the
+    # padding masks kept, the head unsharded with its gradient, the next layer prefetched
     assert set(by_name["train"].parts) == {*contexts, "trainer params + grads + optimizer", "fsdp unsharded groups",
                                            "activations kept for backward", "logits and log-softmax",
-                                           "attention masks", *asleep, "sync ring"}  # 16 padded rows
+                                           "attention masks", *asleep, "sync ring"}
     assert set(by_name["sync"].parts) == {*contexts, "trainer params + optimizer", "engine weights (woken)",
                                           *asleep, "sync ring", "gather buffer (largest group + send chunk)"}
 
 
-def test_cuda_counts_communicators_only_where_groups_exist_and_graphs_only_when_captured():
+def test_cuda_counts_the_trainers_communicator_at_every_world_size_and_graphs_only_when_captured():
+    # world size 1 still makes a communicator: the gradient norm's and the finite checks' all-reduces
     _, one = cuda_phases("placement.num_slots=1", "engine.tp=1", "engine.enforce_eager=true",
                          plan=SwitchPlan(2, True, ""))
-    assert one["train"].parts["nccl communicators (0, est.)"] == 0
+    assert one["train"].parts["nccl communicators (fsdp2 of 1; est.)"] == NCCL_COMMUNICATOR_BYTES
+    assert one["train"].parts["cuda contexts (2 processes, est.)"] == 2 * CUDA_CONTEXT_BYTES
     assert "cuda graph pool, kept asleep (est.)" not in one["train"].parts
-    _, tp_only = cuda_phases("placement.num_slots=2", "engine.tp=2", plan=SwitchPlan(2, True, ""))
-    assert tp_only["train"].parts["nccl communicators (2, est.)"] == 2 * NCCL_COMMUNICATOR_BYTES
+    _, two = cuda_phases("placement.num_slots=2", "engine.tp=2", plan=SwitchPlan(2, True, ""))
+    assert two["train"].parts["nccl communicators (fsdp2 of 2, tp of 2; est.)"] == 2 * NCCL_COMMUNICATOR_PEERS_BYTES
 
 
 def test_cuda_startup_peak_is_the_sharding_transient_when_it_outweighs_the_engine():
@@ -118,9 +125,12 @@ def test_cuda_startup_peak_is_the_sharding_transient_when_it_outweighs_the_engin
 
 
 def test_cuda_parts_are_per_gpu_shards_of_the_real_model():
-    _, by_name = cuda_phases("placement.num_slots=8", "engine.tp=2", plan=SwitchPlan(2, True, ""))
+    cfg, by_name = cuda_phases("placement.num_slots=8", "engine.tp=2", plan=SwitchPlan(2, True, ""))
     num_params, embedding = 7_615_616_512, 152064 * 3584 + 3584  # the largest group: lm_head + final norm
-    assert by_name["train"].parts["trainer params + grads + optimizer"] == 16 * num_params // 8
+    peaks = predict_train_peaks(cfg, model_dims(cfg), device="cuda")
+    assert peaks.resident_bytes == 12 * num_params // 8  # fp32 shard and AdamW's two moments
+    grads = peaks.peak_parts.get("gradients (fp32 shard)", 0)  # those the step's largest moment holds
+    assert by_name["train"].parts["trainer params + grads + optimizer"] == 12 * num_params // 8 + grads
     assert by_name["sync"].parts["trainer params + optimizer"] == 12 * num_params // 8
     assert by_name["sync"].parts["engine weights (woken)"] == num_params * 2 // 2  # bf16, TP=2
     assert by_name["sync"].parts["sync ring"] == 2 * embedding * 2 // 2  # 2 slots of the largest group's TP slice
@@ -163,17 +173,17 @@ def test_cuda_peak_phase_with_a_sleeping_engine_and_a_resident_trainer(overrides
     pytest.param([], "cpu", 16 * GIB, (0, False), id="tiny_on_big_machine_nothing_moves"),
     pytest.param(["model.preset=bench", "trainer.micro_batch_size=1", "engine.kv_cache_gib=2"], "cpu", 11 * GIB,
                  (2, True), id="bench_on_small_budget_sleeps_and_offloads"),
-    pytest.param(["model.preset=bench", "trainer.micro_batch_size=1"], "cpu", 10 * GIB, (2, False),
+    pytest.param(["model.preset=bench", "trainer.micro_batch_size=1"], "cpu", 9.5 * GIB, (2, False),
                  id="bench_small_kv_cache_sleeps_trainer_stays"),
     pytest.param(["engine.sleep_level=1", "trainer.offload=true"], "cpu", 16 * GIB, (1, True),
                  id="user_choices_obeyed_though_nothing_needs_to_move"),
     pytest.param([f"model.path={QWEN_7B}", "engine.sleep_level=0", "trainer.offload=false",
                   "placement.num_slots=1", "engine.tp=1"], "cuda", H200, (0, False),
                  id="user_choices_obeyed_though_they_cannot_fit"),
-    # 16 rows of 576 tokens per micro-batch in fp32 need 40 GiB of activations and padding masks: no room for
-    # the engine beside them
-    pytest.param([f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2"], "cuda", H100, (2, False),
-                 id="qwen7b_8x80gib_engine_sleeps"),
+    # 16 padded rows of 128 tokens per micro-batch in fp32 keep 24 GiB of activations and padding masks: no room
+    # for the engine beside them
+    pytest.param([f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2", "rollout.max_tokens=64"], "cuda",
+                 H100, (2, False), id="qwen7b_8x80gib_engine_sleeps"),
     pytest.param([f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2", "trainer.micro_batch_size=1",
                   "trainer.mixed_precision=true", "engine.max_model_len=1024", "rollout.max_tokens=512"], "cuda",
                  H100, (0, False), id="qwen7b_8x80gib_short_answers_bf16_nothing_moves"),
@@ -250,3 +260,106 @@ def test_validate_with_unknown_dims_prints_the_plan_and_no_prediction(capsys):
     out, _ = capsys.readouterr()
     assert code == 0
     assert "# switch plan: engine sleep level 2, trainer offload true" in out and "none" in out
+
+
+# ------------------------------------------------------------------------- the train step, measured on an H200
+
+# One H200 (torch 2.11, NCCL 2.28.9), TrainerActor at world size 1 on NCCL: Qwen2.5-7B's width cut to 4 layers
+# (2.02B parameters with its 152k vocabulary), one sequence of a 64-token prompt and the rest answer. The peak of
+# forward+backward over the resident state (torch's allocated bytes; issue 40's table). AdamW's foreach step on
+# the same runs held one fp32 copy of the parameters, 7.54 GiB, beside the gradients.
+BF16_CHECKPOINTED = ["trainer.mixed_precision=true", "trainer.activation_checkpointing=true",
+                     "trainer.logprob_chunk_tokens=1024"]
+BF16 = ["trainer.mixed_precision=true", "trainer.activation_checkpointing=false", "trainer.logprob_chunk_tokens=1024"]
+FP32_FULL_LOGITS = ["trainer.mixed_precision=false", "trainer.activation_checkpointing=false",
+                    "trainer.logprob_chunk_tokens=null"]
+H200_TRAIN_STEPS = [
+    (BF16_CHECKPOINTED, 4096, 9.57), (BF16_CHECKPOINTED, 8192, 9.57), (BF16_CHECKPOINTED, 16384, 10.89),
+    (BF16_CHECKPOINTED, 32768, 15.71), (BF16, 4096, 9.57), (BF16, 8192, 12.14), (FP32_FULL_LOGITS, 4096, 23.48),
+]
+ADAMW_FOREACH_TEMPORARIES_GIB = 7.54
+
+
+@pytest.fixture(scope="module")
+def four_layer_qwen(tmp_path_factory) -> str:
+    import json
+
+    config = json.loads((Path(QWEN_7B) / "config.json").read_text())
+    path = tmp_path_factory.mktemp("qwen7b-4-layers")
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
+    return str(path)
+
+
+@pytest.mark.parametrize("trainer, tokens, measured_gib", H200_TRAIN_STEPS,
+                         ids=[f"{'-'.join(k.split('=')[1] for k in t)}-{n}" for t, n, _ in H200_TRAIN_STEPS])
+def test_the_train_step_is_predicted_within_15_percent_of_the_h200(four_layer_qwen, trainer, tokens, measured_gib):
+    from colocate.job.preflight import PROMPT_TOKENS
+
+    cfg = load_config(None, [f"model.path={four_layer_qwen}", "placement.num_slots=1", "engine.tp=1",
+                             "trainer.micro_batch_size=1", f"rollout.max_tokens={tokens - PROMPT_TOKENS}",
+                             f"engine.max_model_len={tokens}", *trainer])
+    dims = model_dims(cfg)
+    assert 2.02e9 < dims.num_params < 2.03e9
+    peaks = predict_train_peaks(cfg, dims, device="cuda")
+    assert abs(measured_gib * GIB / peaks.forward_backward_bytes - 1) <= 0.15, peaks.forward_backward_moment
+    # AdamW's step alongside: the gradients and one fp32 copy of the shard, above forward+backward in bf16 up to
+    # 16k tokens
+    temporaries = peaks.optimizer_step_parts["adamw foreach temporaries (one fp32 copy of the shard)"]
+    assert abs(ADAMW_FOREACH_TEMPORARIES_GIB * GIB / temporaries - 1) <= 0.15
+    assert peaks.optimizer_step_bytes == 4 * dims.num_params + temporaries
+    assert (peaks.optimizer_step_bytes > peaks.forward_backward_bytes) == (tokens <= 16384
+                                                                           and trainer is not FP32_FULL_LOGITS)
+
+
+# ------------------------------------------------------------------------------------ what the preflight missed
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda_graphs"])
+def test_an_asleep_reward_model_keeps_its_context_communicator_and_cuda_graphs(eager):
+    served = ["rollout.rewards=model:tiny-rm", "reward_model.tp=2", f"engine.enforce_eager={str(eager).lower()}"]
+    _, alone = cuda_phases("placement.num_slots=8", "engine.tp=2", served[-1], plan=SwitchPlan(2, True, ""))
+    _, beside = cuda_phases("placement.num_slots=8", "engine.tp=2", *served, plan=SwitchPlan(2, True, ""))
+    asleep = beside["train"].parts
+    outside_its_pool = CUDA_CONTEXT_BYTES + NCCL_COMMUNICATOR_PEERS_BYTES + ENGINE_ASLEEP_BYTES
+    assert asleep["reward model's tp communicator (2 ranks, est.)"] == NCCL_COMMUNICATOR_PEERS_BYTES
+    assert ("reward model's cuda graph pool, kept asleep (est.)" in asleep) is not eager
+    assert beside["train"].total - alone["train"].total == outside_its_pool + (0 if eager else CUDA_GRAPH_POOL_BYTES)
+    # awake (the rollout), its communicator lies outside its budget too, as the policy engine's does
+    assert beside["rollout"].parts["reward model's tp communicator (2 ranks, est.)"] == NCCL_COMMUNICATOR_PEERS_BYTES
+
+
+def test_a_split_placement_predicts_its_engine_gpus_and_refuses_one_that_cannot_hold_its_engine():
+    split = ["placement.num_slots=8", "placement.engine_slots=4", "engine.tp=2"]
+    cfg, by_name = cuda_phases(*split, plan=SwitchPlan(0, False, ""))
+    engine = by_name["engine gpu"].parts
+    # vLLM's share, and what it does not count: the worker's context, its TP and broadcast groups, its ring
+    assert engine["engine (gpu_memory_utilization)"] == int(0.5 * H100)
+    assert engine["nccl communicators (tp of 2, broadcast of 3; est.)"] == 2 * NCCL_COMMUNICATOR_PEERS_BYTES
+    assert engine["sync ring"] == by_name["sync"].parts["broadcast staging (the TP ranks it feeds)"] // 1
+    assert engine["cuda context (engine worker, est.)"] == CUDA_CONTEXT_BYTES
+    preflight(cfg, device="cuda", available_bytes=H100)  # fits
+    crowded = load_config(None, [f"model.path={QWEN_7B}", *split, "engine.gpu_memory_utilization=0.97"])
+    with pytest.raises(ConfigError, match="phase 'engine gpu'.*lower engine.gpu_memory_utilization \\(now 0.97\\)"):
+        preflight(crowded, device="cuda", available_bytes=H100)
+
+
+@pytest.mark.parametrize("mixed_precision", [True, False], ids=["bf16", "fp32"])
+def test_the_reference_policy_is_counted_on_the_gpu_and_in_host_memory(mixed_precision):
+    # algo.kl_coef > 0: a second copy of the weights, offloaded but for its forwards at the start of each step
+    overrides = ["placement.num_slots=1", "engine.tp=1", f"trainer.mixed_precision={str(mixed_precision).lower()}",
+                 "trainer.activation_checkpointing=true", "trainer.micro_batch_size=1", "rollout.max_tokens=64"]
+    cfg, _ = cuda_phases(*overrides, plan=SwitchPlan(2, True, ""))
+    with_kl, _ = cuda_phases(*overrides, "algo.kl_coef=0.05", plan=SwitchPlan(2, True, ""))
+    dims, c = model_dims(cfg), 2 if mixed_precision else 4
+    plain, reference = (predict_train_peaks(job, dims, device="cuda") for job in (cfg, with_kl))
+    assert "reference forward" not in plain.moments
+    parts = reference.moments["reference forward"]
+    assert parts["reference policy (compute-dtype shard)"] == c * dims.num_params  # one rank's shard
+    # it runs before the policy's activations and gradients exist: a moment of its own, which in fp32 comes
+    # within 2% of the step's end (every fp32 gradient and the embeddings' reduce-scatter)
+    assert reference.forward_backward_bytes == max(plain.forward_backward_bytes, sum(parts.values()))
+    assert sum(parts.values()) > (0.95 if c == 4 else 0.5) * plain.forward_backward_bytes
+    host = preflight(with_kl, device="cuda", available_bytes=int(1000 * GIB)).host_needs
+    assert host["reference policy's host copy (offloaded)"] == c * dims.num_params
+    assert "reference policy's host copy (offloaded)" not in preflight(
+        cfg, device="cuda", available_bytes=int(1000 * GIB)).host_needs

@@ -2,7 +2,8 @@
 (random weights, sdpa) runs a forward, and every tensor saved in its backward graph (found by walking the graph's
 nodes, parameters left out, each storage once) adds up to exactly the model's bytes, in fp32 and in bf16, with
 grouped-query attention and a head_dim that is not hidden / heads. The full train step's peak, logits included,
-is checked against a measured one by `colocate bench train-memory` (benchmarks/results/train_memory.json)."""
+is checked against a measured one by `colocate bench train-memory` (benchmarks/results/train_memory.json) and
+tests/unit/test_step_moments.py; the log-prob pass's peaks are measured here with torch's MemTracker."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import torch
 from colocate.job.preflight import ModelDims
 from colocate.trainer.step_memory import (
     attention_mask_bytes,
-    layer_bytes_per_token,
-    micro_batch_parts,
     rotary_bytes,
     saved_bytes_per_token,
 )
@@ -88,50 +87,67 @@ def test_a_padded_micro_batch_keeps_a_mask_per_layer(dtype):
         + repeated_kv
 
 
-def test_micro_batch_parts_scale_with_tokens_and_count_the_nucleus_and_the_mask():
-    dims = ModelDims.from_config_dict({**CONFIGS["qwen2-gqa"]})
-    one = micro_batch_parts(dims, num_tokens=1000, micro_batch_size=1, compute_bytes=4, temperature=0.9, top_p=1.0)
-    two = micro_batch_parts(dims, num_tokens=2000, micro_batch_size=2, compute_bytes=4, temperature=0.9, top_p=1.0)
-    assert "attention masks" not in one and two["attention masks"] == 2 * 1000 * 1000 * (1 + 2 * 4)
-    assert two["logits and log-softmax"] == 2 * one["logits and log-softmax"] == 2 * 1000 * 16 * 1000
-    nucleus = micro_batch_parts(dims, num_tokens=1000, micro_batch_size=1, compute_bytes=4, temperature=0.9, top_p=0.9)
-    assert nucleus["logits and log-softmax"] == 1000 * (16 + 17) * 1000
+# ------------------------------------------------------------------------------------------ the log-prob pass
 
 
-def test_the_chunked_log_prob_pass_holds_one_chunk_of_logits():
-    dims = ModelDims.from_config_dict({**CONFIGS["qwen2-gqa"]})
-    full = micro_batch_parts(dims, num_tokens=4000, micro_batch_size=1, compute_bytes=4, temperature=0.9, top_p=0.9)
-    chunked = micro_batch_parts(dims, num_tokens=4000, micro_batch_size=1, compute_bytes=4, temperature=0.9, top_p=0.9,
-                                chunk_tokens=1000)
-    per_token = (4 + 12 + 17) * dims.vocab_size
-    assert full["logits and log-softmax"] == 4000 * per_token
-    assert chunked["logits and log-softmax"] == 1000 * per_token + 4000 * 16
-    assert chunked["activations kept for backward"] == full["activations kept for backward"]
-    short = micro_batch_parts(dims, num_tokens=500, micro_batch_size=1, compute_bytes=4, temperature=0.9, top_p=0.9,
-                              chunk_tokens=1000)
-    assert short["logits and log-softmax"] == 500 * per_token + 500 * 16
+def tracked_peaks(fn_forward, fn_backward) -> tuple[int, int]:
+    """Peaks of live tensor bytes (torch's MemTracker: every storage an op returns, until it is freed) during a
+    forward and during the backward after it, each over what was live before the forward."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with tracker:
+        device = torch.device("cpu")
+        before = tracker.get_tracker_snapshot().get(device, {}).get("Total", 0)
+        out = fn_forward()
+        forward = tracker.get_tracker_snapshot("peak")[device]["Total"] - before
+        tracker._peak_mem = {device: 0}  # the backward's own peak from here
+        fn_backward(out)
+        backward = tracker.get_tracker_snapshot("peak")[device]["Total"] - before
+    return forward, backward
 
 
-def test_fp32_logits_at_temperature_1_are_not_copied_and_the_recompute_follows_the_log_prob_pass():
-    dims = ModelDims.from_config_dict({**CONFIGS["qwen2-gqa"]})
-    tokens, vocab = 1000, dims.vocab_size
+@pytest.mark.parametrize("dtype, temperature, top_p, chunked, entropy_grad", [
+    (torch.bfloat16, 1.0, 1.0, False, False), (torch.float32, 1.0, 1.0, False, False),
+    (torch.float32, 0.7, 1.0, False, False), (torch.bfloat16, 0.7, 1.0, True, False),
+    (torch.float32, 1.0, 1.0, True, False), (torch.bfloat16, 1.0, 0.9, False, False),
+    (torch.float32, 1.0, 0.9, True, False), (torch.bfloat16, 1.0, 1.0, False, True),
+], ids=["bf16", "fp32", "fp32_temperature", "bf16_temperature_chunk", "fp32_chunk", "bf16_nucleus",
+        "fp32_nucleus_chunk", "bf16_entropy_bonus"])
+def test_the_log_prob_pass_peaks_are_what_its_tensors_hold(dtype, temperature, top_p, chunked, entropy_grad):
+    """processed_logprobs over one chunk of positions, measured: unchunked the caller holds the model's logits
+    through the pass (sequence_logprobs), a chunk's logits are the pass's argument alone (ChunkedLogprobHead)."""
+    from colocate.trainer.logprobs import processed_logprobs
+    from colocate.trainer.step_memory import logprob_pass_peaks
 
-    def logits(c, t):
-        return micro_batch_parts(dims, num_tokens=tokens, micro_batch_size=1, compute_bytes=c, temperature=t,
-                                 top_p=1.0)["logits and log-softmax"]
+    positions, vocab, hidden = 1024, 4096, 64
+    dims = ModelDims.from_config_dict({**CONFIGS["qwen2-gqa"], "vocab_size": vocab})
+    torch.manual_seed(0)
+    h = torch.randn(positions, hidden, dtype=dtype, requires_grad=True)
+    w = torch.randn(vocab, hidden, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, vocab, (positions,))
+    held = []
 
-    # logits.float() of fp32 logits is the logits themselves; a temperature or bf16 logits make a copy
-    assert logits(4, 1.0) == tokens * (4 + 8) * vocab
-    assert logits(4, 0.7) == logits(4, 1e-6) + tokens * 4 * vocab == tokens * (4 + 12) * vocab
-    assert logits(4, 1e-6) == logits(4, 1.0)  # greedy: scored as the plain distribution
-    assert logits(2, 1.0) == tokens * (2 + 12) * vocab
-    # checkpointed: the peak is the larger of the log-prob pass and what the layers' recompute holds after it
-    plain = micro_batch_parts(dims, num_tokens=tokens, micro_batch_size=1, compute_bytes=4, temperature=1.0,
-                              top_p=1.0, checkpointed=True)
-    recompute = tokens * layer_bytes_per_token(dims, compute_bytes=4, masked=False)
-    after = tokens * 4 * vocab + recompute  # the logits stay, the pass's temporaries are gone
-    assert plain["one layer recomputed"] == max(0, after - plain["logits and log-softmax"])
-    chunked = micro_batch_parts(dims, num_tokens=tokens, micro_batch_size=1, compute_bytes=4, temperature=1.0,
-                                top_p=1.0, checkpointed=True, chunk_tokens=100)
-    assert sum(chunked.values()) == chunked["activations kept for backward"] + max(
-        chunked["logits and log-softmax"], tokens * 16 + recompute)
+    def forward():
+        if chunked:  # called as ChunkedLogprobHead._chunk calls it: the logits are the callee's alone
+            return processed_logprobs(torch.nn.functional.linear(h, w), targets, temperature=temperature,
+                                      top_p=top_p, entropy_grad=entropy_grad)
+        held.append(torch.nn.functional.linear(h, w))
+        return processed_logprobs(held[0], targets, temperature=temperature, top_p=top_p, entropy_grad=entropy_grad)
+
+    def backward(out):
+        held.clear()
+        (out[0].sum() + (out[1].sum() if entropy_grad else 0)).backward()
+
+    forward_peak, backward_peak = tracked_peaks(forward, backward)
+    c = 2 if dtype == torch.bfloat16 else 4
+    weight_grad = vocab * hidden * c  # the head's gradient: lm_head's, counted in its own moment
+    forward, _ = logprob_pass_peaks(dims, num_tokens=positions, compute_bytes=c, temperature=temperature,
+                                    top_p=top_p, chunk_tokens=positions if chunked else None,
+                                    entropy_grad=entropy_grad)
+    forward -= positions * 16 if chunked else 0  # the chunked head's outputs, not this bare pass's
+    # chunked, the model adds the chunk's recompute to the backward; this bare pass has none
+    _, backward = logprob_pass_peaks(dims, num_tokens=positions, compute_bytes=c, temperature=temperature,
+                                     top_p=top_p, chunk_tokens=None, entropy_grad=entropy_grad)
+    assert abs(forward_peak - forward) <= 0.05 * forward_peak, (forward_peak, forward)
+    assert abs(backward_peak - weight_grad - backward) <= 0.05 * backward_peak, (backward_peak, backward)
