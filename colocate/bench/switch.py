@@ -11,11 +11,17 @@ Measured over N cycles on the same engine and trainers:
 - trainer offload / onload of parameters and optimizer state, and the RSS it frees;
 - floor: a single-process memcpy of the engine's weight bytes;
 - the alternative without sleep mode: shutting the engine down and starting it again (plus the sync that gives
-  it the trained weights).
+  it the trained weights);
+- the memory preflight against the job's measured memory (PSS, per phase: bench/peaks.py), like with like: the
+  preflight pictures the longest sequences the config allows (a PROMPT_TOKENS prompt and rollout.max_tokens of
+  answer in every row), while the two steps train the task's own, a few tokens each. So the train phase is
+  predicted for the sequences the steps trained (the job with its prompt and answer bounds at the longest it
+  ran: `as_run`), and the config's bound is kept beside it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -27,7 +33,7 @@ from colocate.bench.peaks import PhaseSampler, compare
 from colocate.config import JobConfig
 from colocate.job.controller import Controller
 from colocate.job.placement import sleep_backend
-from colocate.job.preflight import model_dims, predict_phases
+from colocate.job.preflight import model_dims, predict_phases, train_micro_batch_shape
 from colocate.job.runtime import Runtime
 
 PROMPTS = [[5, 6, 7, 16], [8, 9, 16]]
@@ -42,19 +48,50 @@ def run_switch_bench(cfg: JobConfig, *, num_cycles: int, out_dir: str, name: str
             # them the optimizer has its state and the engine its trained weights
             controller = Controller(cfg, rt)
             sampler.follow(controller)
+            trained = _record_trained(controller)
             controller.run_steps(2)
             sampler.stop()
-            predicted = predict_phases(cfg, model_dims(cfg), device=rt.device, plan=rt.switch)
+            ran = as_run(cfg, trained)
+            predicted = predict_phases(ran, model_dims(cfg), device=rt.device, plan=rt.switch)
+            bound = predict_phases(cfg, model_dims(cfg), device=rt.device, plan=rt.switch)
             result = _measure(cfg, rt, num_cycles)
     finally:
         sampler.stop()
     result["preflight"] = compare(predicted, sampler)
+    result["preflight"]["trained"] = {
+        "sequences": len(trained), "longest_prompt": ran.data.max_prompt_tokens,
+        "longest_answer": ran.rollout.max_tokens, "micro_batch_shape": train_micro_batch_shape(ran, rt.device),
+        "config_micro_batch_shape": train_micro_batch_shape(cfg, rt.device),
+        "config_bound": {p.name: p.total for p in bound}}
     ratios = result["ratios"]
     ratios["preflight_peak_predicted_over_measured"] = result["preflight"]["peak_predicted_over_measured"]
+    ratios["preflight_train_predicted_over_measured"] = result["preflight"]["phases"]["train"][
+        "predicted_over_measured"]
     path = write_result(result, out_dir, name)
     _plot(result, Path(out_dir) / f"{name}.png")
     _print(result, path)
     return result
+
+
+def _record_trained(controller: Controller) -> list[tuple[int, int]]:
+    """(prompt, answer) tokens of every sequence the controller trains from here on (its train phase, observed)."""
+    trained, train = [], controller.train
+
+    def recording(scored, step: int) -> dict:
+        trained.extend((len(s.prompt_ids), len(s.response_ids)) for s in scored.sequences)
+        return train(scored, step)
+
+    controller.train = recording
+    return trained
+
+
+def as_run(cfg: JobConfig, trained: list[tuple[int, int]]) -> JobConfig:
+    """The job whose preflight pictures the sequences `trained`: prompts and answers bounded at their longest."""
+    if not trained:
+        return cfg
+    return dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, max_prompt_tokens=max(p for p, _ in trained)),
+        rollout=dataclasses.replace(cfg.rollout, max_tokens=max(a for _, a in trained)))
 
 
 def _measure(cfg: JobConfig, rt: Runtime, num_cycles: int) -> dict:
@@ -189,6 +226,10 @@ def _print(result: dict, path: Path) -> None:
     pf = result["preflight"]
     phases = ", ".join(f"{name} {row['predicted_bytes'] / 2**30:.2f}/{(row['measured_bytes'] or 0) / 2**30:.2f}"
                        for name, row in pf["phases"].items())
-    print(f"preflight, predicted/measured GiB (whole job, PSS): {phases} | peak {pf['peak_predicted_bytes'] / 2**30:.2f}"
-          f"/{pf['peak_measured_bytes'] / 2**30:.2f} = {pf['peak_predicted_over_measured']:.2f}")
+    trained = pf["trained"]
+    print(f"preflight, predicted/measured GiB (whole job, PSS), for the {trained['sequences']} sequences trained "
+          f"(prompts <= {trained['longest_prompt']}, answers <= {trained['longest_answer']} tokens): {phases} | "
+          f"peak {pf['peak_predicted_bytes'] / 2**30:.2f}/{pf['peak_measured_bytes'] / 2**30:.2f} = "
+          f"{pf['peak_predicted_over_measured']:.2f}; the config's bound, train "
+          f"{trained['config_bound']['train'] / 2**30:.2f}")
     print(f"results: {path} (+ .png)")
