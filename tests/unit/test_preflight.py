@@ -363,3 +363,18 @@ def test_the_reference_policy_is_counted_on_the_gpu_and_in_host_memory(mixed_pre
     assert host["reference policy's host copy (offloaded)"] == c * dims.num_params
     assert "reference policy's host copy (offloaded)" not in preflight(
         cfg, device="cuda", available_bytes=int(1000 * GIB)).host_needs
+
+
+def test_the_switch_bench_predicts_the_sequences_it_trained():
+    # bench switch's two steps train the task's own sequences, a few tokens each: their prediction pictures those,
+    # where the config's bound pictures every row at 64 + rollout.max_tokens
+    from colocate.bench.switch import as_run
+    from colocate.job.preflight import train_micro_batch_shape
+
+    cfg = load_config(None, ["model.preset=bench", "rollout.max_tokens=32"])
+    ran = as_run(cfg, [(4, 3), (2, 5), (4, 1)])
+    assert train_micro_batch_shape(cfg) == (16, 96, True)
+    assert train_micro_batch_shape(ran) == (16, 9, True)  # the longest prompt and the longest answer
+    assert as_run(cfg, []) is cfg
+    bound, trained = (predict_train_peaks(c, model_dims(c), device="cpu") for c in (cfg, ran))
+    assert trained.forward_backward_bytes < bound.forward_backward_bytes
