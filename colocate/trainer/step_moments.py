@@ -10,8 +10,8 @@ AdamW's two moments), moment by moment, and the peak: the preflight's train phas
 Why moments and not one sum: the parts never coexist. The forward keeps activations and no gradient; the backward
 frees activations layer by layer while the gradients build up group by group, so the largest activations (at the
 head, before any decoder gradient exists) and the whole gradients (at the end, when the activations are gone) meet
-only in the middle. A sum of every part's maximum was 21-48% above the peaks measured on an H200 (docs/preflight.md)
-and 25-40% above the CPU's (`colocate bench train-memory`).
+only in the middle. A sum of every part's maximum was 27-92% above the peaks measured on an H200 (they were 0.52-0.79
+of it, docs/preflight.md) and 30-67% above the CPU's (`colocate bench train-memory`: 0.60-0.77).
 
 FSDP2's groups are trainer/fsdp.py's: each decoder layer; untied, the input embeddings and lm_head each a group
 (lm_head kept unsharded from its forward into its backward); the root (final norm, tied embeddings = lm_head). In
@@ -35,8 +35,8 @@ the gradients (measured 7.54 GiB for a 2.02B model on one H200). The CPU has no 
 (`_get_foreach_kernels_supported_devices`), so `_single_tensor_adam` runs parameter by parameter: the sqrt and its
 quotient, two copies of the largest one.
 
-Measured against torch's MemTracker on a real train step (tests/unit/test_step_moments.py) and pinned to the H200's
-table (tests/unit/test_preflight.py).
+Measured against torch's MemTracker on real train steps (tests/distributed/test_step_moments.py) and pinned to the
+H200's table (tests/unit/test_preflight.py).
 """
 
 from __future__ import annotations
