@@ -67,6 +67,23 @@ def process_tree(root: int) -> list[dict]:
     return found
 
 
+def processes_with_env(name: str, value: str) -> list[dict]:
+    """This host's processes whose environment at exec set `name`=`value`: every process of a job, whoever started
+    it (an actor, an engine's forkserver and its vLLM workers, an engine restarted after the job was recorded),
+    found by the token the job gave them. A forked child without an exec shows its parent's environment: it counts
+    too, as it should."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            entries = environ.read_bytes().split(b"\0")
+        except OSError:  # gone, or another user's
+            continue
+        if needle in entries and (entry := process_entry(int(environ.parent.name))) is not None:
+            found.append(entry)
+    return found
+
+
 def actor_processes(_actor=None) -> dict:
     """Run inside an actor (`actor.__ray_call__.remote(actor_processes)`): its host and process tree (for an
     engine, with its vLLM workers)."""

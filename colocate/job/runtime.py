@@ -32,7 +32,7 @@ from colocate.config.reward_model import reward_models_in
 from colocate.engine.actor import EngineActor, engine_env
 from colocate.engine.reward_engine import RewardEngineActor, reward_engine_config
 from colocate.host.clean import JobRecord
-from colocate.host.procfs import actor_processes, process_tree, same_process, stop_processes
+from colocate.host.procfs import actor_processes, process_tree, processes_with_env, same_process, stop_processes
 from colocate.host.rpc_dirs import remove_stale_rpc_dirs
 from colocate.job.groups import EngineGroup, TrainerGroup
 from colocate.job.placement import (
@@ -397,6 +397,11 @@ class Runtime:
         # What outlived its actor: a vLLM worker stopped (SIGSTOP) or stuck in a syscall does not follow its
         # engine's death; SIGKILL reaches it anyway. Only this job's recorded processes, on this host.
         stopped, self._job_processes = self._job_processes, []
+        # and every process here that carries the job's token but was not recorded (an engine restarted after the
+        # record, a worker its tree did not show yet): a test file's teardown found a TP engine's vLLM segments
+        # (cpushm) left mapped past the clean-up with a second file beside it
+        recorded = {e["pid"] for e in stopped}
+        stopped += [e for e in processes_with_env(JOB_ENV, self.job) if e["pid"] not in recorded | {os.getpid()}]
         # a resource tracker exits by itself once its process's holders are gone, having unlinked the
         # semaphores they named; on a loaded machine that can take more than a moment
         stop_processes(stopped, grace_s=2.0, tracker_grace_s=10.0)
@@ -415,7 +420,8 @@ class Runtime:
         deadline = time.monotonic() + timeout_s
         while new and time.monotonic() < deadline:
             new -= set(remove_orphaned_entries(new))
-            ours = [e["pid"] for e in stopped + process_tree(os.getpid())[1:] if same_process(e)]
+            ours = [e["pid"] for e in stopped + process_tree(os.getpid())[1:] + processes_with_env(JOB_ENV, self.job)
+                    if same_process(e)]
             if not new or not mapped_by(new, pids=ours):
                 return
             time.sleep(0.5)

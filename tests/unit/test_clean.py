@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -296,3 +297,28 @@ def test_a_ray_the_job_started_goes_unless_another_driver_uses_it(tmp_path):
         for proc in (daemon, other_session, driver):
             proc.kill()
             proc.wait()
+
+
+def test_a_jobs_processes_are_found_by_its_token_whoever_started_them():
+    """Runtime.close stops every process here that carries the job's token, recorded or not: a process started by
+    another (a forkserver's child: fork without exec) shows the environment of its parent's exec, and counts."""
+    from colocate.host.procfs import processes_with_env
+
+    token, other = "0123abcd", "feedbeef"
+    code = "import os, time; os.fork() == 0 and time.sleep(30); time.sleep(30)"  # the parent and a forked child
+    ours = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, JOB_ENV: token})
+    theirs = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env={**os.environ, JOB_ENV: other})
+    try:
+        deadline = time.monotonic() + 20
+        while len(found := processes_with_env(JOB_ENV, token)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = {e["pid"] for e in found}
+        assert ours.pid in pids and len(pids) == 2  # the child too, and nothing else
+        assert {e["pid"] for e in process_tree(ours.pid)} == pids
+        assert theirs.pid not in pids and os.getpid() not in pids
+    finally:
+        for p in process_tree(ours.pid):
+            os.kill(p["pid"], 9)
+        theirs.kill()
+        ours.wait()
+        theirs.wait()
