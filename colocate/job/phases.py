@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from colocate.config import JobConfig
 from colocate.config.reward_model import reward_models_in
-from colocate.job.dims import ModelDims, trainer_state_bytes
+from colocate.models.dims import ModelDims, trainer_state_bytes
 from colocate.job.placement import sync_in_place, sync_transport
 from colocate.job.train_peaks import TrainPeaks, predict_train_peaks
 

@@ -13,7 +13,7 @@ On the CPU every part lives in host memory, so a phase's total is summed over al
 trainer ranks, the engine workers, Ray). On CUDA the budget is one GPU, and a slot is one GPU holding one
 trainer rank and one engine TP worker: every part is per GPU. docs/preflight.md explains each part.
 
-The arithmetic lives beside: the model's dimensions in job/dims.py, each phase's parts in job/phases.py, the
+The arithmetic lives beside: the model's dimensions in models/dims.py, each phase's parts in job/phases.py, the
 train step's peaks in job/train_peaks.py (trainer/step_moments.py, moment by moment). Their names stay
 importable from here.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 from colocate.config import JobConfig
 from colocate.errors import ConfigError
 from colocate.host.node_checks import host_needs
-from colocate.job.dims import (  # noqa: F401
+from colocate.models.dims import (  # noqa: F401
     ModelDims,
     model_config_file,
     model_dims,

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from colocate.config import JobConfig
-from colocate.job.dims import ModelDims, num_adapter_params, trainer_state_bytes
+from colocate.models.dims import ModelDims, num_adapter_params, trainer_state_bytes
 from colocate.trainer.batching import attention_implementation
 from colocate.trainer.step_memory import head_input_bytes_per_token, logprob_pass_peaks
 from colocate.trainer.step_moments import (

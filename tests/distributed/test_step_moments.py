@@ -39,7 +39,7 @@ def _measured_step(rank: int, world_size: int, port: int, model_path: str, keys:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from colocate.config import TrainerConfig
-    from colocate.job.dims import ModelDims
+    from colocate.models.dims import ModelDims
     from colocate.trainer.actor import TrainerActor
     from colocate.trainer.step_moments import StepSetting, optimizer_step_parts, peak_moment, step_moments
 

@@ -325,7 +325,7 @@ def run_plain(model_path: str, device_type: str, lengths: list[int], measured: i
 
 
 def train_step_section(device: torch.device, *, lengths: list[int] | None = None, measured: int = 1) -> dict:
-    from colocate.job.dims import ModelDims
+    from colocate.models.dims import ModelDims
 
     cuda = device.type == "cuda"
     config = GPU_MODEL if cuda else CPU_MODEL

@@ -1,9 +1,10 @@
 """A model's dimensions, read before any actor starts: from a preset, or the model's config.json (a local
-directory, or a hub id already in the Hugging Face cache). The memory preflight (job/preflight.py) and the train
-step's memory model (job/train_peaks.py, trainer/step_moments.py) compute on them.
+directory, or a hub id already in the Hugging Face cache). The one reader of them: the checks (job/checks.py:
+experts, LoRA targets, the sync bucket), the memory preflight (job/preflight.py) and the train step's memory model
+(job/train_peaks.py, trainer/step_moments.py) compute on what it returns, read once per job (job/setup.py).
 
     dims = model_dims(cfg)            # None: a hub id not on this machine
-    dims.num_params, dims.layer_params, dims.root_params
+    dims.num_params, dims.layer_params, dims.root_params, dims.largest_tensor_params
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from colocate.config import JobConfig
-from colocate.models.sources import is_hub_id
+from colocate.models.sources import PRESETS, is_hub_id
 
 
 @dataclass
@@ -30,6 +31,7 @@ class ModelDims:
     head_dim: int
     num_experts: int = 0  # routed experts per layer; 0: dense
     shared_expert_size: int = 0  # a MoE layer's shared expert's intermediate size; 0: none
+    expert_intermediate_size: int = 0  # one routed expert's intermediate size; 0: dense
 
     @classmethod
     def from_config_dict(cls, d: dict) -> ModelDims:
@@ -46,6 +48,7 @@ class ModelDims:
         attention = hidden * head_dim * (2 * heads + 2 * kv) + (head_dim * (heads + 2 * kv) if qkv_bias else 0) \
             + (2 * head_dim if model_type.startswith("qwen3") else 0)
         num_experts = num_routed_experts(d)
+        expert_inter = 0
         if num_experts:  # every layer sparse (Qwen3-MoE, Mixtral): experts, router, an optional shared expert
             expert_inter = d.get("moe_intermediate_size") or inter
             shared = d.get("shared_expert_intermediate_size") or 0
@@ -57,7 +60,7 @@ class ModelDims:
         tied = bool(d.get("tie_word_embeddings"))
         embeddings = d["vocab_size"] * hidden * (1 if tied else 2)
         return cls(layers * per_layer + embeddings + hidden, layers, hidden, d["vocab_size"], per_layer, tied,
-                   inter, heads, kv, head_dim, num_experts, shared if num_experts else 0)
+                   inter, heads, kv, head_dim, num_experts, shared if num_experts else 0, expert_inter)
 
     def projections(self) -> dict[str, tuple[int, int]]:
         """The linear projections of a decoder layer, name -> (in, out) features: attention's, and the MLP's
@@ -76,6 +79,13 @@ class ModelDims:
     def root_params(self) -> int:
         """FSDP2's root group: what is not in a decoder layer (embeddings, final norm, lm_head)."""
         return self.num_params - self.num_layers * self.layer_params
+
+    @property
+    def largest_tensor_params(self) -> int:
+        """The largest weight, in params: the embeddings (or lm_head), a dense MLP's projection, or a MoE layer's
+        experts fused as transformers 5 holds them (gate_up_proj: experts x 2 x intermediate rows of hidden)."""
+        mlp = self.num_experts * 2 * self.expert_intermediate_size if self.num_experts else self.intermediate_size
+        return max(self.vocab_size, self.hidden_size, mlp) * self.hidden_size
 
     @property
     def largest_sync_group(self) -> int:
@@ -109,14 +119,10 @@ def num_routed_experts(config: dict) -> int:
     return int(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0)
 
 
-
-
 def model_dims(cfg: JobConfig) -> ModelDims | None:
     """From the preset, or the model's config.json on this machine (None for a hub id not on this machine)."""
-    from colocate.models import sources as models
-
     if not cfg.model.path:
-        p = models.PRESETS[cfg.model.preset]
+        p = PRESETS[cfg.model.preset]
         return ModelDims.from_config_dict({**asdict(p), "num_hidden_layers": p.num_layers,
                                            "model_type": "qwen3_moe" if p.num_experts else "qwen2"})
     config_file = model_config_file(cfg.model.path)
