@@ -103,12 +103,12 @@ def check_devices(cfg: JobConfig, *, node: GpuNode | None = None) -> tuple[SlotP
             raise ConfigError("placement.device='cpu' is invalid with --gpus: --gpus describes a CUDA node; "
                               "valid: auto, cuda")
         plan = plan_slots(cfg, device="cuda", num_devices=node.num_gpus, where=f"the node of --gpus {node.num_gpus}")
-        return plan, preflight(cfg, device="cuda", available_bytes=int(node.gpu_memory_gib * GIB))
+        return plan, preflight(cfg, model_dims(cfg), device="cuda", available_bytes=int(node.gpu_memory_gib * GIB))
     device = resolve_device(cfg.placement.device)
     if cfg.placement.ray_address:
         return None, None
     plan = plan_slots(cfg, device=device, num_devices=local_device_count(device))
-    prediction = preflight(cfg, device=device)
+    prediction = preflight(cfg, model_dims(cfg), device=device)
     if prediction.host_needs:  # a CUDA job, and this machine is its node: what the node must provide
         check_node(cfg, prediction.host_needs, available_host_bytes=host_available_bytes(),
                    shm_bytes=shm_free_bytes(), modes=compute_modes(), mps=mps_pipe_directory())

@@ -5,9 +5,11 @@ Co-located RL's most common failure is an out-of-memory crash mid-run (at wake, 
 and the KV cache coexist). The preflight adds up what each phase keeps resident and stops the job with one line
 naming the phase, the shortfall and what to change, instead of letting it crash minutes in.
 
-    result = preflight(cfg, device="cuda", available_bytes=80 * GIB)   # ConfigError if a phase cannot fit
-    result.plan.engine_sleep_level, result.plan.trainer_offload    # what the controller must move
-    result.phases                                                  # startup, rollout, train, sync, with parts
+    dims = model_dims(cfg)                                                 # models/dims.py; None: unknown
+    result = preflight(cfg, dims, device="cuda", available_bytes=80 * GIB)   # ConfigError if a phase cannot fit
+    result.plan.engine_sleep_level, result.plan.trainer_offload          # what the controller must move
+    result.phases                                                        # startup, rollout, train, sync, parts
+    plan_switch(cfg, dims, device="cpu")                                 # the plan alone, for this machine
 
 On the CPU every part lives in host memory, so a phase's total is summed over all processes of the job (the
 trainer ranks, the engine workers, Ray). On CUDA the budget is one GPU, and a slot is one GPU holding one
@@ -126,15 +128,23 @@ def default_plan(cfg: JobConfig, reason: str = "") -> SwitchPlan:
     return SwitchPlan(2 if level is None else level, True if offload is None else offload, reason)
 
 
-def plan_switch(cfg: JobConfig, dims: ModelDims, *, device: str, available_bytes: int) -> SwitchPlan:
-    """Explicit `engine.sleep_level` / `trainer.offload` are obeyed; 'auto' picks the least movement that fits.
+def plan_switch(cfg: JobConfig, dims: ModelDims | None, *, device: str,
+                available_bytes: int | None = None) -> SwitchPlan:
+    """Explicit `engine.sleep_level` / `trainer.offload` are obeyed; 'auto' picks the least movement that fits
+    `available_bytes` (CPU: host memory available, CUDA: one GPU's total; default: this machine's).
 
     The engine stays awake (0) when the train and sync phases fit beside it, else sleeps at level 2 (the sync
     rewrites every weight, so level 1's host copy is wasted work). The trainer keeps its state when the rollout
     fits beside it, else offloads. The two are independent: the trainer is resident in train and sync whatever
-    the plan, and the engine is awake in the rollout whatever the plan."""
+    the plan, and the engine is awake in the rollout whatever the plan. Without `dims` (a hub id not on this
+    machine) nothing can be predicted: everything moves unless chosen."""
     if fixed := _fixed_plan(cfg):  # nothing to choose; check_fits refuses it when a phase cannot hold both
         return fixed
+    if dims is None:
+        return default_plan(cfg, f"model dims unknown ({cfg.model.path!r} is neither a local directory nor in the "
+                                 "Hugging Face cache): everything moves unless chosen (engine.sleep_level, "
+                                 "trainer.offload)")
+    available_bytes = available_bytes if available_bytes is not None else machine_bytes(device)
     budget = budget_bytes(available_bytes, device=device)
     where = f"one GPU of {available_bytes / GIB:.1f} GiB" if device == "cuda" else \
         f"this machine's {available_bytes / GIB:.1f} GiB available"
@@ -160,17 +170,6 @@ def plan_switch(cfg: JobConfig, dims: ModelDims, *, device: str, available_bytes
     else:
         trainer_note = f"trainer state {'offloaded' if offload else 'stays'} (trainer.offload={str(offload).lower()})"
     return SwitchPlan(level, offload, f"{engine_note}; {trainer_note}")
-
-
-def switch_plan(cfg: JobConfig, *, device: str, available_bytes: int | None = None) -> SwitchPlan:
-    """The plan for this machine (or for `available_bytes`: CPU host memory available, CUDA one GPU's total)."""
-    dims = model_dims(cfg)
-    if dims is None:
-        return default_plan(cfg, f"model dims unknown ({cfg.model.path!r} is neither a local directory nor in the "
-                                 "Hugging Face cache): everything moves unless chosen (engine.sleep_level, "
-                                 "trainer.offload)")
-    available = available_bytes if available_bytes is not None else machine_bytes(device)
-    return plan_switch(cfg, dims, device=device, available_bytes=available)
 
 
 def _gib(num_bytes: int) -> str:
@@ -284,15 +283,15 @@ def check_environment(device: str) -> None:
                           "unchecked on expandable segments; unset it")
 
 
-def preflight(cfg: JobConfig, *, device: str, available_bytes: int | None = None) -> Prediction:
-    """Plan the switches, predict every phase under the plan, and raise ConfigError if one cannot fit.
-    `available_bytes` describes a machine that need not be this one (CUDA: one GPU's total memory)."""
+def preflight(cfg: JobConfig, dims: ModelDims | None, *, device: str, available_bytes: int | None = None) -> Prediction:
+    """Plan the switches, predict every phase under the plan, and raise ConfigError if one cannot fit. `dims`:
+    the model's (models/dims.py; None: unknown, nothing predicted). `available_bytes` describes a machine that
+    need not be this one (CUDA: one GPU's total memory)."""
     check_environment(device)
     available = available_bytes if available_bytes is not None else machine_bytes(device)
     budget = budget_bytes(available, device=device)
-    dims = model_dims(cfg)
     if dims is None:
-        return Prediction(switch_plan(cfg, device=device), [], device, available, budget)
+        return Prediction(plan_switch(cfg, None, device=device), [], device, available, budget)
     plan = plan_switch(cfg, dims, device=device, available_bytes=available)
     phases = predict_phases(cfg, dims, device=device, plan=plan, gpu_bytes=available)
     check_fits(phases, available_bytes=available, cfg=cfg, device=device, plan=plan)

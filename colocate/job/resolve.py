@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from colocate.config import JobConfig
 from colocate.config.schema import engine_lora_rank
 from colocate.job.placement import resolve_device, sleep_backend, sync_transport
-from colocate.job.preflight import SwitchPlan, switch_plan
+from colocate.job.preflight import SwitchPlan, plan_switch
+from colocate.models.dims import model_dims
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def resolve_job(cfg: JobConfig, *, switch: SwitchPlan | None = None, device: str
 
     device = decide("placement.device", device or resolve_device(cfg.placement.device),
                     "CUDA is available" if (device or resolve_device("auto")) == "cuda" else "no CUDA device")
-    switch = switch or switch_plan(cfg, device=device)
+    switch = switch or plan_switch(cfg, model_dims(cfg), device=device)
     engine_why, _, trainer_why = switch.reason.partition("; ")  # plan_switch's two notes, when it made them
     level = decide("engine.sleep_level", str(switch.engine_sleep_level), engine_why)
     offload = decide("trainer.offload", str(switch.trainer_offload).lower(), trainer_why or engine_why)

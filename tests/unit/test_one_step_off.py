@@ -62,10 +62,11 @@ def test_one_step_off_keeps_both_sides_resident_in_every_phase():
     ([f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2", "rollout.max_tokens=64"], "cuda", H100),
 ], ids=["bench_on_11gib_cpu", "qwen7b_8x80gib"])
 def test_one_step_off_that_cannot_fit_names_the_phase_and_the_shortfall(overrides, device, available):
-    sync = preflight(load_config(None, overrides), device=device, available_bytes=available)
+    cfg = load_config(None, overrides)
+    sync = preflight(cfg, model_dims(cfg), device=device, available_bytes=available)
     assert sync.plan.engine_sleep_level == 2  # sync mode fits only by putting the engine to sleep
     with pytest.raises(ConfigError) as info:
-        preflight(load_config(None, ["algo.mode=one_step_off", *overrides]), device=device,
+        preflight(load_config(None, ["algo.mode=one_step_off", *overrides]), model_dims(cfg), device=device,
                   available_bytes=available)
     message = str(info.value)
     # training overlaps the rollout: the first phase found short may be either (both hold both sides)

@@ -25,7 +25,6 @@ from colocate.job.preflight import (
     predict_phases,
     predict_train_peaks,
     preflight,
-    switch_plan,
 )
 
 QWEN_7B = str(Path(__file__).resolve().parents[2] / "configs" / "models" / "Qwen2.5-7B")
@@ -205,19 +204,22 @@ def test_plan_switch(overrides, device, available, expected):
 
 def test_the_chosen_plan_is_what_preflight_checks():
     cfg = load_config(None, ["model.preset=bench", "trainer.micro_batch_size=1", "engine.kv_cache_gib=2"])
-    result = preflight(cfg, device="cpu", available_bytes=11 * GIB)  # fits only because both move
+    result = preflight(cfg, model_dims(cfg), device="cpu", available_bytes=11 * GIB)  # fits only because both move
     assert (result.plan.engine_sleep_level, result.plan.trainer_offload) == (2, True)
     assert result.phases == predict_phases(cfg, model_dims(cfg), device="cpu", plan=result.plan)
+    awake = load_config(None, ["model.preset=bench", "trainer.micro_batch_size=1", "engine.kv_cache_gib=2",
+                               "engine.sleep_level=0"])
     with pytest.raises(ConfigError, match="phase 'train'.*use engine.sleep_level=auto or 2 \\(now 0"):
-        preflight(load_config(None, ["model.preset=bench", "trainer.micro_batch_size=1", "engine.kv_cache_gib=2",
-                                     "engine.sleep_level=0"]), device="cpu", available_bytes=11 * GIB)
+        preflight(awake, model_dims(awake), device="cpu", available_bytes=11 * GIB)
 
 
 def test_unknown_model_dims_move_everything_unless_chosen():
-    plan = switch_plan(load_config(None, ["model.path=Qwen/Qwen2.5-7B"]), device="cuda", available_bytes=H100)
+    hub = load_config(None, ["model.path=Qwen/Qwen2.5-7B"])
+    assert model_dims(hub) is None  # not on this machine
+    plan = plan_switch(hub, None, device="cuda", available_bytes=H100)
     assert (plan.engine_sleep_level, plan.trainer_offload) == (2, True) and "unknown" in plan.reason
-    chosen = switch_plan(load_config(None, ["model.path=Qwen/Qwen2.5-7B", "engine.sleep_level=1",
-                                            "trainer.offload=false"]), device="cuda", available_bytes=H100)
+    chosen = plan_switch(load_config(None, ["model.path=Qwen/Qwen2.5-7B", "engine.sleep_level=1",
+                                            "trainer.offload=false"]), None, device="cuda", available_bytes=H100)
     assert (chosen.engine_sleep_level, chosen.trainer_offload) == (1, False)
 
 
@@ -337,10 +339,10 @@ def test_a_split_placement_predicts_its_engine_gpus_and_refuses_one_that_cannot_
     assert engine["nccl communicators (tp of 2, broadcast of 3; est.)"] == 2 * NCCL_COMMUNICATOR_PEERS_BYTES
     assert engine["sync ring"] == by_name["sync"].parts["broadcast staging (the TP ranks it feeds)"] // 1
     assert engine["cuda context (engine worker, est.)"] == CUDA_CONTEXT_BYTES
-    preflight(cfg, device="cuda", available_bytes=H100)  # fits
+    preflight(cfg, model_dims(cfg), device="cuda", available_bytes=H100)  # fits
     crowded = load_config(None, [f"model.path={QWEN_7B}", *split, "engine.gpu_memory_utilization=0.97"])
     with pytest.raises(ConfigError, match="phase 'engine gpu'.*lower engine.gpu_memory_utilization \\(now 0.97\\)"):
-        preflight(crowded, device="cuda", available_bytes=H100)
+        preflight(crowded, model_dims(crowded), device="cuda", available_bytes=H100)
 
 
 @pytest.mark.parametrize("mixed_precision", [True, False], ids=["bf16", "fp32"])
@@ -359,10 +361,10 @@ def test_the_reference_policy_is_counted_on_the_gpu_and_in_host_memory(mixed_pre
     # within 2% of the step's end (every fp32 gradient and the embeddings' reduce-scatter)
     assert reference.forward_backward_bytes == max(plain.forward_backward_bytes, sum(parts.values()))
     assert sum(parts.values()) > (0.95 if c == 4 else 0.5) * plain.forward_backward_bytes
-    host = preflight(with_kl, device="cuda", available_bytes=int(1000 * GIB)).host_needs
+    host = preflight(with_kl, dims, device="cuda", available_bytes=int(1000 * GIB)).host_needs
     assert host["reference policy's host copy (offloaded)"] == c * dims.num_params
     assert "reference policy's host copy (offloaded)" not in preflight(
-        cfg, device="cuda", available_bytes=int(1000 * GIB)).host_needs
+        cfg, dims, device="cuda", available_bytes=int(1000 * GIB)).host_needs
 
 
 def test_the_switch_bench_predicts_the_sequences_it_trained():
