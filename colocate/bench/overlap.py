@@ -32,7 +32,7 @@ from colocate.bench.rollout import MEDIAN_TOKENS, ROLLOUT_DEFAULTS, SIGMA, logno
 from colocate.config import JobConfig
 from colocate.job.controller import Controller
 from colocate.job.runtime import Runtime
-from colocate.rl.rollout import Rollouts
+from colocate.rollout.passes import Passes
 from colocate.rl.tasks import PromptStream, make_task
 
 # bench rollout's long tail, with one_step_off's plan for both modes (what moves would differ otherwise)
@@ -95,7 +95,7 @@ def _run_mode(rt: Runtime, cfg: JobConfig, mode: str, num_steps: int) -> tuple[d
                               rollout=dataclasses.replace(cfg.rollout, ignore_eos=True, **segments))
     job.check()
     task = make_task(job.rollout.task, length=job.rollout.task_length)
-    rollouts = Rollouts(job, rt.engines, rt.tokenizer, PromptStream(task, seed=job.rollout.seed),
+    rollouts = Passes(job, rt.engines, rt.tokenizer, PromptStream(task, seed=job.rollout.seed),
                         budgets=lognormal_budgets(job.rollout.max_tokens, seed=job.rollout.seed))
     controller = Controller(job, rt, rollouts=rollouts)
     total = num_steps + 1  # the first step warms up (and, in one_step_off, generates its own answers)

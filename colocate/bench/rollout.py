@@ -35,7 +35,7 @@ from colocate.bench.common import write_result
 from colocate.config import JobConfig
 from colocate.job.controller import Controller
 from colocate.job.runtime import Runtime
-from colocate.rl.rollout import Rollouts
+from colocate.rollout.passes import Passes
 from colocate.rl.tasks import PromptStream, make_task
 
 ROLLOUT_DEFAULTS = ["model.preset=tiny", "engine.max_model_len=512", "engine.kv_cache_gib=0.125",
@@ -66,7 +66,7 @@ def run_rollout_bench(cfg: JobConfig, *, num_steps: int, out_dir: str, name: str
             job = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, **settings, ignore_eos=True))
             job.check()
             task = make_task(job.rollout.task, length=job.rollout.task_length)
-            rollouts = Rollouts(job, rt.engines, rt.tokenizer, PromptStream(task, seed=job.rollout.seed),
+            rollouts = Passes(job, rt.engines, rt.tokenizer, PromptStream(task, seed=job.rollout.seed),
                                 budgets=lognormal_budgets(job.rollout.max_tokens, seed=job.rollout.seed))
             controller = Controller(job, rt, rollouts=rollouts)
             records, timelines = [], []

@@ -4,7 +4,7 @@
     rollout.rewards=judge:PATH          a generative judge: each answer's reward is the number its verdict gives
     rollout.rewards=math:1,model:PATH:0.5   beside rule rewards, weighted like any component
 
-The model runs as a vLLM engine of its own (rl/reward_model.py, engine/reward_engine.py) on the first device
+The model runs as a vLLM engine of its own (rollout/reward_model.py, engine/reward_engine.py) on the first device
 slots of the policy's engines, and sleeps with them while the trainer trains. The checks of one key sit here;
 which path is a reward model, and whether it exists, is job/checks.py's.
 """

@@ -8,7 +8,7 @@ other engine arguments and one call, `score`:
 - a generative judge (`judge:PATH`) generates its verdict greedily, and the verdict's number is the score.
 
 What the model reads is built here (the functions below, pure, tested without an engine); how the controller
-uses the scores is rl/reward_model.py's. The actor takes part in no weight sync: it opens no ring, and its
+uses the scores is rollout/reward_model.py's. The actor takes part in no weight sync: it opens no ring, and its
 weights are the ones it loaded.
 
     actor = RewardEngineActor.options(...).remote(engine_cfg, path, kind="model", rm_cfg=cfg.reward_model,

@@ -32,7 +32,7 @@ from colocate.job.preflight import (GIB, Prediction, host_available_bytes, model
                                     num_routed_experts, preflight)
 from colocate.models import sources as models
 from colocate.rl.data import data_files, load_val_samples, make_prompt_source
-from colocate.rl.evaluation import enabled as evaluation_enabled
+from colocate.rollout.evaluation import enabled as evaluation_enabled
 from colocate.rl.rewards import parse_rewards
 from colocate.rl.tasks import load_reward_fn, make_task
 from colocate.telemetry.sinks import check_sinks
@@ -127,7 +127,7 @@ class JobInputs:
 
 def _check_env(cfg: JobConfig, sample) -> None:
     """One episode's reset and one step of rollout.env, on a sample of the job's own prompts."""
-    from colocate.rl.environments import check_env
+    from colocate.rollout.environments import check_env
 
     check_env(cfg.rollout.env, sample, length=cfg.rollout.task_length, timeout_s=cfg.rollout.env_timeout_s)
 

@@ -54,10 +54,39 @@ class TrainerGroup(ActorGroup):
 
 
 class EngineGroup(ActorGroup):
-    """The vLLM engines (each an actor driving its TP workers)."""
+    """The vLLM engines (each an actor driving its TP workers), and what sleeps and wakes with them: the reward
+    model's engine (rollout.rewards=model:PATH), on their devices, asleep while the trainer trains."""
+
+    def __init__(self, actors=(), *, sleeps_with: list | None = None):
+        super().__init__(actors)
+        self.sleeps_with = sleeps_with if sleeps_with is not None else []  # each with sleep() and wake()
 
     def sleep(self, level: int) -> None:
+        """The policy's engines at `level`, then the others (the reward model at its own level: docs/rewards)."""
         self.call("sleep", level)
+        for other in self.sleeps_with:
+            other.sleep()
 
     def wake(self, tags: list[str]) -> None:
+        """The policy's engines' `tags`; the others wake whole with the KV cache, the last thing to return (they
+        are never synced: their weights come back for the next step's scoring, and for evaluation)."""
         self.call("wake", tags)
+        if "kv_cache" in tags:
+            for other in self.sleeps_with:
+                other.wake()
+
+
+def memory_record(engines: EngineGroup, trainers: TrainerGroup, reward_model=None) -> dict:
+    """Host RSS summed per side, and on CUDA each actor's device memory (torch's allocated and reserved bytes,
+    and the driver's free bytes on its GPU: vLLM's cuMem pool is invisible to torch's counters)."""
+    workers = [w for e in engines.call("memory") for w in e]
+    ranks = trainers.call("memory")
+    record = {"engine_rss_bytes": sum(w["rss_bytes"] for w in workers),
+              "trainer_rss_bytes": sum(t["rss_bytes"] for t in ranks)}
+    if reward_model is not None:
+        record["reward_model_rss_bytes"] = sum(w["rss_bytes"] for w in reward_model.memory())
+    if "device_free_bytes" in ranks[0]:
+        keys = ("device_allocated_bytes", "device_reserved_bytes", "device_free_bytes")
+        record["trainers"] = [{k: t[k] for k in keys} for t in ranks]
+        record["engine_workers"] = [{k: w[k] for k in keys} for w in workers]
+    return record

@@ -50,7 +50,7 @@ from colocate.job.placement import (
 )
 from colocate.job.resolve import ResolvedJob, resolve_job
 from colocate.models.sources import ensure_model, ensure_reward_model, load_tokenizer
-from colocate.rl.reward_model import RewardModel
+from colocate.rollout.reward_model import RewardModel
 from colocate.sync.buckets import TensorSpec
 from colocate.sync.tp_layout import is_adapter
 from colocate.sync.transport import (
@@ -97,7 +97,7 @@ class Runtime:
         self.sync: WeightSync | None = None
         self.reward_model: RewardModel | None = None  # rollout.rewards=model:PATH or judge:PATH: its engine
         self.reward_model_info: dict | None = None  # where it runs and its start-up figures
-        self.env_workers: list = []  # rollout.env_workers: the actors holding the environments (rl/env_workers.py)
+        self.env_workers: list = []  # rollout.env_workers: the actors holding the environments (rollout/env_workers.py)
         self._started_ray = False
         self._shm_before = shm_entries()  # what /dev/shm held before us: close() leaves those alone
         self.job = new_job_token()
@@ -287,7 +287,7 @@ class Runtime:
         """The engine actors, each preparing (vLLM's import) at once; _start_engines builds the engines."""
         cfg = self.cfg
         actor = ray.remote(EngineActor)
-        self.engines = EngineGroup()
+        self.engines = EngineGroup(sleeps_with=self.engines.sleeps_with)
         self._engine_generation += 1
         for e in range(self.plan.num_engines):
             where = engine_placement(self.plan, e)
@@ -301,7 +301,7 @@ class Runtime:
 
     def _create_reward_model(self) -> None:
         """rollout.rewards=model:PATH or judge:PATH: the reward model's engine actor, on the policy engines' first
-        slots, preparing at once (RewardEngineActor); it serves rl.reward_model.RewardModel."""
+        slots, preparing at once (RewardEngineActor); it serves rollout.reward_model.RewardModel."""
         specs = reward_models_in(self.cfg.rollout.rewards)
         if not specs:
             return
@@ -316,6 +316,7 @@ class Runtime:
             engine_cfg, path, kind=spec.kind, rm_cfg=cfg.reward_model, device=self.device,
             sleep_backend=self.resolved.sleep_backend, placement_env=where.env)
         self.reward_model = RewardModel(actor, kind=spec.kind)
+        self.engines.sleeps_with.append(self.reward_model)  # asleep with the policy's engines, on their devices
         self.reward_model_info = {"kind": spec.kind, "path": path, "slots": self.plan.reward_model_slots()}
         self._reward_model_prepared = actor.prepare.remote()
 
@@ -326,8 +327,8 @@ class Runtime:
             self.reward_model_info.update(ray.get(actor.start.remote()), devices=ray.get(actor.device_names.remote()))
 
     def _create_env_workers(self) -> None:
-        """rollout.env_workers actors, outside the placement group and reserving no CPU (rl/env_workers.py)."""
-        from colocate.rl.env_workers import EnvWorker
+        """rollout.env_workers actors, outside the placement group and reserving no CPU (rollout/env_workers.py)."""
+        from colocate.rollout.env_workers import EnvWorker
 
         r = self.cfg.rollout
         actor = ray.remote(EnvWorker)
@@ -371,7 +372,7 @@ class Runtime:
         for engine in self.engines:
             ray.get(engine.shutdown.remote())
             ray.kill(engine, no_restart=True)
-        self.engines = EngineGroup()
+        self.engines = EngineGroup(sleeps_with=self.engines.sleeps_with)
         self._start_engines()
         self.sync.engines = self.engines
         self.sync.pairs = self.pairs

@@ -34,7 +34,7 @@ FORMATS = {".jsonl": "json", ".parquet": "parquet"}  # extension -> datasets' bu
 
 
 class PromptSource(Protocol):
-    """What Rollouts draws prompts from: PromptStream (toy tasks) or DatasetPrompts (files)."""
+    """What Passes draws prompts from: PromptStream (toy tasks) or DatasetPrompts (files)."""
 
     def next_batch(self, n: int) -> list[Sample]: ...
 
@@ -118,7 +118,7 @@ def load_samples(files: list[str], data: DataConfig, tokenizer, *, key: str,
     num_dropped, first_dropped = 0, ""
     for path in files:
         samples = _file_samples(path, data, tokenizer, key)
-        # One tokenizer call per file (fast tokenizers batch in Rust); the count is the one Rollouts will send.
+        # One tokenizer call per file (fast tokenizers batch in Rust); the count is the one Passes will send.
         ids = tokenizer([s.prompt for s in samples], add_special_tokens=False).input_ids if samples else []
         for row, (sample, length) in enumerate(zip(samples, map(len, ids))):
             if length <= max_tokens:

@@ -16,7 +16,7 @@ Built-ins (each `f(prompt, response, answer) -> float`):
 - ``char``:   the toy tasks' dense character match (`tasks.char_match_reward`), partial credit a tiny model can
   climb before it ever gets an answer exactly right.
 
-And a reward model the job serves (rl/reward_model.py): ``model:PATH`` (a sequence classifier) or ``judge:PATH``
+And a reward model the job serves (rollout/reward_model.py): ``model:PATH`` (a sequence classifier) or ``judge:PATH``
 (a generative judge), logged as ``reward_model_mean`` or ``reward_judge_mean``. The runtime starts its engine;
 `make_reward` binds it to the component.
 
@@ -39,7 +39,8 @@ from colocate.config import JobConfig
 from colocate.config.reward_model import reward_model_spec
 from colocate.errors import ConfigError
 from colocate.rl.scoring import Reward, RewardBreakdown, apply_reward
-from colocate.rl.tasks import Task, _import_object, char_match_reward, load_reward_fn
+from colocate.rl.plugins import import_object
+from colocate.rl.tasks import Task, char_match_reward, load_reward_fn
 
 log = logging.getLogger("colocate")
 
@@ -167,7 +168,7 @@ def parse_rewards(spec: str) -> list[Component]:
         if name in BUILTIN_REWARDS:
             fn = BUILTIN_REWARDS[name]
         elif ":" in name:
-            fn = _import_object(name, "rollout.rewards", _VALID)
+            fn = import_object(name, "rollout.rewards", _VALID)
             name = name.rpartition(":")[2]
         else:
             raise ConfigError(f"rollout.rewards={spec!r} is invalid: unknown reward {name!r}; {_VALID}")
@@ -208,7 +209,7 @@ class CombinedReward:
 
 def make_reward(cfg: JobConfig, task: Task, reward_model=None) -> Reward:
     """The job's reward: rollout.rewards (weighted built-ins, plug-ins and the reward model, `reward_model`: the
-    runtime's rl.reward_model.RewardModel), else rollout.reward_fn, else the task's own reward; the last two
+    runtime's rollout.reward_model.RewardModel), else rollout.reward_fn, else the task's own reward; the last two
     unchanged, so a job without rollout.rewards scores as before."""
     if cfg.rollout.rewards:
         components = parse_rewards(cfg.rollout.rewards)

@@ -2,7 +2,7 @@
 
     Answer     one sampled answer as the rollout pool builds it: tokens, the behaviour logprob of each, the
                policy version that sampled each, why it ended, its seed and budget
-    Rollout    a complete group: one prompt (its Sample and token ids) and its answers, ready to score
+    Group    a complete group: one prompt (its Sample and token ids) and its answers, ready to score
     Sequence   what a trainer rank trains on: prompt and response tokens, the behaviour logprobs, the advantage
 
 The controller hands Sequences to the trainer actors as they are (Ray pickles dataclasses); adding a per-sample
@@ -59,7 +59,7 @@ class Answer:
 
 
 @dataclass
-class Rollout:
+class Group:
     sample: Sample
     prompt_ids: list[int]
     completions: list[Answer]

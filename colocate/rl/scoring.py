@@ -1,7 +1,7 @@
 """Score rollouts: each answer's reward (user code, checked), DAPO's overlong punishment, then the advantages
 (rl/advantages.py) of the groups a step trains.
 
-    groups = [Rollout(sample, prompt_ids, answers), ...]          # rl/samples.py, from the rollout pool
+    groups = [Group(sample, prompt_ids, answers), ...]          # rl/samples.py, from the rollout pool
     scored_groups = reward_groups(groups, reward_fn=task.reward, decode=tokenizer.decode, eos_id=2)
     keep_informative(scored_groups, num_groups=16)                # algo.dynamic_sampling: the rest not trained
     scored = Scored.from_groups(scored_groups, algo=cfg.algo)     # advantages; truncated answers left out if asked
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from colocate.config import AlgoConfig
 from colocate.errors import RewardError
 from colocate.rl.advantages import estimate_advantages
-from colocate.rl.samples import Answer, Rollout
+from colocate.rl.samples import Answer, Group
 from colocate.rl.samples import Sequence as TrainSequence
 
 
@@ -46,7 +46,7 @@ Reward = Callable  # per-sample (prompt, response, answer) -> float, or batched 
 class ScoredGroup:
     """One prompt's answers with their rewards: the unit dynamic sampling keeps or drops."""
 
-    rollout: Rollout
+    group: Group
     rewards: list[float]
     """Each answer's reward as trained: the reward function's, plus the overlong punishment when it is on."""
     responses: list[str]
@@ -105,20 +105,20 @@ class Scored:
         advantages = estimate_advantages(
             [g.rewards for g in trained], estimator=algo.advantage, kl_in_reward=algo.kl_in_reward,
             num_tokens=[[0 if masked(a) else sum(a.mask) if a.mask else len(a.token_ids)  # observations untrained
-                         for a in g.rollout.completions] for g in trained])
+                         for a in g.group.completions] for g in trained])
         sequences, num_masked = [], 0
         for group, group_advantages in zip(trained, advantages):
-            for answer, advantage in zip(group.rollout.completions, group_advantages):
+            for answer, advantage in zip(group.group.completions, group_advantages):
                 if masked(answer):
                     num_masked += 1
                     continue
-                sequences.append(TrainSequence(group.rollout.prompt_ids, answer.token_ids, answer.logprobs, advantage,
+                sequences.append(TrainSequence(group.group.prompt_ids, answer.token_ids, answer.logprobs, advantage,
                                                mask=answer.mask or None))
         names = {name for g in groups for name in g.components}
         return cls(sequences, [r for g in groups for r in g.rewards], [t for g in groups for t in g.responses],
                    {name: [v for g in groups for v in g.components[name]] for name in names},
-                   response_lengths=[len(a.token_ids) for g in groups for a in g.rollout.completions],
-                   num_truncated=sum(a.finish_reason == "length" for g in groups for a in g.rollout.completions),
+                   response_lengths=[len(a.token_ids) for g in groups for a in g.group.completions],
+                   num_truncated=sum(a.finish_reason == "length" for g in groups for a in g.group.completions),
                    num_masked=num_masked)
 
     def stats(self) -> dict:
@@ -210,7 +210,7 @@ def response_text_tokens(answer: Answer, eos_id: int | None) -> list[int]:
     return [t for t, sampled in zip(tokens, answer.mask) if not (sampled and t == eos_id)]
 
 
-def reward_groups(groups: list[Rollout], *, reward_fn: Reward, decode, eos_id: int | None,
+def reward_groups(groups: list[Group], *, reward_fn: Reward, decode, eos_id: int | None,
                   algo: AlgoConfig | None = None, turn_reward: str | None = None) -> list[ScoredGroup]:
     """Every answer's reward, one call for the whole step (a batched reward sees every sample at once), split back
     into groups; with algo.overlong_buffer, DAPO's overlong punishment (against each answer's budget) added.
@@ -247,7 +247,7 @@ def reward_groups(groups: list[Rollout], *, reward_fn: Reward, decode, eos_id: i
     return out
 
 
-def score(groups: list[Rollout], *, reward_fn: Reward, decode, eos_id: int | None,
+def score(groups: list[Group], *, reward_fn: Reward, decode, eos_id: int | None,
           algo: AlgoConfig | None = None) -> Scored:
     """reward_groups, then the advantages of every group (no dynamic sampling): the step's Scored."""
     algo = algo or AlgoConfig()

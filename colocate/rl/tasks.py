@@ -26,13 +26,12 @@ score the same and carry no learning signal.
 
 from __future__ import annotations
 
-import importlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-from colocate.errors import ConfigError
+from colocate.rl.plugins import import_object
 
 DIGITS = "0123456789"
 
@@ -129,24 +128,6 @@ BUILTIN_TASKS: dict[str, Callable[..., Task]] = {"copy": CopyTask, "reverse": Re
 _VALID_TASKS = f"valid: {', '.join(sorted(BUILTIN_TASKS))}, or module:factory"
 
 
-def _import_object(spec: str, key: str, valid: str) -> Any:
-    """Import "module.sub:attr" and return the attribute; ConfigError naming `key` if that fails."""
-    module_name, colon, attr_name = spec.partition(":")
-    if not colon or not module_name or not attr_name:
-        raise ConfigError(f"{key}={spec!r} is invalid: {valid}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{key}={spec!r} is invalid: cannot import {module_name!r} ({exc}); {valid}") from exc
-    try:
-        obj = getattr(module, attr_name)
-    except AttributeError as exc:
-        raise ConfigError(f"{key}={spec!r} is invalid: {module_name!r} has no {attr_name!r}; {valid}") from exc
-    if not callable(obj):
-        raise ConfigError(f"{key}={spec!r} is invalid: {attr_name!r} is not callable; {valid}")
-    return obj
-
-
 def make_task(spec: str, *, length: int) -> Task:
     """A built-in task by name ("copy", "reverse", "add"), or `factory(length=length)` for "module:factory".
 
@@ -154,7 +135,7 @@ def make_task(spec: str, *, length: int) -> Task:
     """
     if spec in BUILTIN_TASKS:
         return BUILTIN_TASKS[spec](length=length)
-    return _import_object(spec, "rollout.task", _VALID_TASKS)(length=length)
+    return import_object(spec, "rollout.task", _VALID_TASKS)(length=length)
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -162,7 +143,7 @@ def load_reward_fn(spec: str) -> RewardFn:
 
     Raises ConfigError (a ValueError) naming `rollout.reward_fn` if it cannot be imported or is not callable.
     """
-    return _import_object(spec, "rollout.reward_fn", "valid: module:function(prompt, response, answer) -> float")
+    return import_object(spec, "rollout.reward_fn", "valid: module:function(prompt, response, answer) -> float")
 
 
 class PromptStream:

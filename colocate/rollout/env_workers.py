@@ -7,7 +7,7 @@ every episode one at a time.
     episodes.step_many([(key, sample, turn, action), ...])   # one call per worker, the workers in parallel
 
 An episode's environment lives in one worker for its whole life, chosen by its key (group id, answer), so its
-state between turns stays where it was made. Each worker holds a plain `Episodes` (rl/environments.py) and
+state between turns stays where it was made. Each worker holds a plain `Episodes` (rollout/environments.py) and
 runs its share of a batch one call at a time, each bounded by rollout.env_timeout_s and checked there, exactly
 as in the controller's process: an error, a hang or a wrong type comes back as the EnvError naming the sample
 and the turn, in its place in the batch. A worker that dies fails every call it had (EnvError naming the worker)
@@ -24,7 +24,7 @@ from __future__ import annotations
 import ray
 
 from colocate.errors import EnvError
-from colocate.rl.environments import Turn
+from colocate.rollout.environments import Turn
 from colocate.rl.tasks import Sample
 
 Key = tuple[int, int]
@@ -35,7 +35,7 @@ class EnvWorker:
 
     def __init__(self, spec: str, *, length: int, model_path: str, timeout_s: float):
         from colocate.models.sources import load_tokenizer
-        from colocate.rl.environments import Episodes, make_env_factory
+        from colocate.rollout.environments import Episodes, make_env_factory
 
         tokenizer = load_tokenizer(model_path)
         self.episodes = Episodes(make_env_factory(spec, length=length),

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from colocate.errors import EnvError
-from colocate.rl.tasks import DIGITS, Sample, _import_object, char_match_reward
+from colocate.rl.plugins import import_object
+from colocate.rl.tasks import DIGITS, Sample, char_match_reward
 
 
 class Environment(Protocol):
@@ -77,7 +78,7 @@ class CopyTurns:
 
 
 def _calculator(length: int):
-    from colocate.rl.tools import Calculator
+    from colocate.rollout.tools import Calculator
 
     return Calculator()
 
@@ -93,7 +94,7 @@ def make_env_factory(spec: str, *, length: int) -> Callable[[], Any]:
     if spec in BUILTIN_ENVS:
         builtin = BUILTIN_ENVS[spec]
         return lambda: builtin(length)
-    factory = _import_object(spec, "rollout.env", f"valid: {', '.join(sorted(BUILTIN_ENVS))}, or module:factory")
+    factory = import_object(spec, "rollout.env", f"valid: {', '.join(sorted(BUILTIN_ENVS))}, or module:factory")
     return factory
 
 

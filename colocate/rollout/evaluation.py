@@ -20,7 +20,7 @@ pass@k is the unbiased estimator of Chen et al. 2021 (the Codex paper): with n s
 averaged over prompts. pass@1 is then the fraction of correct answers.
 
 A multi-turn job (rollout.env) is evaluated on whole episodes (`EpisodeEvaluator`, below), played with the
-environment exactly as the rollouts play them: a rollout pool of its own (rl/rollout.py's `Rollouts`, fresh every
+environment exactly as the rollouts play them: a rollout pool of its own (rollout/passes.py's `Passes`, fresh every
 time) over the validation samples, eval.num_samples episodes each (greedy: one), up to eval.max_tokens (else
 rollout.max_tokens) tokens and rollout.max_turns turns, with rollout.turn_stop and rollout.max_turn_tokens as in
 training. Its environments live in the controller's process even when the rollouts' live in rollout.env_workers
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from colocate.config import EvalConfig, JobConfig
 from colocate.errors import ConfigError
-from colocate.rl.rollout import Rollouts, turn_stats
+from colocate.rollout.passes import Passes, turn_stats
 from colocate.rl.scoring import Reward, apply_reward, reward_groups
 from colocate.rl.tasks import PromptStream, Sample, Task
 
@@ -219,7 +219,7 @@ class EpisodeEvaluator:
     def run(self) -> dict:
         """Play every episode to its end with the policy the engines hold (awake), then score them."""
         started = time.perf_counter()
-        rollouts = Rollouts(self.cfg, self.engines, self.tokenizer, _Samples(self.samples))
+        rollouts = Passes(self.cfg, self.engines, self.tokenizer, _Samples(self.samples))
         groups, _ = rollouts.collect(version=0)  # one policy: no answer outlives a version
         assert len(groups) == len(self.samples), f"{len(groups)} evaluated groups for {len(self.samples)} samples"
         scored = reward_groups(groups, reward_fn=None, decode=self.tokenizer.decode,
@@ -229,9 +229,9 @@ class EpisodeEvaluator:
         correct = [sum(bool(a.turn_rewards) and a.turn_rewards[-1] >= CORRECT for a in g.completions)
                    for g in groups]
         self.last_answers = [
-            {"prompt": g.rollout.sample.prompt, "answer": g.rollout.sample.answer, "responses": g.responses,
-             "token_ids": [a.token_ids for a in g.rollout.completions], "rewards": g.rewards,
-             "turn_rewards": [a.turn_rewards for a in g.rollout.completions]}
+            {"prompt": g.group.sample.prompt, "answer": g.group.sample.answer, "responses": g.responses,
+             "token_ids": [a.token_ids for a in g.group.completions], "rewards": g.rewards,
+             "turn_rewards": [a.turn_rewards for a in g.group.completions]}
             for g in scored]
         out = {"pass_at_1": statistics.fmean(pass_at_k(n, c, 1) for c in correct)}
         if n > 1:

@@ -25,8 +25,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from colocate.rl.rollout import Rollouts
-from colocate.rl.samples import Rollout
+from colocate.rollout.passes import Passes
+from colocate.rl.samples import Group
 
 JOIN_SLICE_S = 0.2  # how often a waiting main thread gets to run a pending signal handler
 
@@ -89,7 +89,7 @@ class ContinuousRollout:
     - A daemon thread, never joined: a pass whose engine is lost with its node may never return.
     """
 
-    def __init__(self, rollouts: Rollouts, *, version: int):
+    def __init__(self, rollouts: Passes, *, version: int):
         self.rollouts = rollouts
         self._cond = threading.Condition()
         self._version = version
@@ -101,7 +101,7 @@ class ContinuousRollout:
 
     # ------------------------------------------------------------------------------------ the main thread
 
-    def take(self, trained_version: int) -> tuple[list[Rollout], dict]:
+    def take(self, trained_version: int) -> tuple[list[Group], dict]:
         """rollout.num_prompts complete groups that policy `trained_version` may train (every token within
         rollout.max_lag of it), and the stats of the passes since the last take."""
         with self._cond:

@@ -1,12 +1,12 @@
 """The rollout phase of a step: passes over the engines until the step has its groups.
 
-    rollouts = Rollouts(cfg, engines, tokenizer, prompts)
+    rollouts = Passes(cfg, engines, tokenizer, prompts)
     groups, stats = rollouts.collect(version=step)      # exactly rollout.num_prompts complete groups
     more, stats = rollouts.collect(version=step, num_groups=3, refill=True)   # dynamic sampling's refill
 
 Each pass sends every unfinished answer's next segment to the engine that holds its group (EngineActor.run_pass)
 with the number of complete groups that engine must reach; an engine stops there and aborts the rest, which
-stay in the pool (rl.rollout_pool) for the next pass or step. Without partial rollout or over-sampling one pass
+stay in the pool (rollout.pool) for the next pass or step. Without partial rollout or over-sampling one pass
 runs every answer to its end, as `LLM.generate` would. With partial rollout a step trains on the groups
 complete after its first pass that completes any (at most num_prompts); over-sampling keeps more groups in
 flight and stops at exactly num_prompts.
@@ -25,8 +25,8 @@ import ray
 from colocate.config import JobConfig
 from colocate.engine.requests import EngineRequest
 from colocate.errors import EnvError
-from colocate.rl.rollout_pool import Group, RolloutPool
-from colocate.rl.samples import Rollout
+from colocate.rollout.pool import GroupInFlight, RolloutPool
+from colocate.rl.samples import Group
 from colocate.rl.tasks import PromptStream, Sample
 
 MAX_ENV_DROPS = 4  # rollout.env_errors=drop: groups dropped per step, as a multiple of those in flight, before failing
@@ -43,7 +43,7 @@ class Pass:
     busy: list[int]
 
 
-class Rollouts:
+class Passes:
     def __init__(self, cfg: JobConfig, engines: list, tokenizer, prompts: PromptStream, *,
                  budgets: BudgetFn | None = None, env_workers: list | None = None):
         """`env_workers`: the runtime's EnvWorker actors (rollout.env_workers), which hold the environments."""
@@ -61,7 +61,7 @@ class Rollouts:
         self.seconds = 0.0  # last generate's wall time
 
     def collect(self, version: int, *, num_groups: int | None = None,
-                refill: bool = False) -> tuple[list[Rollout], dict]:
+                refill: bool = False) -> tuple[list[Group], dict]:
         """The step's complete groups (answers sampled by policy `version` or, carried over, older ones): exactly
         `num_groups` (default rollout.num_prompts) without partial rollout. `refill`: a second collect of the same
         step (dynamic sampling), whose pool counters add to the first's."""
@@ -90,7 +90,7 @@ class Rollouts:
                 break  # partial rollout: the step ends with what is complete; the rest goes on next step
         self.seconds = time.perf_counter() - started
 
-    def take(self, trained_version: int, *, num_groups: int | None = None) -> tuple[list[Rollout], dict]:
+    def take(self, trained_version: int, *, num_groups: int | None = None) -> tuple[list[Group], dict]:
         """The complete groups `generate` left in the pool, and the stats of their rollout: staleness counted
         against `trained_version`, the policy they train."""
         groups = self.pool.take(self.pool.rollout.num_prompts if num_groups is None else num_groups)
@@ -106,7 +106,7 @@ class Rollouts:
         self.pool.load_state(state["pool"])
 
     # ------------------------------------------------------------------ algo.mode=async, one pass at a time
-    # job/overlap.py's ContinuousRollout calls these from its thread: start_pass and finish_pass under its lock
+    # rollout/overlap.py's ContinuousRollout calls these from its thread: start_pass and finish_pass under its lock
     # (the main thread takes complete groups meanwhile), run_pass outside it.
 
     def start_pass(self, version: int) -> Pass | None:
@@ -150,7 +150,7 @@ class Rollouts:
         self.timelines.append([out["timeline"] for out in outs])
         self.seconds += seconds
 
-    def take_complete(self, trained_version: int) -> tuple[list[Rollout], dict] | None:
+    def take_complete(self, trained_version: int) -> tuple[list[Group], dict] | None:
         """Async: rollout.num_prompts complete groups whose every token policy `trained_version` may train, with
         the stats of the passes since the last take; None while fewer are complete. A complete group with a
         token too old has those answers restarted (the pass in flight holds no request of a complete group)."""
@@ -184,7 +184,7 @@ class Rollouts:
         self.pool.apply([r for e in plan.busy for r in plan.per_engine[e]],
                         [result for out in outs for result in out["results"]], plan.version)
 
-    def _stats(self, groups: list[Group], rollouts: list[Rollout], version: int, seconds: float) -> dict:
+    def _stats(self, groups: list[GroupInFlight], rollouts: list[Group], version: int, seconds: float) -> dict:
         answers = [a for g in groups for a in g.answers]
         steps = [n for passes in self.timelines for timeline in passes for _, n in timeline]
         peak = max(steps, default=0)
@@ -209,15 +209,15 @@ class Rollouts:
 
 
 def _episodes(cfg: JobConfig, tokenizer, env_workers: list):
-    """rollout.env's episodes (rl/environments.py; in `env_workers`, Ray actors, when there are any:
-    rl/env_workers.py), or None for single-turn answers."""
+    """rollout.env's episodes (rollout/environments.py; in `env_workers`, Ray actors, when there are any:
+    rollout/env_workers.py), or None for single-turn answers."""
     if not cfg.rollout.env:
         return None
     if env_workers:
-        from colocate.rl.env_workers import RemoteEpisodes
+        from colocate.rollout.env_workers import RemoteEpisodes
 
         return RemoteEpisodes(env_workers, decode=tokenizer.decode)
-    from colocate.rl.environments import Episodes, make_env_factory
+    from colocate.rollout.environments import Episodes, make_env_factory
 
     return Episodes(make_env_factory(cfg.rollout.env, length=cfg.rollout.task_length),
                     tokenize=lambda text: tokenizer(text, add_special_tokens=False).input_ids,
@@ -232,7 +232,7 @@ def turn_stats(answers: list, num_env_dropped: int) -> dict:
             "num_env_dropped": num_env_dropped}
 
 
-def staleness(rollouts: list[Rollout], trained_version: int) -> dict:
+def staleness(rollouts: list[Group], trained_version: int) -> dict:
     """How old the tokens trained by policy `trained_version` are (partial rollout, over-sampling and
     one_step_off make them older than it). An environment's observation tokens are not trained: not counted."""
     versions = [v for r in rollouts for a in r.completions
@@ -248,5 +248,5 @@ def lag_histogram(versions: list[int], trained_version: int) -> dict[str, int]:
     return {str(lag): counts[lag] for lag in sorted(counts)}
 
 
-def _as_rollout(group: Group) -> Rollout:
-    return Rollout(group.sample, group.prompt_ids, list(group.answers))
+def _as_rollout(group: GroupInFlight) -> Group:
+    return Group(group.sample, group.prompt_ids, list(group.answers))

@@ -18,7 +18,7 @@ finish: RolloutConfig.check refuses it).
 Over-sampling: `oversample` x the groups a step trains are in flight; the pass stops once enough are complete.
 Context guard: an answer's budget is fixed when it is created, from the model's length, and every segment is
 cut to what is left of it: a continued answer never gets a fresh budget.
-Multi-turn (`episodes`, rl/environments.py): each answer is an episode. A turn ends where the engine stops (EOS);
+Multi-turn (`episodes`, rollout/environments.py): each answer is an episode. A turn ends where the engine stops (EOS);
 the environment then steps on the turn's text, and its observation's tokens are appended to the answer (mask 0),
 which goes on in the next pass from there. The episode ends when the environment says done, after
 rollout.max_turns turns, or when its budget cannot hold the observation and one more token ("length").
@@ -33,13 +33,13 @@ from dataclasses import dataclass
 from colocate.config import RolloutConfig
 from colocate.engine.requests import EngineRequest, RequestResult, segment_seed
 from colocate.errors import EnvError
-from colocate.rl.environments import Turn
+from colocate.rollout.environments import Turn
 from colocate.rl.samples import Answer
 from colocate.rl.tasks import Sample
 
 
 @dataclass
-class Group:
+class GroupInFlight:
     group_id: int
     sample: Sample
     prompt_ids: list[int]
@@ -71,11 +71,11 @@ class RolloutPool:
                  eos_token_id: int | None = None):
         """`rollout`: the job's section (num_prompts complete groups a step trains, num_samples, oversample,
         partial_tokens, max_lag, leftover); each answer's budget is cut to what `max_model_len` leaves after its
-        prompt; `seed`: the answers' seeds derive from it (engine.seed). `episodes` (rl.environments.Episodes):
+        prompt; `seed`: the answers' seeds derive from it (engine.seed). `episodes` (rollout.environments.Episodes):
         multi-turn, with `eos_token_id` ending a turn's text."""
         self.rollout, self.max_model_len, self.seed = rollout, max_model_len, seed
         self.episodes, self.eos_token_id = episodes, eos_token_id
-        self.groups: list[Group] = []
+        self.groups: list[GroupInFlight] = []
         self.stats = PoolStats()
         self._next_group_id = 0
 
@@ -110,7 +110,7 @@ class RolloutPool:
             self._next_group_id += 1
             seeds = [(self.seed * 1_000_003 + gid * self.rollout.num_samples + i) % 2**31
                      for i in range(len(budgets))]
-            self.groups.append(Group(gid, sample, prompt_ids,
+            self.groups.append(GroupInFlight(gid, sample, prompt_ids,
                                      [Answer(seed, min(budget, room)) for seed, budget in zip(seeds, budgets)]))
 
     def _start_episodes(self, group_id: int, sample: Sample, num_answers: int) -> list[int]:
@@ -175,7 +175,7 @@ class RolloutPool:
 
     def apply(self, requests: list[EngineRequest], results: list[RequestResult], version: int) -> None:
         groups = {g.group_id: g for g in self.groups}
-        turn_ends: list[tuple[Group, int]] = []  # multi-turn: the answers whose turn ended, to step at once
+        turn_ends: list[tuple[GroupInFlight, int]] = []  # multi-turn: the answers whose turn ended, to step at once
         for request, result in zip(requests, results):
             assert request.request_id == result.request_id
             group = groups[request.group]
@@ -199,7 +199,7 @@ class RolloutPool:
         if turn_ends:
             self._end_turns(turn_ends, version)
 
-    def _end_turns(self, ends: list[tuple[Group, int]], version: int) -> None:
+    def _end_turns(self, ends: list[tuple[GroupInFlight, int]], version: int) -> None:
         """Multi-turn: the engine ended a turn of each of these answers. Step their environments all at once (with
         rollout.env_workers, in parallel across the workers), then, in order, finish each episode or append its
         observation for the next turn. A group whose environment failed is raised (env_errors=fail) or dropped."""
@@ -266,7 +266,7 @@ class RolloutPool:
 
     # ------------------------------------------------------------------------------------------ taking
 
-    def take(self, num_groups: int | None = None) -> list[Group]:
+    def take(self, num_groups: int | None = None) -> list[GroupInFlight]:
         """Up to `num_groups` (default rollout.num_prompts) complete groups, oldest first. The rest stay for the
         next step (carry) or go."""
         wanted = self.rollout.num_prompts if num_groups is None else num_groups
@@ -299,7 +299,7 @@ class RolloutPool:
             return Answer(**d)
 
         self._next_group_id = state["next_group_id"]
-        self.groups = [Group(g["group_id"], Sample(**g["sample"]), g["prompt_ids"], [answer(a) for a in g["answers"]])
+        self.groups = [GroupInFlight(g["group_id"], Sample(**g["sample"]), g["prompt_ids"], [answer(a) for a in g["answers"]])
                        for g in state["groups"]]
         if self.episodes is not None:
             self._replay_episodes()

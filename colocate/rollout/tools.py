@@ -12,7 +12,7 @@ a turn's text, robustly: a call that is not closed, not JSON, not an object with
 saying what is wrong, never an exception. The environment answers a malformed call with an observation saying so,
 so the model sees its mistake and the episode goes on.
 
-    env = Calculator()                     # rollout.env=colocate.rl.tools:Calculator
+    env = Calculator()                     # rollout.env=colocate.rollout.tools:Calculator
     env.reset(Sample("What is 12*(3+4)? Give the answer as a number.", "84"))
     env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "12*(3+4)"}}</tool_call>')
         -> ('<tool_response>\\n{"result": 84}\\n</tool_response>\\n', 0.0, False)

@@ -6,7 +6,8 @@ the controller, then divided into the step record's per-token figures.
     total.per_token("mismatch_abs_sum")                     # a sum over response tokens / the tokens
 
 Every float field is a sum and adds field by field, and the per-token arrays concatenate: a new statistic is a
-field here and its value where the loss computes it (trainer/loss.py policy_loss), nothing else.
+field here named `<name>_sum` and its value where the loss computes it (trainer/loss.py policy_loss), nothing
+else; the step record (`record`) carries it per token as `<name>`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,15 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+
+from colocate.config import AlgoConfig
+from colocate.rl.corrections import mismatch_stats
+
+
+# sums recorded under another name than their own less "_sum" (older records' keys), or inside `correction`
+RECORD_NAMES = {"mismatch_abs_sum": "mismatch", "clipped_sum": "clip_fraction"}
+CORRECTION_SUMS = {"corrected_sum": "fraction_affected", "weight_sum": "weight_mean"}
 
 
 def _empty() -> np.ndarray:
@@ -66,3 +76,16 @@ class TrainStats:
 
     def per_token(self, name: str) -> float:
         return getattr(self, name) / (self.tokens or 1.0)
+
+    def record(self, algo: AlgoConfig) -> dict:
+        """The step record's training figures: every sum per response token, the loss as optimised, the learning
+        rate (None: the step trained nothing), the mismatch monitor and the correction's effect."""
+        sums = [f.name for f in dataclasses.fields(self) if f.name.endswith("_sum")]
+        record = {RECORD_NAMES.get(name, name.removesuffix("_sum")): self.per_token(name) for name in sums
+                  if name not in CORRECTION_SUMS}
+        monitor = mismatch_stats(torch.from_numpy(self.token_log_w), torch.from_numpy(self.seq_log_w),
+                                 band=algo.mismatch_band)
+        correction = {"mode": algo.correction, "level": algo.correction_level,
+                      **{key: self.per_token(name) for name, key in CORRECTION_SUMS.items()}}
+        return {**record, "objective": self.objective, "lr": self.lr, "mismatch_monitor": monitor,
+                "correction": correction, "grad_norm": self.grad_norm or 0.0}

@@ -1,4 +1,4 @@
-"""rollout.env_workers: the environments in Ray actors (rl/env_workers.py), on a Ray of their own in a separate
+"""rollout.env_workers: the environments in Ray actors (rollout/env_workers.py), on a Ray of their own in a separate
 process (no Ray session of this test process's). A pass's turn ends go out one batch per worker, the workers in
 parallel: two workers step four slow episodes in two processes at overlapping times. A worker that dies fails
 the calls it had and says so, and the episodes it held are gone; the other worker's go on, and a restarted
@@ -21,7 +21,7 @@ SCRIPT = r"""
 import json, os, ray
 from colocate.config import ModelConfig
 from colocate.models.sources import ensure_model, load_tokenizer
-from colocate.rl.env_workers import EnvWorker, RemoteEpisodes
+from colocate.rollout.env_workers import EnvWorker, RemoteEpisodes
 from colocate.rl.tasks import Sample
 
 path = ensure_model(ModelConfig(cache_dir=os.environ["MODEL_CACHE"]))

@@ -73,7 +73,7 @@ def test_samples_of_a_prompt_share_its_prefill(runtime):
 def steps(controller: Controller, num_steps: int):
     """Controller.step's phases, keeping each step's groups."""
     for step in range(num_steps):
-        groups, stats = controller.rollout(step)
+        groups, stats = controller.rollout.take(step)
         scored = controller.advantages(controller.score(groups))
         controller.switch_to_train()
         controller.train(scored, step)
@@ -133,7 +133,7 @@ def test_answers_continued_across_steps_are_reproducible_when_weights_do_not_cha
         controller = job(runtime, num_prompts=4, num_samples=2, max_tokens=40, partial_tokens=8, max_lag=4)
         answers, continued = [], 0
         for step in range(4):
-            groups, _ = controller.rollout(step)
+            groups, _ = controller.rollout.take(step)
             controller.switch_to_train()
             controller.switch_to_sync()
             controller.sync()
@@ -157,13 +157,13 @@ def test_dynamic_sampling_trains_exactly_the_informative_groups_asked_for(runtim
     controller = job(runtime, algo={"dynamic_sampling": True}, num_prompts=4, num_samples=4, max_tokens=4,
                      max_refill_passes=6)
     for step in range(3):
-        groups, stats = controller.rollout(step)
-        scored = controller.refill(step, controller.score(groups), stats, {})
+        groups, stats = controller.rollout.take(step)
+        scored, stats = controller.sampling.refill(step, controller.score(groups), stats)
         batch = controller.advantages(scored)
         trained = [g for g in scored if g.trained]
         assert len(trained) == 4 == stats["num_groups"] and all(max(g.rewards) > min(g.rewards) for g in trained)
         assert [s.response_ids for s in batch.sequences] == \
-            [a.token_ids for g in trained for a in g.rollout.completions]
+            [a.token_ids for g in trained for a in g.group.completions]
         sampling = stats["dynamic_sampling"]
         assert sampling["num_groups_sampled"] == len(scored) == 4 + sampling["num_groups_uniform"] + \
             sampling["num_groups_surplus"]

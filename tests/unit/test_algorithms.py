@@ -14,7 +14,7 @@ import torch
 from colocate.config import AlgoConfig, TrainerConfig, load_config
 from colocate.errors import ConfigError
 from colocate.rl.advantages import estimate_advantages
-from colocate.rl.samples import Answer, Rollout
+from colocate.rl.samples import Answer, Group
 from colocate.rl.scoring import Scored, ScoredGroup, keep_informative, overlong_punishment
 from colocate.rl.tasks import Sample
 from colocate.trainer.logprobs import processed_logprobs
@@ -240,7 +240,7 @@ def test_dynamic_sampling_judges_a_group_by_its_task_rewards_not_its_length_puni
 def _group(rewards, finish=None):
     answers = [Answer(0, 4, [7] * (i + 1), [-1.0] * (i + 1), finish_reason=(finish or ["stop"] * len(rewards))[i])
                for i in range(len(rewards))]
-    return ScoredGroup(Rollout(Sample("p", "a"), [1], answers), list(rewards), ["x"] * len(rewards))
+    return ScoredGroup(Group(Sample("p", "a"), [1], answers), list(rewards), ["x"] * len(rewards))
 
 
 def test_dynamic_sampling_trains_only_groups_whose_rewards_differ():

@@ -1,7 +1,7 @@
-"""algo.mode=async: rollout passes run back to back in a thread (job/overlap.py ContinuousRollout), each step takes
+"""algo.mode=async: rollout passes run back to back in a thread (rollout/overlap.py ContinuousRollout), each step takes
 rollout.num_prompts complete groups from the pool, and its weight update lands between two passes.
 
-The real controller, Rollouts, rollout pool and prompt stream; the engine is faked at its actor boundary
+The real controller, Passes, rollout pool and prompt stream; the engine is faked at its actor boundary
 (run_pass: tests/unit/test_one_step_off_resume.py's, deterministic in each segment's seed) and takes a few
 milliseconds a pass, so passes run while steps train. What is checked does not depend on that timing:
 - the order: a step's sync waits for the pass in flight (no pass runs between pause and resume);
@@ -21,7 +21,7 @@ import pytest
 from colocate.config import load_config
 from colocate.engine.requests import RequestResult
 from colocate.errors import ConfigError
-from colocate.job.overlap import ContinuousRollout
+from colocate.rollout.overlap import ContinuousRollout
 from colocate.job.preflight import ASYNC_PLAN, default_plan
 from tests.unit.test_one_step_off_resume import FakeGeneratingEngine, controller_with_rollouts
 
@@ -61,7 +61,7 @@ def async_controller(monkeypatch, tmp_path, state=None):
 
     controller.sync = sync
     taken_ids = controller.taken_ids = []
-    pool = controller.rollouts.pool
+    pool = controller.passes.pool
     original_take = pool.take
 
     def take(num_groups=None):
@@ -122,7 +122,7 @@ def test_an_update_between_two_passes_continues_the_answers_under_the_new_versio
     holds two tokens of each version, and the staleness counts them so."""
     controller = controller_with_rollouts(monkeypatch, tmp_path / "run", ASYNC)
     engine = controller.rt.engines[0] = GatedEngine("engine 0", [], {})
-    rollouts = controller.rollouts
+    rollouts = controller.passes
     passes = ContinuousRollout(rollouts, version=0)  # planned pass 1 and waits at the gate
     try:
         pausing = threading.Thread(target=passes.pause)  # the update asks for a pause while pass 1 runs
@@ -163,8 +163,8 @@ def test_async_resumed_from_a_checkpoint_loses_no_group_and_trains_none_twice(mo
 
     trained = [i for ids in first.taken_ids[:STOP_AFTER + 1] + resumed.taken_ids for i in ids]
     assert len(trained) == 4 * NUM_STEPS and len(set(trained)) == len(trained)  # none twice
-    in_pool = {g.group_id for g in resumed.rollouts.pool.groups}
-    drawn = set(range(resumed.rollouts.pool._next_group_id))
+    in_pool = {g.group_id for g in resumed.passes.pool.groups}
+    drawn = set(range(resumed.passes.pool._next_group_id))
     assert drawn == set(trained) | in_pool and not set(trained) & in_pool  # none lost
 
 

@@ -286,17 +286,20 @@ def test_controller_draws_from_the_files_and_scores_with_rollout_rewards(tmp_pat
     from types import SimpleNamespace
 
     from colocate.job.controller import Controller
+    from colocate.job.preflight import SwitchPlan
     from colocate.rl.rewards import CombinedReward
 
     path = write_jsonl(tmp_path / "train.jsonl", rows(8))
     cfg = config(f"data.train_files={path}", "rollout.rewards=math:1.0,format:0.1")
-    # Building the controller starts nothing: Rollouts keeps the engines' handles for later passes.
-    controller = Controller(cfg, SimpleNamespace(engines=[], tokenizer=tokenizer, model_path="", reward_model=None, env_workers=[]))
-    assert isinstance(controller.rollouts.prompts, DatasetPrompts)
+    # Building the controller starts nothing: Passes keeps the engines' handles for later passes.
+    controller = Controller(cfg, SimpleNamespace(engines=[], tokenizer=tokenizer, model_path="", reward_model=None,
+                                                  env_workers=[], switch=SwitchPlan(0, False, "test")))
+    assert isinstance(controller.passes.prompts, DatasetPrompts)
     assert isinstance(controller.reward_fn, CombinedReward)
     given = DatasetPrompts([Sample("1=", "1")] * 4)
-    runtime = SimpleNamespace(engines=[], tokenizer=tokenizer, model_path="", reward_model=None, env_workers=[])
-    assert Controller(cfg, runtime, prompts=given).rollouts.prompts is given
+    runtime = SimpleNamespace(engines=[], tokenizer=tokenizer, model_path="", reward_model=None, env_workers=[],
+                              switch=SwitchPlan(0, False, "test"))
+    assert Controller(cfg, runtime, prompts=given).passes.prompts is given
 
 
 def test_run_job_refuses_bad_data_before_the_runtime_starts(tmp_path, monkeypatch, capsys):

@@ -16,9 +16,9 @@ from colocate.config import AlgoConfig, RolloutConfig, load_config
 from colocate.engine.requests import EngineRequest, RequestResult
 from colocate.errors import ConfigError, EnvError
 from colocate.job.checks import check_sources
-from colocate.rl.environments import CopyTurns, Episodes
-from colocate.rl.rollout_pool import RolloutPool
-from colocate.rl.samples import Rollout
+from colocate.rollout.environments import CopyTurns, Episodes
+from colocate.rollout.pool import RolloutPool
+from colocate.rl.samples import Group
 from colocate.rl.scoring import reward_groups
 from colocate.rl.tasks import Sample
 from colocate.trainer.loss import Sequence, collate, policy_loss, token_scale
@@ -91,7 +91,7 @@ def test_turns_append_the_engines_tokens_and_the_observations_masked():
     assert pool.episodes.envs[(0, 1)].actions == ["4", "55", "666"]  # each turn's text, the EOS left out
     # the second pass continued from the whole answer so far
     assert pool.requests(0) == []
-    [group] = reward_groups([Rollout(g.sample, g.prompt_ids, g.answers) for g in pool.take()], reward_fn=None,
+    [group] = reward_groups([Group(g.sample, g.prompt_ids, g.answers) for g in pool.take()], reward_fn=None,
                             decode=decode, eos_id=EOS, turn_reward="sum")
     assert group.rewards == [6.0, 6.0]
     # the episode's text: every turn and observation, less the EOS ending each turn (not cut at the first)
@@ -128,7 +128,7 @@ def test_rewards_sum_or_last():
     turns = {0: ["1", "22", "333"], 1: ["", "5", "66"]}
     for _ in range(3):
         engine_pass(pool, turns)
-    groups = [Rollout(g.sample, g.prompt_ids, g.answers) for g in pool.take()]
+    groups = [Group(g.sample, g.prompt_ids, g.answers) for g in pool.take()]
     assert reward_groups(groups, reward_fn=None, decode=decode, eos_id=EOS, turn_reward="last")[0].rewards == \
         [3.0, 2.0]
 
@@ -348,9 +348,9 @@ def test_with_partial_rollout_an_episode_must_fit_the_lag_cap():
 
 
 def test_drop_mode_tops_the_step_up_and_fails_when_most_samples_fail():
-    """Through Rollouts.generate, with a scripted engine: a dropped group is replaced within the step; an
+    """Through Passes.generate, with a scripted engine: a dropped group is replaced within the step; an
     environment that fails on every sample ends the step in one line after 4x the groups in flight."""
-    from colocate.rl.rollout import Rollouts
+    from colocate.rollout.passes import Passes
     from colocate.rl.tasks import PromptStream, make_task
 
     calls = {"n": 0}
@@ -369,7 +369,7 @@ def test_drop_mode_tops_the_step_up_and_fails_when_most_samples_fail():
     for factory, fails in ((FailsOnce, False), (Always, True)):
         cfg = load_config(None, ["rollout.env=copy_turns", "rollout.env_errors=drop", "rollout.num_prompts=2",
                                  "rollout.num_samples=2", "rollout.max_tokens=8"])
-        rollouts = Rollouts(cfg, engines=[None], tokenizer=_Tokenizer(),
+        rollouts = Passes(cfg, engines=[None], tokenizer=_Tokenizer(),
                             prompts=PromptStream(make_task("copy", length=3)))
         rollouts.pool.episodes.factory = factory
         rollouts.run_pass = lambda plan: [{"results": _say(plan.per_engine[0], "1"), "timeline": []}]

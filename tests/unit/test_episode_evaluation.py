@@ -1,5 +1,5 @@
-"""A multi-turn job's evaluation plays whole episodes with its environment (rl/evaluation.py, EpisodeEvaluator):
-the real Rollouts, pool and copy_turns environment, the engine faked at its actor boundary (run_pass) by one that
+"""A multi-turn job's evaluation plays whole episodes with its environment (rollout/evaluation.py, EpisodeEvaluator):
+the real Passes, pool and copy_turns environment, the engine faked at its actor boundary (run_pass) by one that
 copies the digits it was last shown, right or wrong on the last turn. An episode is correct when its last turn's
 reward is 1; its reward is the turns' sum, as in training."""
 
@@ -11,7 +11,7 @@ import ray
 from colocate.config import load_config
 from colocate.engine.requests import RequestResult
 from colocate.models.sources import build_tokenizer
-from colocate.rl.evaluation import EpisodeEvaluator, make_evaluator
+from colocate.rollout.evaluation import EpisodeEvaluator, make_evaluator
 from colocate.rl.tasks import make_task
 from tests.unit.test_switching_order import FakeActor
 

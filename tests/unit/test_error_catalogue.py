@@ -306,7 +306,7 @@ def test_tensorboard_on_without_the_package(tmp_path, monkeypatch):
 
 def test_evaluation_without_prompts_or_with_a_prompt_that_fills_the_context():
     from colocate.models.sources import build_tokenizer
-    from colocate.rl.evaluation import Evaluator
+    from colocate.rollout.evaluation import Evaluator
     from colocate.rl.tasks import Sample
 
     tokenizer = build_tokenizer()

@@ -14,7 +14,7 @@ import pytest
 from colocate.config import EvalConfig, load_config
 from colocate.errors import ConfigError, RewardError
 from colocate.models.sources import build_tokenizer
-from colocate.rl.evaluation import TOY_PROMPTS, Evaluator, make_evaluator, pass_at_k, should_evaluate
+from colocate.rollout.evaluation import TOY_PROMPTS, Evaluator, make_evaluator, pass_at_k, should_evaluate
 from colocate.rl.rewards import make_reward
 from colocate.rl.tasks import Sample, make_task
 

@@ -81,8 +81,8 @@ def test_the_cycle_finder_finds_one():
 
 
 # docs/architecture.md's layers, bottom first: a package imports only from its own layer or those below
-LAYERS = [["errors"], ["config"], ["sync"], ["host"], ["models", "checkpoint", "telemetry"], ["engine"], ["rl"],
-          ["trainer"], ["job"], ["cluster", "bench"], ["cli"]]
+LAYERS = [["errors"], ["config"], ["sync"], ["host"], ["models", "checkpoint", "telemetry"], ["rl"],
+          ["engine", "trainer"], ["rollout"], ["job"], ["cluster", "bench"], ["cli"]]
 
 
 def package_of(module: str) -> str:
@@ -101,6 +101,28 @@ def test_every_import_goes_down_the_layers():
     assert upward == []
     packages = {package_of(m) for m in import_graph()} - {"colocate"}
     assert packages == set(layer)  # every package has its layer
+
+
+def test_rl_is_the_pure_algorithm():
+    """rl/ (tasks, data, rewards, scoring, advantages, corrections) drives nothing: no Ray, no engine; what drives
+    engines and environments is rollout/."""
+    graph = import_graph()
+    rl = {m for m in graph if package_of(m) == "rl"}
+    assert not any(package_of(d) == "engine" for m in rl for d in graph[m])
+    ray_users = sorted(m for m in rl if _imports_ray(m))
+    assert ray_users == []
+
+
+def _imports_ray(module: str) -> bool:
+    path = ROOT / (module.replace(".", "/") + ".py")
+    if not path.exists():
+        path = ROOT / module.replace(".", "/") / "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        if any(n == "ray" or n.startswith("ray.") for n in names):
+            return True
+    return False
 
 
 def test_engine_and_trainer_meet_only_in_sync():

@@ -9,7 +9,7 @@ import torch
 
 from colocate.config import AlgoConfig
 from colocate.errors import RewardError
-from colocate.rl.samples import Answer, Rollout
+from colocate.rl.samples import Answer, Group
 from colocate.rl.scoring import score
 from colocate.rl.tasks import Sample
 from colocate.trainer.logprobs import token_logprobs
@@ -54,7 +54,7 @@ def test_ratio_is_clipped_for_positive_advantage():
 def _rollout(tokens_list):
     completions = [Answer(seed=0, max_tokens=8, token_ids=t, logprobs=[-1.0] * len(t), finish_reason="stop")
                    for t in tokens_list]
-    return Rollout(Sample("12=", "12"), [1, 2, 3], completions)
+    return Group(Sample("12=", "12"), [1, 2, 3], completions)
 
 
 def test_score_strips_eos_from_text_but_trains_on_it():

@@ -16,9 +16,9 @@ import pytest
 from colocate.config import load_config
 from colocate.errors import ConfigError
 from colocate.job.faults import INTERRUPT_SIGNAL, WatchdogInterrupt, _raise_watchdog_interrupt
-from colocate.job.overlap import Background
+from colocate.rollout.overlap import Background
 from colocate.job.preflight import GIB, ONE_STEP_OFF_PLAN, model_dims, plan_switch, predict_phases, preflight
-from colocate.rl.rollout import lag_histogram
+from colocate.rollout.passes import lag_histogram
 
 QWEN_7B = str(Path(__file__).resolve().parents[2] / "configs" / "models" / "Qwen2.5-7B")
 H100 = int(79.6 * GIB)

@@ -2,7 +2,7 @@
 pool, with the next step's groups generated ahead in it) trains exactly what the uninterrupted run trains: the
 same groups, their tokens and their versions, step by step; no prompt lost, none trained twice (counted).
 
-The real controller, Rollouts, rollout pool and prompt stream; the engine is faked at its actor boundary
+The real controller, Passes, rollout pool and prompt stream; the engine is faked at its actor boundary
 (run_pass), deterministic in each segment's seed as vLLM's seeded sampling is, and it stops at its quota of
 complete groups and aborts the rest, as the real one does. The real-stack exact resume of sync mode is
 tests/e2e/test_resume.py."""
@@ -17,7 +17,7 @@ import pytest
 from colocate.engine.requests import RequestResult
 from colocate.job.controller import Controller
 from colocate.job.preflight import ONE_STEP_OFF_PLAN
-from colocate.rl.rollout import Rollouts
+from colocate.rollout.passes import Passes
 from colocate.rl.tasks import PromptStream, make_task
 from tests.unit.test_switching_order import FakeEngine, make_controller
 
@@ -53,15 +53,15 @@ class _Tokenizer:
 
 def controller_with_rollouts(monkeypatch, tmp_path, overrides, state=None) -> Controller:
     tmp_path.mkdir()
+
+    def passes(cfg, runtime):  # the real passes, pool and prompt stream over the generating fake engine
+        runtime.engines[0] = FakeGeneratingEngine("engine 0", [], {})
+        runtime.tokenizer = _Tokenizer()
+        return Passes(cfg, runtime.engines, runtime.tokenizer,
+                      PromptStream(make_task(cfg.rollout.task, length=cfg.rollout.task_length), seed=cfg.rollout.seed))
+
     controller = make_controller(ONE_STEP_OFF_PLAN, [], monkeypatch, tmp_path, checkpoint=False, evaluate=False,
-                                 overrides=["algo.mode=one_step_off", *overrides], num_steps=NUM_STEPS)
-    cfg = controller.cfg
-    controller.rt.engines[0] = FakeGeneratingEngine("engine 0", [], {})
-    controller.rt.tokenizer = _Tokenizer()
-    rollouts = Rollouts(cfg, controller.rt.engines, controller.rt.tokenizer,
-                        PromptStream(make_task(cfg.rollout.task, length=cfg.rollout.task_length),
-                                     seed=cfg.rollout.seed))
-    controller.rollouts = rollouts
+                                 overrides=["algo.mode=one_step_off", *overrides], num_steps=NUM_STEPS, passes=passes)
     if state is not None:
         controller.load_checkpoint_state(json.loads(json.dumps(state)))  # as a checkpoint writes and reads it
     trained = controller.trained = []

@@ -19,7 +19,7 @@ from colocate.rl.rewards import (
     math_reward,
     parse_rewards,
 )
-from colocate.rl.samples import Answer, Rollout
+from colocate.rl.samples import Answer, Group
 from colocate.rl.scoring import RewardBreakdown, apply_reward, score
 from colocate.rl.tasks import Sample, make_task
 
@@ -146,12 +146,12 @@ def test_make_reward_keeps_the_old_choices():
 # ------------------------------------------------------------------------------------ scoring with components
 
 
-def _groups(responses_per_group: list[list[str]], answer: str = "4") -> list[Rollout]:
+def _groups(responses_per_group: list[list[str]], answer: str = "4") -> list[Group]:
     groups = []
     for responses in responses_per_group:
         completions = [Answer(seed=0, max_tokens=8, token_ids=[ord(c) for c in r], logprobs=[0.0] * len(r))
                        for r in responses]
-        groups.append(Rollout(Sample("2+2=", answer), [1, 2], completions))
+        groups.append(Group(Sample("2+2=", answer), [1, 2], completions))
     return groups
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from colocate.config import RolloutConfig
 from colocate.engine.requests import EngineRequest, RequestResult, segment_seed
-from colocate.rl.rollout_pool import RolloutPool
+from colocate.rollout.pool import RolloutPool
 from colocate.rl.tasks import Sample
 
 EOS = 2
@@ -59,7 +59,7 @@ def fake_pass(requests: list[EngineRequest], num_groups_wanted: int | None, prom
 
 def run_step(pool: RolloutPool, version: int, rng: random.Random, prompt_len: dict, *, max_tokens: int,
              num_engines: int = 1):
-    """What Rollouts.collect does, with fake engines; every new answer's budget is `max_tokens`."""
+    """What Passes.collect does, with fake engines; every new answer's budget is `max_tokens`."""
     new = []
     for _ in range(pool.num_missing):
         n = rng.randint(3, 6)

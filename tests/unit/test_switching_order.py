@@ -20,7 +20,7 @@ from colocate.config import load_config
 from colocate.job.controller import Controller
 from colocate.job.groups import EngineGroup, TrainerGroup
 from colocate.job.preflight import SwitchPlan
-from colocate.rl.samples import Answer, Rollout
+from colocate.rl.samples import Answer, Group
 from colocate.rl.tasks import Sample
 from colocate.trainer.stats import TrainStats
 
@@ -119,7 +119,7 @@ class FakeEngine(FakeActor):
 
 
 class FakeRewardModel:
-    """rl.reward_model.RewardModel at its boundary: scores only awake, and is asleep while the trainer trains."""
+    """rollout.reward_model.RewardModel at its boundary: scores only awake, and is asleep while the trainer trains."""
 
     batched, kind = True, "model"
 
@@ -178,7 +178,7 @@ class FakeRollouts:
         sample = Sample("1+1=", "2")
         completions = [Answer(seed=0, max_tokens=4, token_ids=[5, 6], logprobs=[-0.1, -0.2],
                               versions=[self.version] * 2, finish_reason="stop") for _ in range(2)]
-        return [Rollout(sample, [1, 2], completions), Rollout(sample, [1, 2], completions)], {"seconds": 1.0}
+        return [Group(sample, [1, 2], completions), Group(sample, [1, 2], completions)], {"seconds": 1.0}
 
     def state(self):  # what a checkpoint keeps of the pool
         return {}
@@ -242,8 +242,10 @@ PLANS = [pytest.param(level, offload, checkpoint, evaluate,
 
 
 def make_controller(plan: SwitchPlan, log: list, monkeypatch, tmp_path, *, checkpoint: bool, evaluate: bool,
-                    on_get=lambda: None, overrides=(), num_steps=NUM_STEPS, reward_model=False) -> Controller:
-    """The real controller over fake actors; `on_get` runs at each ray.get (an actor call's return)."""
+                    on_get=lambda: None, overrides=(), num_steps=NUM_STEPS, reward_model=False,
+                    passes=None) -> Controller:
+    """The real controller over fake actors; `on_get` runs at each ray.get (an actor call's return). `passes`:
+    (cfg, runtime) -> the rollout passes over the fake engine (default: FakeRollouts, the pool at its boundary)."""
     model = tmp_path / "model"  # what a checkpoint records of the model: its config.json
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 8}')
@@ -261,12 +263,13 @@ def make_controller(plan: SwitchPlan, log: list, monkeypatch, tmp_path, *, check
     cfg = load_config(None, [f"logging.output_dir={tmp_path}", f"algo.num_steps={num_steps}",
                              f"checkpoint.every_steps={1 if checkpoint else 0}", "checkpoint.at_end=false",
                              f"eval.every_steps={1 if evaluate else 0}", *overrides])
+    reward = FakeRewardModel(log, state) if reward_model else None
     runtime = SimpleNamespace(
         switch=plan, trainers=TrainerGroup(FakeTrainer(name, log, state) for name in names),
-        engines=EngineGroup([FakeEngine("engine 0", log, state)]), sync=FakeSync(log, state), model_path=str(model),
-        tokenizer=SimpleNamespace(decode=lambda ids: "2", eos_token_id=None),
-        reward_model=FakeRewardModel(log, state) if reward_model else None)
-    return Controller(cfg, runtime, rollouts=FakeRollouts(log, state))
+        engines=EngineGroup([FakeEngine("engine 0", log, state)], sleeps_with=[reward] if reward else []),
+        sync=FakeSync(log, state), model_path=str(model), reward_model=reward,
+        tokenizer=SimpleNamespace(decode=lambda ids: "2", eos_token_id=None))
+    return Controller(cfg, runtime, rollouts=passes(cfg, runtime) if passes else FakeRollouts(log, state))
 
 
 @pytest.mark.parametrize("level, offload, checkpoint, evaluate", PLANS)
@@ -354,7 +357,7 @@ def test_one_step_off_generates_the_next_step_while_this_one_trains(monkeypatch,
 
     controller.score = score
     controller.run_steps(num_steps)
-    state = controller.rollouts.residency
+    state = controller.passes.residency
     assert state["generated"] == [(0, None), (0, 1), (1, 2)]
     assert trained_versions == [[0], [0], [1]]
     assert [e for e in controller.events if e.startswith("rollout")] == \

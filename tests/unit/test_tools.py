@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from colocate.rl.tasks import Sample
-from colocate.rl.tools import Calculator, MalformedCall, ToolCall, evaluate, parse_tool_calls
+from colocate.rollout.tools import Calculator, MalformedCall, ToolCall, evaluate, parse_tool_calls
 from tests.unit.test_environments import EOS, make_pool
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*(3+4)"}}\n</tool_call>'

@@ -1,0 +1,1 @@
+"""Everything that turns prompts into complete groups by driving engines and environments (see modes.py)."""

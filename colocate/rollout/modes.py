@@ -1,0 +1,165 @@
+"""One rollout driver per algo.mode, all with the same face: the controller holds one and never asks which runs.
+
+    rollout = make_rollout(cfg, passes, trace, switch)   # passes: rollout/passes.py, over the engines and the pool
+    groups, stats = rollout.take(step)       # the step's complete groups: sampled by policy `step`, or older
+    rollout.before_train(step, num_steps)    # one_step_off: step + 1's answers start generating
+    ...                                      # score, train: the engines may still be generating
+    rollout.before_sync(step)                # their generation is over (a watched "rollout_wait" when it waits)
+    ...                                      # sync, checkpoint, evaluation: the engines and the pool are idle
+    rollout.after_sync(step, num_steps)      # async: the passes go on under the weights just synced
+    state = rollout.state(); rollout.load_state(state)   # a checkpoint's part (JSON)
+    rollout.close()
+
+A new mode is a class here with these methods, named in MODES and in config/algo.py's valid modes (its switch
+plan, when it keeps the engines busy during training, is job/preflight.py's); job/controller.py is not touched.
+
+- sync (`RolloutMode`): each step generates its own groups when it takes them; nothing happens between.
+- one_step_off (docs/async.md): step k + 1's answers are generated with the weights of version k in a thread
+  (rollout/overlap.py `Background`) while step k trains; the sync waits for them.
+- async: rollout passes run back to back in a thread (rollout/overlap.py `ContinuousRollout`); a step takes
+  complete groups from it, and its sync waits only for the pass in flight (pause, sync, resume).
+"""
+
+from __future__ import annotations
+
+from colocate.config import JobConfig
+from colocate.rl.samples import Group
+from colocate.rollout.overlap import Background, ContinuousRollout
+from colocate.rollout.passes import Passes
+
+
+class RolloutMode:
+    """algo.mode=sync, and what every mode shares: the passes, the trace, the checkpoint's part."""
+
+    overlaps_training = False  # the engines generate while the trainer works: nothing may sleep or move
+
+    def __init__(self, passes: Passes, trace):
+        self.passes, self.trace = passes, trace
+
+    def take(self, step: int) -> tuple[list[Group], dict]:
+        """The step's groups, sampled by the policy of version `step` (the weights after `step` syncs), or by older
+        ones for answers carried over (partial rollout, over-sampling, a mode that generates ahead)."""
+        groups, stats = self._take(step)
+        self.trace.event("rollout")
+        return groups, stats
+
+    def _take(self, step: int) -> tuple[list[Group], dict]:
+        self.passes.generate(version=step)
+        return self.passes.take(step)
+
+    def before_train(self, step: int, num_steps: int) -> None:
+        pass
+
+    def before_sync(self, step: int) -> None:
+        pass
+
+    def after_sync(self, step: int, num_steps: int) -> None:
+        pass
+
+    def state(self) -> dict:
+        """Where the prompts are and what is in flight (JSON). `generated_ahead`: a resumed one_step_off run must
+        take the pool's complete groups as they are; the key is kept in every mode's checkpoint."""
+        return {"rollouts": self.passes.state(), "generated_ahead": False}
+
+    def load_state(self, state: dict) -> None:
+        self.passes.load_state(state["rollouts"])
+
+    def close(self) -> None:
+        pass
+
+
+class OneStepOffRollout(RolloutMode):
+    """Step k trains what step k - 1 generated ahead with version k - 1; only the first step (or the first after a
+    resume, which restored that pool) generates its own. The engines stay awake and the trainer resident
+    throughout (preflight.ONE_STEP_OFF_PLAN)."""
+
+    overlaps_training = True
+
+    def __init__(self, passes: Passes, trace):
+        super().__init__(passes, trace)
+        self._generated_ahead = False  # the pool holds the next step's groups, generated ahead
+        self._ahead: Background | None = None
+
+    def _take(self, step: int) -> tuple[list[Group], dict]:
+        if not self._generated_ahead:
+            self.passes.generate(version=step)
+        self._generated_ahead = False
+        return self.passes.take(step)
+
+    def before_train(self, step: int, num_steps: int) -> None:
+        """Start generating step + 1's answers with the engines' weights (version `step`) in a thread, to run
+        while this step trains; nothing at the last step."""
+        if step + 1 >= num_steps:
+            return
+        self.trace.event("rollout.ahead")
+        self._ahead = Background(self.passes.generate, version=step, trained_version=step + 1)
+
+    def before_sync(self, step: int) -> None:
+        """Before the sync rewrites the engines' weights, the next step's generation must be over."""
+        if self._ahead is None:
+            return
+        ahead, self._ahead = self._ahead, None
+        with self.trace.phase("rollout_wait", step):  # the trainer idles until the engines are done
+            ahead.wait()
+        self._generated_ahead = True
+        self.trace.spans.append(("rollout.ahead", step, ahead.started_at, ahead.finished_at))  # ran during `step`
+        self.trace.event("rollout.ahead.done")
+
+    def state(self) -> dict:
+        return {**super().state(), "generated_ahead": self._generated_ahead}
+
+    def load_state(self, state: dict) -> None:
+        super().load_state(state)
+        self._generated_ahead = state.get("generated_ahead", False)  # absent: a checkpoint of a sync-mode release
+
+
+class AsyncRollout(RolloutMode):
+    """The passes run without pause in their own thread, started by the first take (of the run, or after a
+    resume); a step takes complete groups that its policy may train (within rollout.max_lag)."""
+
+    overlaps_training = True
+
+    def __init__(self, passes: Passes, trace):
+        super().__init__(passes, trace)
+        self._continuous: ContinuousRollout | None = None
+
+    def _take(self, step: int) -> tuple[list[Group], dict]:
+        if self._continuous is None:
+            self._continuous = ContinuousRollout(self.passes, version=step)
+        return self._continuous.take(trained_version=step)
+
+    def before_sync(self, step: int) -> None:
+        """The pass in flight ends, and no other starts until after_sync."""
+        with self.trace.phase("rollout_wait", step):
+            self._continuous.pause()
+        # the passes that ran since the last pause, each labelled with this step: `bench async`'s timeline
+        self.trace.spans.extend(("rollout.pass", step, *span) for span in self._continuous.drain_pass_spans())
+        self.trace.event("rollout.pause")
+
+    def after_sync(self, step: int, num_steps: int) -> None:
+        """After the step's sync (and its checkpoint, evaluation and metrics, which use the engines and the pool
+        alone): the passes go on with the engines' new policy, version step + 1; after the last step they stop."""
+        if step + 1 < num_steps:
+            self._continuous.resume(version=step + 1)
+            self.trace.event("rollout.resume")
+        else:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the passes (their thread ends when it next looks; one in flight is left to end or fail)."""
+        if self._continuous is not None:
+            self._continuous.close()
+            self._continuous = None
+
+
+MODES: dict[str, type[RolloutMode]] = {"sync": RolloutMode, "one_step_off": OneStepOffRollout,
+                                       "async": AsyncRollout}
+
+
+def make_rollout(cfg: JobConfig, passes: Passes, trace, switch) -> RolloutMode:
+    """The driver of cfg.algo.mode. `switch`: the runtime's switch plan; a mode that generates while the trainer
+    works needs both sides where they are (config checks refuse a plan that moves them)."""
+    mode = MODES[cfg.algo.mode](passes, trace)
+    assert not mode.overlaps_training or not (switch.engine_sleep_level or switch.trainer_offload), \
+        f"algo.mode={cfg.algo.mode} with a switch plan that moves memory: {switch}"
+    return mode
