@@ -299,8 +299,8 @@ class RolloutPool:
             return Answer(**d)
 
         self._next_group_id = state["next_group_id"]
-        self.groups = [GroupInFlight(g["group_id"], Sample(**g["sample"]), g["prompt_ids"], [answer(a) for a in g["answers"]])
-                       for g in state["groups"]]
+        self.groups = [GroupInFlight(g["group_id"], Sample(**g["sample"]), g["prompt_ids"],
+                                     [answer(a) for a in g["answers"]]) for g in state["groups"]]
         if self.episodes is not None:
             self._replay_episodes()
 
