@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from colocate.sync.transport import mapped_by
+from colocate.host.shm import mapped_by
 
 # Seconds each slow file takes in a whole-suite run on two workers (2 cores, AVX-512 AMD EPYC, the b1cab24 run).
 # `make test` hands files out in this order, heaviest first (xdist's loadfile with --no-loadscope-reorder keeps

@@ -72,7 +72,7 @@ class EngineActor:
         # Owner-only files for everything vLLM creates from here (its TP workers inherit the umask): its ZMQ
         # IPC sockets in $VLLM_RPC_BASE_PATH (/tmp: vllm/utils/network_utils.py get_open_zmq_ipc_path) are
         # bound with the umask's mode, 0755 under the usual 022 and 0775 under 002, where group members could
-        # connect; 0700 with this. Its /dev/shm segments are 0600 whatever the umask (sync/transport.py). This
+        # connect; 0700 with this. Its /dev/shm segments are 0600 whatever the umask (host/shm.py). This
         # process is the engine's own Ray worker and writes nothing a user reads.
         os.umask(0o077)
         # vLLM binds those sockets under $VLLM_RPC_BASE_PATH and never unlinks them: a directory of this
@@ -231,7 +231,7 @@ class EngineActor:
         placement, sync/broadcast.py): {"addresses": {TP rank: StoreAddress}, "num_members", "timeout_s"}; each
         worker's ring is then its own memory, filled by the broadcast of its TP rank's group, which it joins here
         (this returns once the feeders joined too)."""
-        from colocate.sync.transport import ShmBuffer
+        from colocate.sync.buffers import ShmBuffer
 
         handle = None
         if shared:

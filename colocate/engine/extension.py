@@ -37,7 +37,7 @@ from colocate.engine.worker_exit import exit_without_finalization
 from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
 from colocate.sync.load import verify_then_load
 from colocate.sync.reshard import SyncPlan
-from colocate.sync.transport import attach, create_buffer
+from colocate.sync.buffers import attach, create_buffer
 from colocate.sync.verify import corruption_error, mismatched_ranges
 
 

@@ -46,7 +46,7 @@ from colocate.host.procfs import (
     tcp_clients,
 )
 from colocate.host.rpc_dirs import remove_stale_rpc_dirs
-from colocate.sync.transport import SEGMENT_PREFIX, SHM_DIR, is_ours, job_segments, mapped_by, segment_pid
+from colocate.host.shm import SEGMENT_PREFIX, SHM_DIR, is_ours, job_segments, mapped_by, segment_pid
 
 RECORD = "job.json"
 

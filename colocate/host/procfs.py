@@ -26,6 +26,18 @@ def start_ticks(pid: int) -> int | None:
     return None if fields[0] in ("Z", "X") else int(fields[19])  # fields 3 (state) and 22 (starttime)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid exists (another user's counts: it exists, our signals are refused). Only the
+    pid: host/shm.py and host/rpc_dirs.py judge the pid in a name by it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def process_entry(pid: int) -> dict | None:
     ticks = start_ticks(pid)
     return None if ticks is None else {"pid": pid, "start": ticks}

@@ -6,7 +6,7 @@ Each engine gets a directory of its own (0700: mkdtemp), removed when it shuts d
 SIGKILLed engine cannot remove it; the pid in the name lets whoever comes next see its owner is gone: every
 job's start and close (Runtime), and `colocate clean`.
 
-Hazard: as with the segment names (sync/transport.py), a pid is only meaningful in this pid namespace:
+Hazard: as with the segment names (host/shm.py), a pid is only meaningful in this pid namespace:
 containers sharing /tmp but not pids must not share a uid. A pid reused since only keeps a dead engine's
 directory until that process is gone too.
 """
@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from colocate.sync.transport import pid_alive
+from colocate.host.procfs import pid_alive
 
 PREFIX = "colocate-vllm-rpc-"
 _NAME = re.compile(rf"^{PREFIX}(\d+)-")

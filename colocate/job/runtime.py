@@ -53,7 +53,7 @@ from colocate.models.sources import ensure_model, ensure_reward_model, load_toke
 from colocate.rollout.reward_model import RewardModel
 from colocate.sync.buckets import TensorSpec
 from colocate.sync.tp_layout import is_adapter
-from colocate.sync.transport import (
+from colocate.host.shm import (
     JOB_ENV,
     mapped_by,
     new_job_token,

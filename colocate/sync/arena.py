@@ -32,7 +32,7 @@ import mmap
 import torch
 
 from colocate.sync.buckets import ALIGN, aligned
-from colocate.sync.transport import ShmBuffer, ShmHandle
+from colocate.sync.buffers import ShmBuffer, ShmHandle
 
 
 class WeightArena:

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from colocate.sync.buckets import Bucket, Region
 from colocate.sync.reshard import Piece, SyncPlan, as_2d, rows_per_index
-from colocate.sync.transport import range_checksums
+from colocate.sync.buffers import range_checksums
 
 
 def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from colocate.sync.reshard import SyncPlan, as_2d
-from colocate.sync.transport import range_checksums
+from colocate.sync.buffers import range_checksums
 
 MASK64 = (1 << 64) - 1
 

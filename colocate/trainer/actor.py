@@ -288,7 +288,7 @@ class TrainerActor:
     def attach_ring(self, key: str, engine_index: int, handles: list, plan: SyncPlan, *, checksum: bool) -> None:
         """Map the rings of one engine's workers for sync `key` (`handles` by TP rank; a shared ring is mapped
         once)."""
-        from colocate.sync.transport import attach
+        from colocate.sync.buffers import attach
 
         mapped: dict = {}
         rings = []
@@ -328,7 +328,7 @@ class TrainerActor:
         feeds only `pair` (engine, tp rank), the worker on its own device, through that worker's ring
         (`handle`); a rank with no worker beside it (pair None) takes part in the gather only."""
         from colocate.sync.gather import GatherWriter
-        from colocate.sync.transport import attach
+        from colocate.sync.buffers import attach
 
         self._gather_writers[key] = GatherWriter(
             plan, groups, rank=self.rank, world_size=self.world_size, device=self.device,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate.sync.transport import ShmBuffer, ShmHandle
+from colocate.sync.buffers import ShmBuffer, ShmHandle
 from tests.distributed.conftest import run_distributed
 from tests.distributed.test_shards import _sharded
 from tests.unit.test_reshard import HD, NKV, NQ
@@ -63,7 +63,7 @@ def _sync_rank(rank: int, world_size: int, handles: list[ShmHandle], expert_para
     from colocate.sync.load import verify_then_load
     from colocate.sync.shards import local_shards, write_bucket
     from colocate.sync.tp_layout import engine_tensor
-    from colocate.sync.transport import attach
+    from colocate.sync.buffers import attach
 
     full = _state()
     params, _ = _sharded(full, world_size)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate.sync.transport import ShmBuffer, ShmHandle
+from colocate.sync.buffers import ShmBuffer, ShmHandle
 from tests.distributed.conftest import run_distributed
 from tests.distributed.test_shards import _sharded
 from tests.unit.test_reshard import HD, NKV, NQ, engine_shapes, hf_state
@@ -47,7 +47,7 @@ def _sync_rank(rank: int, world_size: int, handles: list[ShmHandle], tp: int, ti
     from colocate.sync.gather import GatherWriter, plan_gather
     from colocate.sync.load import verify_then_load
     from colocate.sync.shards import local_shards
-    from colocate.sync.transport import attach
+    from colocate.sync.buffers import attach
     from colocate.sync.verify import tensor_spans
 
     full = hf_state(VOCAB, tied=tied, num_layers=2)

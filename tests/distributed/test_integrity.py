@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from colocate.sync.transport import ShmBuffer, ShmHandle
+from colocate.sync.buffers import ShmBuffer, ShmHandle
 from tests.distributed.conftest import run_distributed
 from tests.distributed.test_gather import VOCAB, _plan
 from tests.distributed.test_shards import _sharded
@@ -37,7 +37,7 @@ def _corrupt_one_slot(rank: int, world_size: int, handle: ShmHandle, transport: 
     from colocate.sync.gather import GatherWriter, plan_gather
     from colocate.sync.load import verify_then_load
     from colocate.sync.shards import local_shards, write_bucket
-    from colocate.sync.transport import attach
+    from colocate.sync.buffers import attach
 
     full = hf_state(VOCAB, tied=False, num_layers=2)
     params, specs = _sharded(full, world_size)

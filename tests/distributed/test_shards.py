@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from colocate.sync.buckets import TensorSpec, group_by_layer, plan_buckets
-from colocate.sync.transport import ShmBuffer, ShmHandle, attach
+from colocate.sync.buffers import ShmBuffer, ShmHandle, attach
 from tests.distributed.conftest import run_distributed
 
 

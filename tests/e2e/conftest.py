@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from colocate.config import JobConfig, load_config
-from colocate.sync.transport import mapped_by
+from colocate.host.shm import mapped_by
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,7 +108,7 @@ def shm_segments() -> set[str]:
 
 def _mapped_by_other_runs(names: set[str]) -> set[str]:
     """The entries among `names` that a live process outside this run maps (the test beside this one); by
-    inode, as the product does (colocate.sync.transport.mapped_by): a semaphore's creator maps it unnamed.
+    inode, as the product does (colocate.host.shm.mapped_by): a semaphore's creator maps it unnamed.
 
     Untagged processes count too: the other xdist worker's own pytest process carries no run tag (the tag is set
     after its exec), and its gloo tests' multiprocessing queues are semaphores it alone maps while their spawned

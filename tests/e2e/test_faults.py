@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from colocate.host.procfs import process_tree, same_process, session_processes
-from colocate.sync.transport import SHM_DIR, segment_job
+from colocate.host.shm import SHM_DIR, segment_job
 from colocate.telemetry.metrics import read_records
 from tests.e2e.conftest import ROOT, assert_nothing_left, colocate_processes, launch, shm_segments
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from colocate.host.procfs import process_tree
-from colocate.sync.transport import SEGMENT_PREFIX, SHM_DIR, segment_job
+from colocate.host.shm import SEGMENT_PREFIX, SHM_DIR, segment_job
 from tests.e2e.conftest import ROOT, small_job
 
 pytestmark = pytest.mark.e2e

@@ -21,7 +21,7 @@ def _gather_on_gpu(rank: int, world_size: int, port: int) -> None:
     from colocate.sync.reshard import build_sync_plan
     from colocate.sync.shards import local_shards
     from colocate.sync.tp_layout import TPLayout, engine_tensor
-    from colocate.sync.transport import CudaIpcBuffer
+    from colocate.sync.buffers import CudaIpcBuffer
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)

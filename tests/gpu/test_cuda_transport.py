@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 
-from colocate.sync.transport import CudaIpcBuffer, attach, device_uuid, local_device_index, range_checksum
+from colocate.sync.buffers import CudaIpcBuffer, attach, device_uuid, local_device_index, range_checksum
 
 
 def _writer(handle, num_rows: int, queue) -> None:

@@ -9,7 +9,7 @@ import torch
 from colocate.host.memory import process_rss_bytes
 from colocate.sync.arena import WeightArena
 from colocate.sync.buckets import ALIGN
-from colocate.sync.transport import attach
+from colocate.sync.buffers import attach
 
 
 @pytest.fixture

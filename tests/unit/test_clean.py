@@ -16,16 +16,8 @@ import pytest
 from colocate.errors import CleanError
 from colocate.host.clean import JobRecord, check_cleanable, clean, clean_runs
 from colocate.host.procfs import process_entry, process_tree, same_process, start_ticks
-from colocate.sync.transport import (
-    JOB_ENV,
-    SHM_DIR,
-    ShmBuffer,
-    ShmHandle,
-    attach,
-    mapped_by,
-    remove_orphaned_entries,
-    remove_stale_segments,
-)
+from colocate.host.shm import JOB_ENV, SHM_DIR, mapped_by, remove_orphaned_entries, remove_stale_segments
+from colocate.sync.buffers import ShmBuffer, ShmHandle, attach
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="simulating another user needs root (chown, setuid)")

@@ -81,7 +81,7 @@ def test_the_cycle_finder_finds_one():
 
 
 # docs/architecture.md's layers, bottom first: a package imports only from its own layer or those below
-LAYERS = [["errors"], ["config"], ["sync"], ["host"], ["models", "checkpoint", "telemetry"], ["rl"],
+LAYERS = [["errors"], ["config"], ["host"], ["sync"], ["models", "checkpoint", "telemetry"], ["rl"],
           ["engine", "trainer"], ["rollout"], ["job"], ["cluster", "bench"], ["cli"]]
 
 

@@ -21,7 +21,7 @@ import torch
 from colocate.bench.gpu_check.common import context, copy_seconds, receive, sync
 from colocate.sync.buckets import Region
 from colocate.sync.load import load_regions, ring_view
-from colocate.sync.transport import attach, create_buffer, range_checksum
+from colocate.sync.buffers import attach, create_buffer, range_checksum
 
 COLS = 4096  # columns of every test parameter (8 KiB bf16 rows)
 NUM_TRAINERS = 2

@@ -4,7 +4,7 @@ Nothing here re-implements the sync: a trainer rank's `GatherWriter` (sync/gathe
 all-gather the layer group over a process group of world size 1, NCCL on the GPU and gloo on the CPU, copy the
 worker's slice into the ring slot, checksum each tensor) and the engine worker's `verify_then_load`
 (sync/load.py: verify the checksums, copy the slot into the parameters, synchronise) run bucket after bucket on a
-plan from `build_sync_plan` (sync/reshard.py) over a ring from `create_buffer` (sync/transport.py). Writer and
+plan from `build_sync_plan` (sync/reshard.py) over a ring from `create_buffer` (sync/buffers.py). Writer and
 loader share one process and one stream: what is left out is only the messaging between the two processes
 (ring_ipc measures that), which the first GPU run found to be most of its 153x.
 
@@ -106,7 +106,7 @@ def _one_slot(shape: Shape, slot_bytes: int, *, device: torch.device, syncs: int
     from colocate.sync.reshard import build_sync_plan
     from colocate.sync.shards import local_shards
     from colocate.sync.tp_layout import TPLayout, engine_tensor
-    from colocate.sync.transport import create_buffer
+    from colocate.sync.buffers import create_buffer
 
     def layout_of(rank: int, size: int) -> TPLayout:
         return TPLayout(rank, size, shape.heads, shape.kv_heads, shape.head_dim, shape.vocab)

@@ -37,7 +37,7 @@ def train_offload_and_write(model_path: str, *, device: str, backend: str, port:
     from colocate.sync.buckets import TensorSpec, group_by_layer, plan_buckets
     from colocate.sync.reshard import SyncPlan
     from colocate.sync.shards import write_bucket
-    from colocate.sync.transport import create_buffer
+    from colocate.sync.buffers import create_buffer
     from colocate.trainer.actor import TrainerActor
 
     cfg = TrainerConfig(micro_batch_size=2, mixed_precision=True, offload_backend=backend)

