@@ -1,4 +1,5 @@
-"""EngineActor: one vLLM engine (TP workers) inside a Ray actor, plus its side of the weight-sync ring.
+"""EngineActor: one vLLM engine (TP workers) inside a Ray actor. Its end of the weight sync is sync/engine_end.py's
+(`EngineEnd` here, `WorkerEnd` in each worker), which its sync methods forward to.
 
 The actor runs vLLM in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); vLLM's own executor starts the TP workers
 (processes on the CPU, Ray workers in the slots' bundles on GPU). At TP=1 the one worker runs in the actor itself,
@@ -18,7 +19,7 @@ import shutil
 import time
 
 from colocate.config import engine_extra_args
-from colocate.errors import EngineStartError, SyncVerificationError
+from colocate.errors import EngineStartError
 
 EXTENSION = "colocate.engine.extension.ColocateWorkerExtension"
 
@@ -52,7 +53,7 @@ class EngineActor:
         self.llm = None
         self._prepared = False
         self._rpc_dir: str | None = None  # vLLM's IPC sockets (prepare)
-        self._shared_rings: dict = {}  # sync key -> the segment a full-tensor plan's workers share (CPU)
+        self.sync_end = None  # the engine's end of every sync (sync/engine_end.py EngineEnd), made by start()
         self._asleep: set[str] = set()  # the tags still asleep: nothing may generate before both woke
         self._deaths: list[tuple[int, int, int | None]] = []  # worker exits, in order (_watch_workers)
         self._adapter = None  # a LoRA job: the LoRARequest every generation carries (engine/lora.py)
@@ -77,7 +78,7 @@ class EngineActor:
         os.umask(0o077)
         # vLLM binds those sockets under $VLLM_RPC_BASE_PATH and never unlinks them: a directory of this
         # engine's own (host/rpc_dirs.py), removed with the engine in shutdown(); its TP workers inherit it.
-        from colocate.host.rpc_dirs import create_rpc_dir  # here: the module imports torch
+        from colocate.host.rpc_dirs import create_rpc_dir
 
         self._rpc_dir = create_rpc_dir()
         os.environ["VLLM_RPC_BASE_PATH"] = self._rpc_dir
@@ -109,6 +110,9 @@ class EngineActor:
         except Exception as e:  # vLLM raises many types; the controller needs one clear line
             raise EngineStartError(f"vLLM engine failed to start for {self.model_path!r}: {_root_cause(e)}") from None
         self._watch_workers()
+        from colocate.sync.engine_end import EngineEnd  # here: it imports torch, which prepare() must precede
+
+        self.sync_end = EngineEnd(self.llm.collective_rpc, device=self.device)
         if adapter_shapes:
             from colocate.engine.lora import policy_adapter
 
@@ -209,7 +213,7 @@ class EngineActor:
     def share_weights(self) -> list[dict]:
         """Move every worker's parameters into a shared-memory arena (in-place sync); per worker: tp_rank,
         handle, offsets."""
-        return self.llm.collective_rpc("colocate_share_weights")
+        return self.sync_end.share_weights()
 
     def node_id(self) -> str:
         """The Ray node of this engine (its TP workers share it: placement.plan_nodes)."""
@@ -231,48 +235,29 @@ class EngineActor:
         placement, sync/broadcast.py): {"addresses": {TP rank: StoreAddress}, "num_members", "timeout_s"}; each
         worker's ring is then its own memory, filled by the broadcast of its TP rank's group, which it joins here
         (this returns once the feeders joined too)."""
-        from colocate.sync.buffers import ShmBuffer
-
-        handle = None
-        if shared:
-            assert self.device == "cpu" and plan.mode == "full"
-            self._shared_rings[key] = ShmBuffer.create(plan.ring_bytes, tag="ring")
-            handle = self._shared_rings[key].handle
-        return self.llm.collective_rpc("colocate_open_ring", args=(key, plan, handle, engine_index, broadcast))
+        return self.sync_end.open_ring(key, plan, shared=shared, engine_index=engine_index, broadcast=broadcast)
 
     def receive_bucket(self, key: str, index: int) -> float:
         """Broadcast sync: every worker receives its slice of bucket `index` into its ring slot (a collective with
         the feeders' broadcast_write of it). The load that follows checks it. Returns the slowest worker's
         seconds."""
-        per_worker = self.llm.collective_rpc("colocate_receive", args=(key, index))
-        _raise_first_error(per_worker)
-        return max(seconds for seconds, _ in per_worker)
+        return self.sync_end.receive_bucket(key, index)
 
     def seal_ring(self, key: str) -> None:
         """Everyone has mapped the rings: drop their names so no crash can leak a segment."""
-        if key in self._shared_rings:
-            self._shared_rings[key].unlink()
-        self.llm.collective_rpc("colocate_seal_ring", args=(key,))
+        self.sync_end.seal_ring(key)
 
     def load_bucket(self, key: str, index: int, *per_rank_checksums) -> dict:
         """Load bucket `index` into every worker. Ray passes the trainers' write results as arguments, so this
         runs only after every rank has written its part of the bucket. Each worker verifies its ranges before it
         copies any (sync/load.py): a corrupted slot raises SyncVerificationError naming the tensor, unloaded."""
-        checksums = [c for rank in per_rank_checksums for c in rank]
-        per_worker = self.llm.collective_rpc("colocate_load", args=(key, index, checksums))
-        _raise_first_error(per_worker)
-        # the workers run in parallel: a bucket costs what its slowest worker took
-        return {"verify_s": max(v for v, _, _ in per_worker), "load_s": max(lo for _, lo, _ in per_worker)}
+        return self.sync_end.load_bucket(key, index, per_rank_checksums)
 
     def verify_in_place(self, key: str, *per_rank_checksums) -> dict:
         """After the trainers wrote every bucket in place (Ray passes their results, so this runs after them):
         check every worker's parameters still live in its arena, and the written ranges' checksums; then the
         post-load step (one call fewer per sync than through the ring)."""
-        checksums = [c for rank in per_rank_checksums for c in rank]
-        per_worker = self.llm.collective_rpc("colocate_verify_in_place", args=(key, checksums))
-        _raise_first_error(per_worker)
-        verify_s = max(seconds for seconds, _ in per_worker)
-        return {"verify_s": verify_s, "load_s": 0.0, "post_s": self.finish_sync()}
+        return {**self.sync_end.verify_in_place(key, per_rank_checksums), "post_s": self.finish_sync()}
 
     def finish_sync(self) -> float:
         """Post-load processing, once per sync. Returns its seconds."""
@@ -388,12 +373,6 @@ def _lora_kwargs(max_lora_rank: int, adapter_shapes: dict[str, tuple[int, ...]])
 
     return dict(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1, max_cpu_loras=1,
                 lora_target_modules=adapter_targets(adapter_shapes))
-
-
-def _raise_first_error(per_worker: list[tuple]) -> None:
-    errors = [reply[-1] for reply in per_worker if reply[-1]]
-    if errors:
-        raise SyncVerificationError(errors[0])
 
 
 def _root_cause(e: BaseException) -> str:

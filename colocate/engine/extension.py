@@ -27,7 +27,6 @@ packed CPU GEMM; a later sync path that writes the packed format directly can li
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
@@ -35,10 +34,8 @@ from colocate.engine.experts import expert_report
 from colocate.engine.lora import engine_tensors, experts_carry_no_lora, install_adapter, reset_adapter, shape_2d
 from colocate.engine.worker_exit import exit_without_finalization
 from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
-from colocate.sync.load import verify_then_load
+from colocate.sync.engine_end import WorkerEnd
 from colocate.sync.reshard import SyncPlan
-from colocate.sync.buffers import attach, create_buffer
-from colocate.sync.verify import corruption_error, mismatched_ranges
 
 
 def _use_plain_cpu_linear() -> None:
@@ -74,113 +71,50 @@ class ColocateWorkerExtension:
     # Several syncs may be open at once on one engine (the benchmark runs its baselines beside the real one):
     # each has a key, and its own plan and ring here.
 
+    def _colocate_sync(self) -> WorkerEnd:
+        """This worker's end of every sync open on it (sync/engine_end.py)."""
+        if getattr(self, "_colocate_end", None) is None:
+            self._colocate_end = WorkerEnd(device=self.device)
+        return self._colocate_end
+
     def colocate_share_weights(self) -> dict:
-        """Move this worker's parameters into a shared-memory arena the trainers can write in place (CPU).
-        Returns its handle and every parameter's byte offset. An arena whose name is already gone (an earlier
-        sync sealed it) cannot be mapped again, so a new one replaces it (the parameters move once more)."""
+        """Move this worker's parameters into a shared-memory arena the trainers can write in place (CPU), unless
+        they are in one that can still be mapped (WorkerEnd.share_weights). Returns its handle and every
+        parameter's byte offset."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        from colocate.sync.arena import WeightArena
-
-        arena = getattr(self, "_colocate_arena", None)
-        if arena is None or not arena.linked:
+        end = self._colocate_sync()
+        if not end.arena_linked():
             sleeper = getattr(self, "_colocate_sleeper", None)
             assert sleeper is None or not sleeper.asleep, "share the weights while the engine is awake"
-            arena = self._colocate_arena = WeightArena(engine_tensors(self))
+            end.share_weights(engine_tensors(self))
             return_free_memory_to_os()  # the parameters' old storages
             if sleeper is not None:
-                sleeper.arena = arena
-        return {"tp_rank": get_tensor_model_parallel_rank(), "handle": arena.handle, "offsets": arena.offsets}
+                sleeper.arena = end.arena
+        return {"tp_rank": get_tensor_model_parallel_rank(), "handle": end.arena.handle, "offsets": end.arena.offsets}
 
     def colocate_open_ring(self, key: str, plan: SyncPlan, shared_handle=None, engine_index: int | None = None,
                            broadcast: dict | None = None):
-        """This worker's ring for sync `key`: its own buffer (on its GPU, or a shared-memory segment), a ring it
-        shares with the engine's other workers (given its handle), or, in place, its weight arena. Returns the
-        handle the trainers map. `engine_index`: this engine's index in the sync, for its errors. `broadcast`
-        (split placement): the ring is private memory, filled through the group of this worker's TP rank,
-        joined here as member 1 + engine_index (sync/broadcast.py); returns None."""
+        """This worker's ring for sync `key` (WorkerEnd.open_ring); returns the handle the trainers map."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        owner = None
-        if broadcast is not None:
-            from colocate.sync.broadcast import BroadcastChannel
-
-            ring, handle = torch.zeros(plan.ring_bytes, dtype=torch.uint8, device=self.device), None
-            if not hasattr(self, "_colocate_channels"):
-                self._colocate_channels = {}
-            self._colocate_channels[key] = BroadcastChannel.join(
-                broadcast["addresses"][get_tensor_model_parallel_rank()], rank=1 + engine_index,
-                size=broadcast["num_members"], device=self.device, timeout_s=broadcast["timeout_s"])
-        elif plan.in_place:
-            ring, handle = self._colocate_arena.tensor, self._colocate_arena.handle
-        elif shared_handle is None:
-            owner = create_buffer(plan.ring_bytes, device=self.device, tag="ring")
-            ring, handle = owner.tensor, owner.handle
-        else:
-            ring, handle = attach(shared_handle), shared_handle
-        if not hasattr(self, "_colocate_sessions"):
-            self._colocate_sessions = {}
-        self._colocate_sessions[key] = (plan, ring, owner)
-        if not hasattr(self, "_colocate_verify_info"):
-            self._colocate_verify_info = {}
-        # for verification: the engine index its errors name; a shared ring is checksummed under worker 0
-        self._colocate_verify_info[key] = {"engine": engine_index, "shared": shared_handle is not None}
-        self._colocate_tp_rank = get_tensor_model_parallel_rank()
-        self._colocate_params = engine_tensors(self)
-        return handle
+        return self._colocate_sync().open_ring(key, plan, tp_rank=get_tensor_model_parallel_rank(),
+                                               params=engine_tensors(self), shared_handle=shared_handle,
+                                               engine_index=engine_index, broadcast=broadcast)
 
     def colocate_seal_ring(self, key: str) -> None:
-        """Every party has mapped the ring: drop its name (shared memory), so no crash can leak it."""
-        plan, _, owner = self._colocate_sessions[key]
-        if owner is not None:
-            owner.unlink()
-        if plan.in_place:
-            self._colocate_arena.unlink()
+        self._colocate_sync().seal(key)
 
-    # Verification failures are returned, not raised: an exception in one worker of a collective RPC leaves the
-    # other workers' replies queued in vLLM's executor, and the engine's next RPC would read them (seen: the
-    # next param_layouts() raised this call's error). EngineActor raises once every worker has answered.
+    # Verification failures are returned, not raised (sync/engine_end.py says why): (seconds..., error or None).
 
     def colocate_load(self, key: str, index: int, checksums: list[tuple[int, int, int, int]]):
-        """Load bucket `index` of sync `key`: verify the trainers' byte ranges written into this worker's ring,
-        then copy, only if they all match (a mismatch names the tensor). Returns (verify seconds, load seconds,
-        error or None)."""
-        plan, ring, _ = self._colocate_sessions[key]
-        return verify_then_load(plan, index, ring, checksums, worker=self._colocate_tp_rank,
-                                params=self._colocate_params, load_weights=self.model_runner.model.load_weights,
-                                **self._colocate_verify_info[key])
+        return self._colocate_sync().load(key, index, checksums, self.model_runner.model.load_weights)
 
     def colocate_receive(self, key: str, index: int):
-        """Broadcast sync: receive bucket `index` into this worker's ring slot. Returns (seconds, error or None):
-        returned, not raised, as the loads' (above)."""
-        from colocate.sync.broadcast import receive
-
-        started = time.perf_counter()
-        plan, ring, _ = self._colocate_sessions[key]
-        try:
-            receive(plan, index, ring, self._colocate_channels[key], self._colocate_tp_rank)
-        except RuntimeError as e:  # gloo/NCCL: a member died or the group's timeout passed
-            return time.perf_counter() - started, f"the broadcast of bucket {index} failed: {e}"
-        return time.perf_counter() - started, None
+        return self._colocate_sync().receive(key, index)
 
     def colocate_verify_in_place(self, key: str, checksums: list[tuple[int, int, int, int]]):
-        """After an in-place sync: every parameter still lives where the trainers wrote (always checked: it costs
-        microseconds), and the written ranges hold what the trainers computed (when they sent checksums).
-        Returns (seconds, error or None)."""
-        started = time.perf_counter()
-        plan, ring, _ = self._colocate_sessions[key]
-        if ring.data_ptr() != self._colocate_arena.tensor.data_ptr():
-            error = ("this in-place sync writes into a weight arena that a later sync replaced (the weights moved "
-                     "to a new one when it was shared again): open the sync again")
-        elif detached := self._colocate_arena.detached():
-            error = (f"{len(detached)} engine parameter(s) left the shared weight arena (e.g. {detached[0]}): the "
-                     "in-place sync no longer reaches them")
-        elif bad := mismatched_ranges(ring, checksums, self._colocate_tp_rank):  # WeightSync sends none in place
-            error = corruption_error(plan, self._colocate_tp_rank, bad, index=None,
-                                     engine=self._colocate_verify_info[key]["engine"])
-        else:
-            error = None
-        return time.perf_counter() - started, error
+        return self._colocate_sync().verify_in_place(key, checksums)
 
     def colocate_state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of this worker's parameters (engine names, TP-local), and a LoRA job's adapter buffers, for full
@@ -233,7 +167,7 @@ class ColocateWorkerExtension:
 
         if getattr(self, "_colocate_sleeper", None) is None:
             self._colocate_sleeper = PortableSleep(self.model_runner.model, self.model_runner.kv_caches,
-                                                   arena=getattr(self, "_colocate_arena", None))
+                                                   arena=self._colocate_sync().arena)
         return self._colocate_sleeper.sleep(level)
 
     def colocate_wake(self, tags: list[str], commit: bool = False) -> int:
@@ -242,9 +176,7 @@ class ColocateWorkerExtension:
     def colocate_rss(self) -> int:
         """This worker's memory: its private pages, plus the shared segments it owns (weight arena, rings)
         counted whole and once, not through whichever of their pages this process happened to touch."""
-        owned = [getattr(self, "_colocate_arena", None)] + [
-            owner for _, _, owner in getattr(self, "_colocate_sessions", {}).values()]
-        shared = sum(o.resident_bytes() for o in owned if o is not None and hasattr(o, "resident_bytes"))
+        shared = sum(o.resident_bytes() for o in self._colocate_sync().owned() if hasattr(o, "resident_bytes"))
         return process_rss_bytes(shared_memory=False) + shared
 
     def colocate_memory(self) -> dict:

@@ -43,6 +43,9 @@ An engine runs its calls in the order they were sent, so receive(i + num_slots) 
 
 Several syncs can be open on the same trainers and engines (the benchmark times its baselines beside the real
 one): each has its own key, plan and rings on every party.
+
+The calls above are the actors' Ray methods; each protocol's two ends are sync/trainer_end.py's (TrainerActor
+forwards to it) and sync/engine_end.py's (EngineActor and, in each worker, the worker extension forward to it).
 """
 
 from __future__ import annotations

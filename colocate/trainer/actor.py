@@ -1,29 +1,32 @@
-"""TrainerActor: one FSDP2 rank (Ray actor) of a Hugging Face causal LM, with its side of the weight sync.
+"""TrainerActor: one FSDP2 rank (Ray actor) of a Hugging Face causal LM. Its end of the weight sync is
+sync/trainer_end.py's `TrainerEnd`, which its sync methods forward to.
 
 Every slot holds one rank; the ranks form one process group (gloo on the CPU, NCCL on GPU) and shard each
-decoder layer, then the root, with `fully_shard` on dim 0.
+decoder layer, then the root, with `fully_shard` on dim 0. As job/runtime.py and job/groups.py drive them:
 
-    trainers = [TrainerActor.options(...).remote(rank, world, cfg, path, device="cpu", ...) for rank ...]
-    addr, port = ray.get(trainers[0].rendezvous.remote())
+    actor = ray.remote(TrainerActor)
+    trainers = [actor.options(...).remote(rank, world, cfg.trainer, model_path, device="cpu", pad_id=pad,
+                                          algo=cfg.algo, sampling=cfg.rollout) for rank in range(world)]
+    addr, port = ray.get(trainers[0].rendezvous.remote("127.0.0.1"))   # every rank on this node
     ray.get([t.setup.remote(addr, port) for t in trainers])
-    ray.get([t.train_step.remote(seqs[rank::world], num_tokens) for rank, t in enumerate(trainers)])
+    stats = ray.get([t.train_step.remote(share, step=0, num_tokens_all_ranks=n, num_micro_batches=m,
+                                         num_seqs_all_ranks=len(seqs)) for t, share in zip(trainers, shares)])
 """
 
 from __future__ import annotations
 
 import os
-import time
-from collections import deque
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 
 from colocate.config import AlgoConfig, RolloutConfig
-from colocate.host.devices import copy_seconds, cpu_bf16_features, device_memory, device_name, local_cuda_device
+from colocate.host.devices import cpu_bf16_features, device_memory, device_name, local_cuda_device
 from colocate.host.memory import map_large_blocks, process_rss_bytes, return_free_memory_to_os
 from colocate.sync.buckets import TensorSpec
-from colocate.sync.reshard import SyncPlan
-from colocate.sync.shards import bucket_copies, local_shards, profile_copies, run_copies
+from colocate.sync.shards import local_shards
+from colocate.sync.trainer_end import Checksums, TrainerEnd
 from colocate.trainer.batching import MicroBatch, attention_implementation, collate, trainer_micro_batches
 from colocate.trainer.finite import check_weights, clip_checked
 from colocate.trainer.fsdp import checkpoint_layers, shard_by_layer
@@ -50,52 +53,21 @@ class TrainerActor:
         self.device = local_cuda_device() if device == "cuda" else torch.device("cpu")
         if self.device.type == "cpu":
             map_large_blocks()  # the step's peak RSS is then its live tensors (host/memory.py)
-        self._rings = {}
-        self._gather_writers: dict = {}  # sync key -> GatherWriter (the gather protocol)
-        self._broadcast_stores: dict = {}  # sync key -> {TP rank: (TCPStore, StoreAddress)}, until attached
-        self._feeders: dict = {}  # sync key -> BroadcastFeeder (split placement)
-        self._copies: dict = {}
+        self.sync_end = TrainerEnd(rank=rank, world_size=world_size, device=self.device)  # every open sync
         self._offloader = None
         self.reference = None  # the frozen reference policy, built in setup when algo.kl_coef > 0
-        # bounded: a long run never asks for them (only the sync benchmark does)
-        self.write_times: deque[tuple[int, float]] = deque(maxlen=4096)
         self._offloaded = False
 
     def rendezvous(self, host: str | None = None) -> tuple[str, int]:
-        """Where the process group's TCPStore is, asked of rank 0 before every rank's `setup`.
-
-        host=None (trainers on several nodes): (this node's address, a free port), and rank 0's
-        init_process_group hosts the store there. host="127.0.0.1" (every trainer on one node): this actor hosts
-        the store now, on a socket bound to loopback only, and returns its port.
-
-        Why: torch's TCPStore server listens on every interface whatever MASTER_ADDR says (torch 2.13: '::' for
-        a store meant for 127.0.0.1), so anyone who reaches the node could write keys into the rendezvous.
-        Handed a listening socket (master_listen_fd, as vLLM does in distributed/utils.py create_tcp_store) it
-        listens on that one only. Hazard: the ranks must then run with TORCHELASTIC_USE_AGENT_STORE=True (the
-        runtime sets it), which makes every rank's init_process_group a client of this store; without it rank 0
-        would try to host a second store on the same port."""
-        import socket
-
-        import ray
+        """Where the process group's TCPStore is, asked of rank 0 before every rank's `setup`. host=None (trainers
+        on several nodes): this node's address and a free port, where rank 0's init_process_group hosts the store.
+        host="127.0.0.1" (every trainer on one node): this actor hosts the store now, listening on loopback alone
+        (host/rendezvous.py says why), and keeps it as long as it lives (the device mesh's groups use it too)."""
+        from colocate.host.rendezvous import free_port, loopback_store
 
         if host is None:
-            with socket.socket() as sock:
-                sock.bind(("", 0))
-                port = sock.getsockname()[1]
-            return ray.util.get_node_ip_address(), port
-        import torch.distributed as dist
-
-        sock = socket.socket()
-        sock.bind((host, 0))
-        sock.listen()
-        port = sock.getsockname()[1]
-        fd = sock.detach()
-        try:  # kept as long as the actor lives: the groups created after setup (device mesh) use it too
-            self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
-                                        timeout=timedelta(minutes=10))
-        except BaseException:
-            os.close(fd)
-            raise
+            return free_port()
+        self._store, port = loopback_store(host)
         return host, port
 
     def setup(self, master_addr: str, master_port: int) -> dict:
@@ -285,141 +257,58 @@ class TrainerActor:
         dtype = DTYPES[engine_dtype]
         return [TensorSpec(name, tuple(p.shape), dtype) for name, p in self.sync_tensors.items()]
 
-    def attach_ring(self, key: str, engine_index: int, handles: list, plan: SyncPlan, *, checksum: bool) -> None:
-        """Map the rings of one engine's workers for sync `key` (`handles` by TP rank; a shared ring is mapped
-        once)."""
-        from colocate.sync.buffers import attach
+    # The trainer end of every protocol is sync/trainer_end.py's `TrainerEnd`; these are the Ray methods
+    # WeightSync calls it by. Hazard: offloaded storages have size 0, and reading them through the shard views
+    # would crash the process. The controller syncs before it offloads; a caller that syncs an offloaded trainer
+    # gets it back in each write (_resident_shards).
 
-        mapped: dict = {}
-        rings = []
-        for handle in handles:
-            key_of = getattr(handle, "name", None) or id(handle)  # a shared segment arrives once per worker
-            if key_of not in mapped:
-                mapped[key_of] = attach(handle)
-            rings.append(mapped[key_of])
-        self._rings[key, engine_index] = (rings, plan, checksum)
-        self._copies[key, engine_index] = {}  # bucket index -> its copies, built on first use
+    def attach_ring(self, *args, **kwargs) -> None:
+        self.sync_end.attach_ring(*args, **kwargs)
 
-    def write_bucket(self, key: str, engine_index: int, index: int, *after) -> list[tuple[int, int, int, int]]:
-        """Write this rank's part of bucket `index`. `after`: the engine's load of the bucket that last used this
-        ring slot; Ray runs this call only once it finished, so a slot is never overwritten mid-load."""
-        # Hazard: offloaded storages have size 0; reading them through the shard views would crash the process.
-        # The controller syncs before it offloads; a caller that syncs an offloaded trainer brings it back here.
+    def write_bucket(self, key: str, engine_index: int, index: int, *after) -> Checksums:
+        """`after`: the engine's load of the bucket that last used this ring slot; Ray runs this call only once
+        it finished, so a slot is never overwritten mid-load."""
+        return self.sync_end.write_bucket(key, engine_index, index, self._resident_shards())
+
+    def write_in_place(self, key: str, engine_index: int) -> Checksums:
+        return self.sync_end.write_in_place(key, engine_index, self._resident_shards())
+
+    def attach_gather(self, *args, **kwargs) -> None:
+        self.sync_end.attach_gather(*args, **kwargs)
+
+    def gather_write(self, key: str, index: int, after: list) -> Checksums:
+        return self.sync_end.gather_write(key, index, after, self._resident_shards())
+
+    def open_broadcast_stores(self, *args, **kwargs) -> dict:
+        return self.sync_end.open_broadcast_stores(*args, **kwargs)
+
+    def attach_broadcast(self, *args, **kwargs) -> None:
+        self.sync_end.attach_broadcast(*args, **kwargs)
+
+    def broadcast_write(self, key: str, index: int) -> Checksums:
+        return self.sync_end.broadcast_write(key, index, self._resident_shards())
+
+    def _resident_shards(self) -> dict:
         self.onload()
-        rings, plan, checksum = self._rings[key, engine_index]
-        started = time.perf_counter()
-        copies = self._copies[key, engine_index]
-        if index not in copies:
-            copies[index] = bucket_copies(plan, index, self.shards, rings)
-        written = run_copies(copies[index], checksum=checksum)
-        self.write_times.append((index, time.perf_counter() - started))
-        return written
-
-    def write_in_place(self, key: str, engine_index: int) -> list[tuple[int, int, int, int]]:
-        """Write this rank's part of every bucket, in order, straight into the engine's parameters (no slot to
-        wait for). Returns the checksums of all of them."""
-        rings, plan, _ = self._rings[key, engine_index]
-        assert plan.in_place
-        return [c for index in range(len(plan.buckets)) for c in self.write_bucket(key, engine_index, index)]
-
-    def attach_gather(self, key: str, plan: SyncPlan, groups: dict, pair: tuple[int, int] | None, handle, *,
-                      checksum: bool) -> None:
-        """The gather protocol for sync `key`: this rank all-gathers every layer group with the other ranks and
-        feeds only `pair` (engine, tp rank), the worker on its own device, through that worker's ring
-        (`handle`); a rank with no worker beside it (pair None) takes part in the gather only."""
-        from colocate.sync.gather import GatherWriter
-        from colocate.sync.buffers import attach
-
-        self._gather_writers[key] = GatherWriter(
-            plan, groups, rank=self.rank, world_size=self.world_size, device=self.device,
-            targets=[(pair[1], attach(handle))] if pair is not None else [], checksum=checksum)
-
-    def gather_write(self, key: str, index: int, after: list) -> list[tuple[int, int, int, int]]:
-        """Bucket `index` of a gather sync (see attach_gather). `after`: [the paired engine's load of the bucket
-        that last used this ring slot], waited for here: the slot is free once it returned. If that load failed,
-        this rank still takes part in the all-gather (every rank must, or the group falls out of step), writes
-        nothing, and raises the load's error."""
-        import ray
-
-        self.onload()  # as in write_bucket: a caller may sync an offloaded trainer
-        failed = None
-        try:
-            ray.get(after)
-        except Exception as e:  # the engine's error, raised again once the collective is done
-            failed = e
-        started = time.perf_counter()
-        written = self._gather_writers[key].write(index, self.shards, copy=failed is None)
-        self.write_times.append((index, time.perf_counter() - started))
-        if failed is not None:
-            raise failed
-        return written
-
-    def open_broadcast_stores(self, key: str, *, tp: int, num_members: int, loopback: bool,
-                              timeout_s: float) -> dict:
-        """Split placement, first half of opening sync `key`: a store for the group of every TP rank this rank
-        feeds (sync/broadcast.py), on a free port. Returns {TP rank: StoreAddress} for the engine workers."""
-        from colocate.sync.broadcast import fed_by, node_address, open_store
-
-        host = node_address(loopback)
-        stores = {t: open_store(host, f"{key}-tp{t}", size=num_members, timeout_s=timeout_s)
-                  for t in fed_by(self.rank, tp=tp, num_trainer_ranks=self.world_size)}
-        self._broadcast_stores[key] = stores
-        return {t: address for t, (_, address) in stores.items()}
-
-    def attach_broadcast(self, key: str, plan: SyncPlan, groups: dict, *, num_members: int, timeout_s: float,
-                         checksum: bool) -> None:
-        """Second half: join the groups (this blocks until their engine workers join too: call it beside the
-        engines' open_ring) and stage the fed TP ranks' slices. A rank that feeds none gathers only."""
-        from colocate.sync.broadcast import BroadcastChannel, BroadcastFeeder
-
-        channels = {t: BroadcastChannel.join(address, rank=0, size=num_members, device=self.device,
-                                             timeout_s=timeout_s, store=store)
-                    for t, (store, address) in self._broadcast_stores.pop(key).items()}
-        self._feeders[key] = BroadcastFeeder.create(plan, groups, rank=self.rank, world_size=self.world_size,
-                                                    device=self.device, channels=channels, checksum=checksum)
-
-    def broadcast_write(self, key: str, index: int) -> list[tuple[int, int, int, int]]:
-        """Bucket `index` of a broadcast sync: gather (every rank), then send each fed TP rank its slice; returns
-        once the engines' workers received it (their receive runs beside this call, never after it)."""
-        self.onload()  # as in write_bucket: a caller may sync an offloaded trainer
-        started = time.perf_counter()
-        written = self._feeders[key].write(index, self.shards)
-        self.write_times.append((index, time.perf_counter() - started))
-        return written
+        return self.shards
 
     def cast_floor_s(self, num_bytes: int, dtype: str, *, repeats: int = 5) -> float:
-        """Benchmark floor: median seconds for this process to cast fp32 values into `num_bytes` of `dtype` on its
-        device, the least any sync from fp32 shards to a bf16 engine costs it (it reads 2 bytes per byte)."""
-        target = DTYPES[dtype]
-        source = torch.ones(num_bytes // target.itemsize, dtype=torch.float32, device=self.device)
-        return copy_seconds(torch.empty(source.shape, dtype=target, device=self.device), source, repeats=repeats)
+        return self.sync_end.cast_floor_s(num_bytes, DTYPES[dtype], repeats=repeats)
 
     def profile_sync_write(self, key: str, *, repeats: int = 5) -> dict:
-        """Benchmark breakdown: this rank's copies of every bucket of ring or in-place sync `key`, into every
-        engine, replayed and timed by source layout, and their checksum (sync/shards.py `profile_copies`).
-        Hazard: the replay writes into the engine what the last sync wrote; call it right after a sync, before the
-        parameters change, or the engine holds weights no sync verified."""
-        copies = [c for (k, _), (rings, plan, _) in self._rings.items() if k == key
-                  for index in range(len(plan.buckets)) for c in bucket_copies(plan, index, self.shards, rings)]
-        return profile_copies(copies, repeats=repeats)
+        return self.sync_end.profile(key, self.shards, repeats=repeats)
 
     def take_write_times(self) -> list[tuple[int, float]]:
-        """(bucket index, seconds) of every write since the last call (benchmark breakdown)."""
-        times = list(self.write_times)
-        self.write_times.clear()
-        return times
+        return self.sync_end.take_write_times()
 
     def full_state_dict(self, dtype: str, *, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
         """All-gathered full parameters cast to `dtype` (a collective: call it on every rank). For verification,
         and for the benchmark's naive baseline (rank 0 ships the whole model through Ray's object store)."""
         target = DTYPES[dtype]
-        offloaded = self._offloaded
-        self.onload()  # a verification may come while the engine runs: bring the state back for the gather
-        # copy=True: with one rank, full_tensor() is a view of the live shard, which offload() releases
-        state = {name: p.full_tensor().detach().to("cpu", dtype=target, copy=True)
-                 for name, p in self.sync_tensors.items()}
-        if offloaded:
-            self.offload()
+        with self._resident():  # a verification may come while the engine runs: the state back for the gather
+            # copy=True: with one rank, full_tensor() is a view of the live shard, which offload() releases
+            state = {name: p.full_tensor().detach().to("cpu", dtype=target, copy=True)
+                     for name, p in self.sync_tensors.items()}
         return None if rank0_only and self.rank else state
 
     # --------------------------------------------------------------------------------------- checkpoints
@@ -429,28 +318,22 @@ class TrainerActor:
         state is now; an offloaded state comes back for the write and goes out again."""
         from colocate.checkpoint.rank_state import save_rank_state
 
-        offloaded = self._offloaded
-        self.onload()
-        if not self.optimizer.state:  # no step trained yet (dynamic sampling kept no group): AdamW's zero state
-            self._create_optimizer_state()
-        save_rank_state(directory, self.model, self.optimizer, rank=self.rank)
-        if offloaded:
-            self.offload()
+        with self._resident():
+            if not self.optimizer.state:  # no step trained yet (dynamic sampling kept no group): AdamW's zero state
+                self._create_optimizer_state()
+            save_rank_state(directory, self.model, self.optimizer, rank=self.rank)
 
     def load_checkpoint(self, directory: str) -> None:
         """Read a checkpoint into the live shards (a collective). The optimizer's state is created first, in the
         offloader's region as a step would create it, then overwritten in place."""
         from colocate.checkpoint.rank_state import load_rank_state
 
-        offloaded = self._offloaded
-        self.onload()
-        if not self.optimizer.state:
-            self._create_optimizer_state()
-        load_rank_state(directory, self.model, self.optimizer, rank=self.rank)
-        if self.scaled_b is not None:
-            self.scaled_b.refresh()
-        if offloaded:
-            self.offload()
+        with self._resident():
+            if not self.optimizer.state:
+                self._create_optimizer_state()
+            load_rank_state(directory, self.model, self.optimizer, rank=self.rank)
+            if self.scaled_b is not None:
+                self.scaled_b.refresh()
 
     # ------------------------------------------------------------------------------------- memory switch
 
@@ -481,6 +364,15 @@ class TrainerActor:
             return 0
         self._offloaded = False
         return self._offloader.onload()
+
+    @contextmanager
+    def _resident(self):
+        """The state on the device for the block, and back where it was after it (offloaded or not)."""
+        offloaded = self._offloaded
+        self.onload()
+        yield
+        if offloaded:
+            self.offload()
 
     def _state_tensors(self) -> list[torch.Tensor]:
         tensors = [p.to_local() for p in self.model.parameters()]

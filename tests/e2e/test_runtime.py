@@ -202,7 +202,7 @@ def test_a_corrupted_ring_slot_fails_the_sync_naming_the_tensor_and_loads_nothin
     offset = region.offset + 3  # row 0: q_proj's first row, written by the rank that holds it
 
     def corrupt_once(trainer):  # runs in each trainer rank; flips the byte if this rank wrote it
-        import colocate.trainer.actor as module
+        import colocate.sync.trainer_end as module
 
         real = module.run_copies
 
@@ -218,9 +218,9 @@ def test_a_corrupted_ring_slot_fails_the_sync_naming_the_tensor_and_loads_nothin
 
     def restore(trainer):  # the rank that did not write the byte still has the hook
         import colocate.sync.shards
-        import colocate.trainer.actor
+        import colocate.sync.trainer_end
 
-        colocate.trainer.actor.run_copies = colocate.sync.shards.run_copies
+        colocate.sync.trainer_end.run_copies = colocate.sync.shards.run_copies
 
     before = ray.get(runtime.engines[0].state_dicts.remote())
     ray.get([t.__ray_call__.remote(corrupt_once) for t in runtime.trainers])
