@@ -37,7 +37,7 @@ def run_lora_sync_bench(rt: Runtime, cfg: JobConfig, *, num_syncs: int, num_warm
     syncs, stats = {}, {}
     for key, chosen in (("adapter", adapter_specs), ("full_model", specs)):
         sync = syncs[key] = WeightSync(rt.trainers, rt.engines, chosen, cfg=cfg.sync, hf_config=rt.sync.hf_config,
-                                       pairs=rt.pairs, transport=rt.sync.transport)
+                                       pairs=rt.pairs, method=rt.sync.method)
         sync.open()
         runs = [sync.run() for _ in range(num_warmup + num_syncs)]
         stats[key] = runs[num_warmup:]
@@ -52,7 +52,7 @@ def run_lora_sync_bench(rt: Runtime, cfg: JobConfig, *, num_syncs: int, num_warm
     result = {
         "config": {"model": cfg.model.preset or cfg.model.path, "engine_dtype": cfg.engine.dtype,
                    "engine_tp": cfg.engine.tp, "num_slots": cfg.placement.num_slots, "device": rt.device,
-                   "transport": rt.sync.transport, "lora_rank": cfg.trainer.lora.rank,
+                   "sync_method": rt.sync.method, "lora_rank": cfg.trainer.lora.rank,
                    "lora_alpha": cfg.trainer.lora.alpha, "lora_target_modules": cfg.trainer.lora.target_modules,
                    "engine_max_lora_rank": cfg.engine.max_lora_rank, "enforce_eager": cfg.engine.enforce_eager},
         "num_params": rt.trainer_info[0]["num_params"],
@@ -97,7 +97,7 @@ def _reinstall_adapter(engine, shapes: dict) -> None:
 def _print(result: dict, path) -> None:
     a, f, r = result["adapter"], result["full_model"], result["ratios"]
     print(f"LoRA rank {result['config']['lora_rank']} on {result['config']['model']} "
-          f"({result['config']['transport']}, TP={result['config']['engine_tp']})")
+          f"({result['config']['sync_method']}, TP={result['config']['engine_tp']})")
     for key, m in (("adapter", a), ("full model", f)):
         print(f"{key:>12}: {m['sync_bytes'] / 1e6:9.2f} MB, median {m['median_s'] * 1e3:8.1f} ms "
               f"(min {m['min_s'] * 1e3:.1f}, max {m['max_s'] * 1e3:.1f}), {m['round_trips']} round trip(s)")

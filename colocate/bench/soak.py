@@ -234,7 +234,7 @@ def run_soak_bench(cfg: JobConfig, *, out_dir: str, name: str) -> dict:
     started = time.perf_counter()
     config = {"model": cfg.model.preset or cfg.model.path, "num_steps": num_steps, "engine_tp": cfg.engine.tp,
               "num_prompts": cfg.rollout.num_prompts, "num_samples": cfg.rollout.num_samples,
-              "max_tokens": cfg.rollout.max_tokens, "sync_transport": cfg.sync.transport}
+              "max_tokens": cfg.rollout.max_tokens, "sync_method": cfg.sync.method}
     first = windows(num_steps, baseline_step=BASELINE_STEP, window=WINDOW)[0].start
     names: dict[str, dict] = {}  # fds and threads by name at the baseline's first step and at the last one
     kept: dict[str, dict] = {}  # the controller's per-step lists, likewise

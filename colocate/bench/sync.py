@@ -5,7 +5,7 @@
     colocate bench sync trainer.lora.rank=8               # a LoRA job: adapter-only against full (bench/lora_sync.py)
 
 Measured side by side on the same trainers and engine:
-- colocate: the job's own sync (`sync.transport=auto`): on the CPU in place, each FSDP2 rank casting its rows of
+- colocate: the job's own sync (`sync.method=auto`): on the CPU in place, each FSDP2 rank casting its rows of
   each worker's TP slice straight into the worker's parameters (kept in shared memory); on CUDA the gather;
 - gather: the GPU protocol (all-gather each layer over the trainers' group, each rank feeds the worker on its
   own device through that worker's ring, the worker copies into its parameters), on the CPU with gloo;
@@ -41,7 +41,7 @@ from colocate.sync.weight_sync import WeightSync
 def run_sync_bench(cfg: JobConfig, *, num_syncs: int, num_warmup: int, out_dir: str, name: str) -> dict:
     if cfg.placement.split:  # its methods pair each engine worker with the trainer rank on its device
         raise ConfigError(f"placement.engine_slots={cfg.placement.engine_slots} is invalid for colocate bench sync: "
-                          "it times the co-located transports side by side; a split placement's broadcast sync is "
+                          "it times the co-located sync methods side by side; a split placement's broadcast sync is "
                           "timed in a job's metrics (sync_s) and by colocate bench async; valid: 0")
     with Runtime(cfg) as rt:
         if cfg.trainer.lora.rank:  # the adapter-only sync against the whole model's (bench/lora_sync.py)
@@ -51,7 +51,7 @@ def run_sync_bench(cfg: JobConfig, *, num_syncs: int, num_warmup: int, out_dir: 
                                        name=name)
         worker_memory = [w for e in ray.get([e.memory.remote() for e in rt.engines]) for w in e]
         engine_bytes = sum(w["weight_bytes"] for w in worker_memory)
-        device, rt_transport = rt.device, rt.sync.transport
+        device, rt_method = rt.device, rt.sync.method
         floor_s = memcpy_floor_s(engine_bytes, device=device)
         pids = ray.get([t.pid.remote() for t in rt.trainers]) + [w["pid"] for w in worker_memory]
 
@@ -77,7 +77,7 @@ def run_sync_bench(cfg: JobConfig, *, num_syncs: int, num_warmup: int, out_dir: 
     result = {
         "config": {"model": cfg.model.preset or cfg.model.path, "engine_dtype": cfg.engine.dtype,
                    "engine_tp": cfg.engine.tp, "num_slots": cfg.placement.num_slots, "device": device,
-                   "transport": rt_transport, "plan_mode": plan.mode,
+                   "sync_method": rt_method, "plan_mode": plan.mode,
                    "num_buckets": len(plan.buckets), "ring_bucket_slot_bytes": gather_plan.slot_bytes,
                    "ring_num_bucket_slots": gather_plan.num_slots, "verify": cfg.sync.verify,
                    "enforce_eager": cfg.engine.enforce_eager, "num_experts": num_experts,
@@ -101,7 +101,7 @@ def run_sync_bench(cfg: JobConfig, *, num_syncs: int, num_warmup: int, out_dir: 
         "extra_bytes": ring_bytes,  # rings (bucket slots) allocated for the sync, all workers of all engines
     }
     path = write_result(result, out_dir, name)
-    _plot(colocate["breakdown"], timed["gather"]["breakdown"], rt_transport, Path(out_dir) / f"{name}.png")
+    _plot(colocate["breakdown"], timed["gather"]["breakdown"], rt_method, Path(out_dir) / f"{name}.png")
     _print(result, path)
     return result
 
@@ -118,8 +118,8 @@ def _above_cast_floor(rt: Runtime, cfg: JobConfig, *, cast_floor_s: float, engin
       the engine's work beside them, Python between buckets);
     - calls: the sync's wall time above its slowest rank's writes (Ray's calls, the engine's check and load
       where they do not overlap the writes)."""
-    if rt.sync.transport not in ("in_place", "ring"):
-        return {"profiled": False, "reason": f"sync.transport={rt.sync.transport}: only the CPU's ring and in-place "
+    if rt.sync.method not in ("in_place", "ring"):
+        return {"profiled": False, "reason": f"sync.method={rt.sync.method}: only the CPU's ring and in-place "
                 "writes are replayed (the gather's writes are in `breakdown`)"}
     walls, writes = [], []
     for _ in range(repeats):
@@ -154,12 +154,12 @@ def _methods(rt: Runtime, cfg: JobConfig, specs: list) -> dict[str, WeightSync]:
         return sync
 
     methods = {"colocate": rt.sync}
-    methods["gather"] = rt.sync if rt.sync.transport == "gather" else make(transport="gather")
+    methods["gather"] = rt.sync if rt.sync.method == "gather" else make(method="gather")
     if rt.device == "cpu":
-        methods["ring"] = make(transport="ring")
-        methods["baseline_first_version"] = make(transport="ring", sliced=False)
+        methods["ring"] = make(method="ring")
+        methods["baseline_first_version"] = make(method="ring", sliced=False)
     else:
-        methods["baseline_first_version"] = make(transport="gather", sliced=False)
+        methods["baseline_first_version"] = make(method="gather", sliced=False)
     return methods
 
 
@@ -229,7 +229,7 @@ def _verified_from_scratch(rt: Runtime, sync, dtype: str) -> bool:
 def _ring_bytes(sync: WeightSync, cfg: JobConfig) -> int:
     """Bytes of ring allocated for a sync, over all workers of all engines (the CPU's full-tensor ring is one
     per engine, shared by its workers; in place there is none)."""
-    shared = sync.plan.mode == "full" and sync.transport == "ring"
+    shared = sync.plan.mode == "full" and sync.method == "ring"
     return sync.plan.ring_bytes * cfg.num_engines * (1 if shared else cfg.engine.tp)
 
 
@@ -238,7 +238,7 @@ def _breakdown(rt: Runtime, sync: WeightSync) -> dict:
     sync (in place, the workers' check is one call after all buckets: it is reported as the last bucket's)."""
     buckets = sync.plan.buckets
     writes: dict[int, float] = {}
-    writes_per_sync = len(buckets) * (1 if sync.transport == "gather" else len(rt.engines))
+    writes_per_sync = len(buckets) * (1 if sync.method == "gather" else len(rt.engines))
     for rank_times in ray.get([t.take_write_times.remote() for t in rt.trainers]):
         last = rank_times[-writes_per_sync:]
         for index, seconds in last:
@@ -265,15 +265,15 @@ def _status_kib(pid: int, key: str) -> int:
     raise KeyError(key)
 
 
-def _plot(colocate: dict, gather: dict, transport: str, path: Path) -> None:
+def _plot(colocate: dict, gather: dict, method: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
-    titles = (f"colocate ({transport}" + (": ranks cast straight into the engine's parameters; the engine checks "
-                                          "the layout once at the end)" if transport == "in_place" else ")"),
+    titles = (f"colocate ({method}" + (": ranks cast straight into the engine's parameters; the engine checks "
+                                       "the layout once at the end)" if method == "in_place" else ")"),
               "gather (the GPU protocol: all-gather layer i+1 and write it while the workers verify + load layer i)")
     for ax, breakdown, title in zip(axes, (colocate, gather), titles):
         x = range(len(breakdown["group"]))
@@ -298,7 +298,7 @@ def _print(result: dict, path: Path) -> None:
     print(f"engine weights {mb:.0f} MB | floors on {result['config']['device']}: memcpy "
           f"{result['floor_memcpy_s'] * 1e3:.1f} ms, cast fp32 -> {result['config']['engine_dtype']} in the trainer "
           f"processes {result['floor_cast_s'] * 1e3:.1f} ms")
-    for key, label in (("colocate", f"colocate ({result['config']['transport']})"), ("gather", "gather"),
+    for key, label in (("colocate", f"colocate ({result['config']['sync_method']})"), ("gather", "gather"),
                        ("ring", "ring"), ("baseline_first_version", "first version"), ("baseline_naive", "naive")):
         if key not in result:
             continue
@@ -316,7 +316,7 @@ def _print(result: dict, path: Path) -> None:
               + ": every method's round trips are per bucket (layer), none per expert")
     above = result["above_cast_floor"]
     own = result["colocate"]["median_s"]
-    line = (f"colocate ({result['config']['transport']}): {own * 1e3:.1f} ms, {own / result['floor_cast_s']:.2f}x "
+    line = (f"colocate ({result['config']['sync_method']}): {own * 1e3:.1f} ms, {own / result['floor_cast_s']:.2f}x "
             f"the cast floor ({own / result['floor_memcpy_s']:.2f}x memcpy)")
     if above["profiled"]:
         line += "; above the floor: " + ", ".join(

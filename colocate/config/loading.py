@@ -11,7 +11,7 @@ import dataclasses
 import typing
 from pathlib import Path
 
-from colocate.config.fields import bad
+from colocate.config.fields import bad, override_value
 from colocate.config.schema import JobConfig
 from colocate.errors import ConfigError
 
@@ -67,6 +67,9 @@ def _build(cls, data, *, prefix: str):
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}{name}"
+        if key in RENAMED:
+            raise ConfigError(f"{key}={value!r} is no longer a key: it is {RENAMED[key]} now; use "
+                              f"{RENAMED[key]}={override_value(value)}", fix={RENAMED[key]: value})
         if key in _REPLACED:
             raise ConfigError(f"{key!r} is no longer a key: {_REPLACED[key]}")
         if name not in fields:
@@ -79,6 +82,8 @@ def _build(cls, data, *, prefix: str):
     return cls(**kwargs)
 
 
+# keys of earlier releases under their new names (the value carries over: ConfigError.fix names it)
+RENAMED = {"sync.transport": "sync.method"}  # "transport" also named the buffers' module (now sync/buffers.py)
 # keys of earlier releases, and what took their place
 _REPLACED = {"algo.normalize_advantages": "algo.advantage=grpo divides by the group's std (true), "
              "algo.advantage=dr_grpo does not (false)"}

@@ -198,14 +198,14 @@ class SyncConfig:
     """Bucket slots in the ring: >= 2 lets the next layer be packed while the engine loads the previous."""
     verify: str = "checksum"
     """After each sync: checksum (ring: every written range, checked before its bucket loads; in place: every engine parameter still where the trainers write), full (compare every engine tensor), or none (docs/integrity.md)."""
-    transport: str = "auto"
+    method: str = "auto"
     """gather: each layer is all-gathered over the trainers' process group and every rank hands the TP slice of the engine worker on its own device to that worker's ring (the CUDA protocol; runs on the CPU with gloo and shared memory); in_place (CPU): trainers write into the engine's parameters, kept in shared memory; ring (CPU): every rank writes its rows into every worker's ring; broadcast (split placement, placement.engine_slots > 0): the trainers all-gather each layer and one rank per TP rank broadcasts its slice to that TP worker of every engine over a process group; auto: broadcast when split, else in_place on CPU and gather on CUDA."""
 
     def check(self) -> None:
         positive(self, "sync", "num_bucket_slots")
         non_negative(self, "sync", "bucket_mb")
         one_of(self, "sync", "verify", ["checksum", "full", "none"])
-        one_of(self, "sync", "transport", ["auto", "broadcast", "gather", "in_place", "ring"])
+        one_of(self, "sync", "method", ["auto", "broadcast", "gather", "in_place", "ring"])
         if self.num_bucket_slots < 2:
             raise bad("sync.num_bucket_slots", self.num_bucket_slots,
                        "must be >= 2 (one slot is packed while the engine loads the other)")
@@ -514,9 +514,9 @@ class JobConfig:
             tp = math.gcd(self.placement.num_slots, self.engine.tp)
             raise bad("engine.tp", self.engine.tp, f"must divide placement.num_slots={self.placement.num_slots}, "
                       f"e.g. engine.tp={tp}", fix={"engine.tp": tp})
-        elif self.sync.transport == "broadcast":
-            raise bad("sync.transport", "broadcast", "is the split placement's sync (placement.engine_slots > 0); "
-                      "valid co-located: auto, gather, in_place, ring", fix={"sync.transport": "auto"})
+        elif self.sync.method == "broadcast":
+            raise bad("sync.method", "broadcast", "is the split placement's sync (placement.engine_slots > 0); "
+                      "valid co-located: auto, gather, in_place, ring", fix={"sync.method": "auto"})
         for key, value in (("rollout.max_tokens", self.rollout.max_tokens),
                            ("data.max_prompt_tokens", self.data.max_prompt_tokens),
                            ("eval.max_tokens", self.eval.max_tokens)):
@@ -640,10 +640,10 @@ class JobConfig:
         if slots % tp:
             raise bad("placement.engine_slots", slots, f"holds whole engines of engine.tp={tp} workers each; valid: "
                       f"a multiple of {tp} below placement.num_slots={num_slots}, e.g. {overrides(fix)}", fix=fix)
-        if self.sync.transport not in ("auto", "broadcast"):
-            raise bad("sync.transport", self.sync.transport, "a split placement's engines share no device with a "
+        if self.sync.method not in ("auto", "broadcast"):
+            raise bad("sync.method", self.sync.method, "a split placement's engines share no device with a "
                       "trainer, so the sync is broadcast to them over a process group; valid with "
-                      "placement.engine_slots > 0: auto, broadcast", fix={"sync.transport": "auto"})
+                      "placement.engine_slots > 0: auto, broadcast", fix={"sync.method": "auto"})
         if self.engine.sleep_level not in ("auto", "0"):
             raise bad("engine.sleep_level", self.engine.sleep_level, "a split placement's engines have their "
                       "devices to themselves, so they never sleep; valid with placement.engine_slots > 0: auto or 0",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from colocate.config import JobConfig
 from colocate.config.reward_model import reward_models_in
 from colocate.models.dims import ModelDims, trainer_state_bytes
-from colocate.job.placement import sync_in_place, sync_transport
+from colocate.job.placement import sync_in_place, sync_method
 from colocate.job.train_peaks import TrainPeaks, predict_train_peaks
 
 GIB = 1 << 30
@@ -226,7 +226,7 @@ def cuda_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan, gpu_bytes: in
     served = _cuda_reward_model(cfg, gpu_bytes, asleep=False)  # starts last, beside everything above
     # the CUDA sync all-gathers each layer group over the trainers, in the engine dtype: the full group plus this
     # rank's send chunk
-    gathered = dims.largest_sync_group * engine_dtype if sync_transport(cfg, "cuda") == "gather" else 0
+    gathered = dims.largest_sync_group * engine_dtype if sync_method(cfg, "cuda") == "gather" else 0
     return [
         # the trainers shard (and empty torch's cache) before the engines start: the transient and the engine's
         # claim are never resident together; the larger of the two is the startup peak

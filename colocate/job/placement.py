@@ -157,14 +157,14 @@ def plan_slots(cfg: JobConfig, *, device: str, num_devices: int, where: str = "t
             raise ConfigError("trainer.mixed_precision=True is invalid on this CPU: it computes bf16 natively only "
                               "with AVX-512 BF16 or AMX (flags avx512_bf16, amx_bf16), which it lacks, and emulated "
                               "bf16 is slower than fp32; valid: false", fix={"trainer.mixed_precision": False})
-    elif cfg.sync.transport == "in_place":
-        raise ConfigError("sync.transport='in_place' is invalid on a CUDA run: the engine's weights live in vLLM's "
+    elif cfg.sync.method == "in_place":
+        raise ConfigError("sync.method='in_place' is invalid on a CUDA run: the engine's weights live in vLLM's "
                           "sleep-mode allocator, which CUDA IPC cannot share; valid: auto, gather",
-                          fix={"sync.transport": "auto"})
-    elif cfg.sync.transport == "ring":
-        raise ConfigError("sync.transport='ring' is invalid on a CUDA run: every trainer rank would map every "
+                          fix={"sync.method": "auto"})
+    elif cfg.sync.method == "ring":
+        raise ConfigError("sync.method='ring' is invalid on a CUDA run: every trainer rank would map every "
                           "engine worker's ring, but each rank sees only its own GPU; valid: auto, gather",
-                          fix={"sync.transport": "auto"})
+                          fix={"sync.method": "auto"})
     return SlotPlan(device=device, num_slots=cfg.placement.num_slots, tp=cfg.engine.tp,
                     num_split_engine_slots=cfg.placement.engine_slots,
                     reward_model_tp=cfg.reward_model.tp if reward_models_in(cfg.rollout.rewards) else 0)
@@ -214,17 +214,17 @@ def plan_nodes(plan: SlotPlan, node_devices: dict[str, int]) -> list[str]:
     return trainer_nodes + engine_nodes
 
 
-def sync_transport(cfg: JobConfig, device: str, *, multi_node: bool = False) -> str:
+def sync_method(cfg: JobConfig, device: str, *, multi_node: bool = False) -> str:
     """gather (all-gather, then each rank feeds the worker on its device), in_place or ring (CPU, one node:
     every rank writes into every worker's shared memory), broadcast (split placement: over a process group)."""
     if cfg.placement.split:
         return "broadcast"  # JobConfig.check refuses any other choice
-    if cfg.sync.transport != "auto":
-        if multi_node and cfg.sync.transport in ("in_place", "ring"):
-            raise ConfigError(f"sync.transport={cfg.sync.transport!r} is invalid for a job across several nodes: "
+    if cfg.sync.method != "auto":
+        if multi_node and cfg.sync.method in ("in_place", "ring"):
+            raise ConfigError(f"sync.method={cfg.sync.method!r} is invalid for a job across several nodes: "
                               "every trainer rank would write into engines on other nodes' shared memory; valid: "
-                              "auto, gather", fix={"sync.transport": "auto"})
-        return cfg.sync.transport
+                              "auto, gather", fix={"sync.method": "auto"})
+        return cfg.sync.method
     return "in_place" if device == "cpu" and not multi_node else "gather"
 
 
@@ -248,7 +248,7 @@ def plan_line(cfg: JobConfig, reason: str, *, device: str) -> str:
 
 def sync_in_place(cfg: JobConfig, device: str) -> bool:
     """Whether the sync writes straight into the engine's parameters (CPU) instead of through rings."""
-    return sync_transport(cfg, device) == "in_place"
+    return sync_method(cfg, device) == "in_place"
 
 
 @dataclass(frozen=True)

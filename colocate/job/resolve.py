@@ -6,7 +6,7 @@ actor receives. No actor decides a setting; `colocate validate` prints these sam
     resolved.config.engine.sleep_level                    # "0", "1" or "2", never "auto"
     resolved.describe()                                   # what validate prints: each decision and why
 
-Each key's rule lives beside what it concerns (placement: the device, the transport, the sleep backend;
+Each key's rule lives beside what it concerns (placement: the device, the sync method, the sleep backend;
 preflight: the switch plan; offload: the trainer's backend); this module calls each once and records why.
 The checkpoint to resume from (`checkpoint.resume=auto`) is decided with the job's inputs (job/checks.py
 `read_inputs`): it needs the model's signature.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from colocate.config import JobConfig
 from colocate.config.schema import engine_lora_rank
-from colocate.job.placement import resolve_device, sleep_backend, sync_transport
+from colocate.job.placement import resolve_device, sleep_backend, sync_method
 from colocate.job.preflight import SwitchPlan, plan_switch
 from colocate.models.dims import model_dims
 
@@ -43,8 +43,8 @@ class ResolvedJob:
         return [f"{d.key}: {d.value} ({d.why})" for d in self.decisions]
 
     @property
-    def transport(self) -> str:
-        return self.config.sync.transport
+    def sync_method(self) -> str:
+        return self.config.sync.method
 
     @property
     def sleep_backend(self) -> str:
@@ -76,7 +76,7 @@ def resolve_job(cfg: JobConfig, *, switch: SwitchPlan | None = None, device: str
     eager = decide("engine.enforce_eager", "true" if cfg.engine.enforce_eager == "true" or
                    (cfg.engine.enforce_eager == "auto" and device == "cpu") else "false",
                    "CUDA graphs on a GPU" if device == "cuda" else "eager on the CPU: starts in seconds, not minutes")
-    transport = decide("sync.transport", sync_transport(cfg, device, multi_node=multi_node),
+    method = decide("sync.method", sync_method(cfg, device, multi_node=multi_node),
                        "split placement: each TP rank's slice broadcast to every engine over a process group"
                        if cfg.placement.split else
                        "the gather protocol: every handover stays on its rank's node" if multi_node else
@@ -93,7 +93,7 @@ def resolve_job(cfg: JobConfig, *, switch: SwitchPlan | None = None, device: str
                                    # a LoRA job's: given, or the smallest of vLLM's ranks that holds the trainer's
                                    max_lora_rank=engine_lora_rank(cfg.trainer.lora.rank, cfg.engine.max_lora_rank)),
         trainer=dataclasses.replace(cfg.trainer, offload=offload, offload_backend=offload_backend),
-        sync=dataclasses.replace(cfg.sync, transport=transport))
+        sync=dataclasses.replace(cfg.sync, method=method))
     return ResolvedJob(config, device, switch, tuple(decisions))
 
 

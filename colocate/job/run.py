@@ -98,7 +98,7 @@ def _attempt(cfg: JobConfig, metrics: MetricsWriter, prompts, resume_from, start
     """One start of the job: the runtime up, the controller's steps, the runtime down (whatever happens)."""
     with Runtime(cfg, resolve_job(cfg, switch=switch) if switch is not None else None) as runtime:
         metrics.write({"event": "startup", "trainers": runtime.trainer_info, "engines": runtime.engine_info,
-                       "sync_mode": runtime.sync.plan.mode, "sync_transport": runtime.sync.transport,
+                       "sync_mode": runtime.sync.plan.mode, "sync_method": runtime.sync.method,
                        "sync_bytes": runtime.sync.plan.num_bytes, "placement": runtime.placement_report,
                        "switch": {"engine_sleep_level": runtime.switch.engine_sleep_level,
                                   "trainer_offload": runtime.switch.trainer_offload,

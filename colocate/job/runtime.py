@@ -87,7 +87,7 @@ ACTOR_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 class Runtime:
     def __init__(self, cfg: JobConfig, resolved: ResolvedJob | None = None):
         """`resolved`: the job's decisions when the driver already made them (run_job); else made at start. On a
-        Ray cluster the sync transport is decided again once the nodes are known."""
+        Ray cluster the sync method is decided again once the nodes are known."""
         self.cfg = cfg
         self.resolved = resolved
         self.trainers = TrainerGroup()
@@ -163,7 +163,7 @@ class Runtime:
 
         self.sync = WeightSync(self.trainers, self.engines, specs, cfg=cfg.sync,
                                hf_config=AutoConfig.from_pretrained(self.model_path),
-                               transport=self.transport, pairs=self.pairs,
+                               method=self.sync_method, pairs=self.pairs,
                                loopback=self.slot_nodes is None or len(set(self.slot_nodes)) == 1,
                                timeout_s=cfg.fault.sync_timeout_s)
         self.sync.open()
@@ -172,7 +172,7 @@ class Runtime:
     def _resolve(self, resolved: ResolvedJob) -> None:
         """From here on the runtime, and every actor it starts, sees the decided config: no "auto" left."""
         self.resolved, self.cfg = resolved, resolved.config
-        self.device, self.switch, self.transport = resolved.device, resolved.switch, resolved.transport
+        self.device, self.switch, self.sync_method = resolved.device, resolved.switch, resolved.sync_method
 
     def _init_ray(self) -> None:
         if ray.is_initialized():

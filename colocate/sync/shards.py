@@ -12,7 +12,7 @@ its parameters' layout (each byte of the engine's weights written once, no loade
 writes whole HF tensors for vLLM's `load_weights` to slice.
 
 This direct write needs every rank to map every worker's buffer: one host's shared memory (the CPU's `ring` and
-`in_place` transports). Where a rank sees only its own device (CUDA), sync/gather.py all-gathers first and uses
+`in_place` methods). Where a rank sees only its own device (CUDA), sync/gather.py all-gathers first and uses
 the same copy builders on the gathered rows.
 """
 

@@ -1,6 +1,6 @@
 """WeightSync: stream the trainer's FSDP2 shards into every engine, layer by layer, through a ring of buckets.
 
-    sync = WeightSync(trainers, engines, specs, cfg=sync_cfg, hf_config=hf_config, transport="gather", pairs=pairs)
+    sync = WeightSync(trainers, engines, specs, cfg=sync_cfg, hf_config=hf_config, method="gather", pairs=pairs)
     sync.open()                  # once: rings allocated by the engines, mapped by every rank and worker
     timings = sync.run()         # every step, after training
 
@@ -15,7 +15,7 @@ Per bucket i (slot i % num_slots), as a Ray dependency graph the controller buil
 so writing bucket i+1 overlaps loading bucket i, and no controller round trip sits between them. Only bucket
 metadata and checksums cross Ray; the bytes go through the shared ring.
 
-Gather (CUDA, and on the CPU with `sync.transport=gather`; sync/gather.py): a rank sees only its own device, so
+Gather (CUDA, and on the CPU with `sync.method=gather`; sync/gather.py): a rank sees only its own device, so
 every rank takes part in an all-gather of each layer group, and rank r writes only into the ring of the engine
 worker on its own device (`pairs[r]`, read back from the actors, placement.pair_devices):
 
@@ -23,7 +23,7 @@ worker on its own device (`pairs[r]`, read back from the actors, placement.pair_
                       │                (after load(i - num_slots) of my worker's engine: the slot is free)
     engine e:      load(i)          ── after the writes of the ranks that feed e's workers
 
-In place (CPU, `sync.transport=auto|in_place`): the engine workers' parameters live in shared memory
+In place (CPU, `sync.method=auto|in_place`): the engine workers' parameters live in shared memory
 (sync/arena.py) and the plan's regions address them, so there is no ring, no slot to wait for and no load:
 
     trainer ranks: write_in_place  ── every bucket, in layer order, cast straight into the engine's weights
@@ -67,22 +67,22 @@ log = logging.getLogger("colocate")
 
 
 class WeightSync:
-    """transport: "in_place" (CPU), "ring" (CPU: every rank writes its rows into every worker's ring),
+    """method: "in_place" (CPU), "ring" (CPU: every rank writes its rows into every worker's ring),
     "gather" (every device; needs `pairs`: per trainer rank, the (engine, tp rank) on its device, or None) or
     "broadcast" (split placement: `loopback` when every party is on this node; `timeout_s` bounds a broadcast)."""
 
     def __init__(self, trainers: list, engines: list, specs: list[TensorSpec], *, cfg: SyncConfig, hf_config,
-                 sliced: bool = True, transport: str = "ring", pairs: list[tuple[int, int] | None] | None = None,
+                 sliced: bool = True, method: str = "ring", pairs: list[tuple[int, int] | None] | None = None,
                  loopback: bool = True, timeout_s: float = 0):
-        assert transport in ("in_place", "ring", "gather", "broadcast"), transport
-        assert transport != "gather" or pairs is not None, "the gather protocol needs the trainer/worker pairs"
+        assert method in ("in_place", "ring", "gather", "broadcast"), method
+        assert method != "gather" or pairs is not None, "the gather protocol needs the trainer/worker pairs"
         self.trainers = trainers
         self.engines = engines
         self.specs = specs
         self.cfg = cfg
         self.hf_config = hf_config
         self.sliced = sliced
-        self.transport = "ring" if transport == "in_place" and not sliced else transport
+        self.method = "ring" if method == "in_place" and not sliced else method
         self.pairs = pairs
         self.loopback = loopback
         self.timeout_s = timeout_s or DEFAULT_BROADCAST_TIMEOUT_S
@@ -95,7 +95,7 @@ class WeightSync:
         layouts = [self._in_scope(w) for w in ray.get(self.engines[0].param_layouts.remote())]
         self.tp_size = len(layouts)
         offsets = None
-        if self.transport == "in_place":
+        if self.method == "in_place":
             # every engine holds the same model in the same order: one plan fits all their arenas
             shared = [sorted(ray.get(e.share_weights.remote()), key=lambda w: w["tp_rank"]) for e in self.engines]
             offsets = [w["offsets"] for w in shared[0]]
@@ -113,12 +113,12 @@ class WeightSync:
         # memory with itself. What can go wrong there is a parameter leaving the arena, and verify_in_place
         # checks that on every sync. Through a ring, checksums guard the slot reuse and torn or stale writes.
         checksum = self.cfg.verify != "none" and not self.plan.in_place
-        if self.transport in ("gather", "broadcast"):
-            self._open_gather(checksum) if self.transport == "gather" else self._open_broadcast(checksum)
+        if self.method in ("gather", "broadcast"):
+            self._open_gather(checksum) if self.method == "gather" else self._open_broadcast(checksum)
             return self.plan
         for engine_index, engine in enumerate(self.engines):
             # full tensors written by every rank (CPU): one segment per engine, its workers read the same bytes
-            shared = self.plan.mode == "full" and self.transport == "ring"
+            shared = self.plan.mode == "full" and self.method == "ring"
             handles = ray.get(engine.open_ring.remote(self.key, self.plan, shared=shared, engine_index=engine_index))
             ray.get([t.attach_ring.remote(self.key, engine_index, handles, self.plan, checksum=checksum)
                      for t in self.trainers])
@@ -172,9 +172,9 @@ class WeightSync:
         plan = self.plan
         started = time.perf_counter()
         pending: list = []  # writes no load waits for (ranks feeding no worker): awaited for their errors
-        if self.transport == "gather":
+        if self.method == "gather":
             loads_by_engine, pending = self._schedule_gather()
-        elif self.transport == "broadcast":
+        elif self.method == "broadcast":
             loads_by_engine, pending = self._schedule_broadcast()
         elif plan.in_place:
             loads_by_engine = self._schedule_in_place()
@@ -194,7 +194,7 @@ class WeightSync:
                 # calls into each engine: one per bucket (or one check in place), and the post-load step;
                 # never one per tensor or per expert
                 "sync_round_trips": len(per_bucket[0]) + (0 if plan.in_place else 1),
-                "sync_mode": plan.mode, "sync_transport": self.transport}
+                "sync_mode": plan.mode, "sync_method": self.method}
 
     def _schedule_in_place(self) -> list[list]:
         """Engine e's check (and its post-load step) overlaps the writes into engine e + 1."""

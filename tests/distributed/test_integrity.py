@@ -31,7 +31,7 @@ def _target(plan, worker: int) -> tuple[int, int, str]:
         "model.layers.1.self_attn.qkv_proj.weight rows ["
 
 
-def _corrupt_one_slot(rank: int, world_size: int, handle: ShmHandle, transport: str, sliced: bool):
+def _corrupt_one_slot(rank: int, world_size: int, handle: ShmHandle, method: str, sliced: bool):
     import torch.distributed as dist
 
     from colocate.sync.gather import GatherWriter, plan_gather
@@ -47,7 +47,7 @@ def _corrupt_one_slot(rank: int, world_size: int, handle: ShmHandle, transport: 
     rings = [whole[:plan.ring_bytes], whole[plan.ring_bytes:]] if sliced else [whole[:plan.ring_bytes]] * 2
     worker = 1  # the engine worker checked here, in rank 1's process (beside it, as on one GPU)
     writer = GatherWriter(plan, plan_gather(plan, specs, world_size=world_size), rank=rank, world_size=world_size,
-                          device=torch.device("cpu"), targets=[(rank, rings[rank])]) if transport == "gather" else None
+                          device=torch.device("cpu"), targets=[(rank, rings[rank])]) if method == "gather" else None
     engine = {n: torch.full(s, OLD, dtype=torch.bfloat16) for n, s, _ in layouts[worker]["params"]}
     loaded = {}  # full plan: what load_weights received
     bad_index, bad_byte, named = _target(plan, worker)
@@ -84,16 +84,16 @@ def _assert_refused(error, plan, index, worker, named, engine, before, loaded):
                    for r in plan.buckets[index].regions[worker])
 
 
-@pytest.mark.parametrize("transport, sliced", [
+@pytest.mark.parametrize("method, sliced", [
     pytest.param("ring", True, id="ring_sliced"),
     pytest.param("gather", True, id="gather_sliced"),
     pytest.param("ring", False, id="ring_full_shared"),  # worker 1 reads the ring worker 0's checksums cover
 ])
-def test_a_flipped_byte_in_a_slot_fails_the_load_naming_the_tensor(transport, sliced):
+def test_a_flipped_byte_in_a_slot_fails_the_load_naming_the_tensor(method, sliced):
     full = hf_state(VOCAB, tied=False, num_layers=2)
     plan, _, _ = _plan(full, 2, False, 0, sliced)
     owner = ShmBuffer.create(2 * plan.ring_bytes, tag="test")
     try:
-        run_distributed(_corrupt_one_slot, owner.handle, transport, sliced)
+        run_distributed(_corrupt_one_slot, owner.handle, method, sliced)
     finally:
         owner.unlink()

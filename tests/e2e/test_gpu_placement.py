@@ -182,7 +182,7 @@ def _fake_sync(engines, pairs):
     from colocate.sync.weight_sync import WeightSync
 
     trainers = [FakeTrainer.remote() for _ in pairs]
-    sync = WeightSync(trainers, engines, [], cfg=SyncConfig(), hf_config=None, transport="gather", pairs=pairs)
+    sync = WeightSync(trainers, engines, [], cfg=SyncConfig(), hf_config=None, method="gather", pairs=pairs)
     sync.plan = SimpleNamespace(buckets=list(range(8)), num_slots=2, in_place=False, num_bytes=0, mode="sliced")
     return sync, trainers
 

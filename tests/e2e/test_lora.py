@@ -53,7 +53,7 @@ def test_a_lora_job_syncs_only_the_adapter_and_the_engine_computes_with_it(tmp_p
     assert [r["step"] for r in steps] == [0, 1, 2]
     for r in steps:
         # the adapter alone, as each TP worker holds it: column-parallel A whole on both workers, the rest split
-        assert r["sync_mode"] == "sliced" and r["sync_transport"] == "in_place" and r["sync_round_trips"] == 1
+        assert r["sync_mode"] == "sliced" and r["sync_method"] == "in_place" and r["sync_round_trips"] == 1
         assert 4 * sent <= r["sync_bytes"] < 2 * 4 * sent  # fp32, 7% of the tiny model's 1.8 MB
         assert r["mismatch"] < 0.01, r["mismatch"]
 

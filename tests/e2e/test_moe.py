@@ -21,7 +21,7 @@ EXPERTS = "model.layers.0.mlp.experts.routed_experts"
 
 
 def test_expert_parallel_engine_is_synced_exactly_through_the_gather(tmp_path):
-    cfg = small_job(tmp_path, "model.preset=tiny-moe", "engine.expert_parallel=true", "sync.transport=gather",
+    cfg = small_job(tmp_path, "model.preset=tiny-moe", "engine.expert_parallel=true", "sync.method=gather",
                     "sync.verify=full", "algo.num_steps=3")
     with Runtime(cfg) as rt:
         layouts = ray.get(rt.engines[0].param_layouts.remote())
@@ -38,7 +38,7 @@ def test_expert_parallel_engine_is_synced_exactly_through_the_gather(tmp_path):
         controller = Controller(cfg, rt)
         for step in range(3):
             record = controller.step(step)  # sync.verify=full raises on any mismatch
-            assert record["sync_mode"] == "sliced" and record["sync_transport"] == "gather"
+            assert record["sync_mode"] == "sliced" and record["sync_method"] == "gather"
             # one call into the engine per bucket (pre, 2 layers, post) and the post-load step, not per expert
             assert record["sync_round_trips"] == len(rt.sync.plan.buckets) + 1 == 5
         assert rt.sync.verify_full(cfg.engine.dtype) == []

@@ -119,7 +119,7 @@ def test_a_job_across_two_nodes_syncs_exactly_on_both_and_stop_ends_it(two_nodes
     assert placement["trainer_nodes"] == placement["slot_nodes"]
     assert placement["engine_nodes"] == placement["slot_nodes"]
     assert placement["pairs"] == [[0, 0], [1, 0]]
-    assert startup["sync_transport"] == "gather"  # in place would write across nodes
+    assert startup["sync_method"] == "gather"  # in place would write across nodes
     actors = actor_processes()
     assert len(actors) == 4  # a trainer and an engine on each node
     # a cluster the job joins (its raylets started by this process): the actors at the raylets' priority, not

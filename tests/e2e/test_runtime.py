@@ -146,7 +146,7 @@ def test_the_gather_protocol_is_bit_exact_after_every_sync(runtime):
     assert runtime.pairs == [(0, 0), (0, 1)]
     specs = ray.get(runtime.trainers[0].param_specs.remote(runtime.cfg.engine.dtype))
     gather = WeightSync(runtime.trainers, runtime.engines, specs, cfg=runtime.cfg.sync, hf_config=hf_config(runtime),
-                        transport="gather", pairs=runtime.pairs)
+                        method="gather", pairs=runtime.pairs)
     assert gather.open().mode == "sliced" and gather.plan.ring_bytes > 0
     controller = Controller(runtime.cfg, runtime)
     for step in range(2):
@@ -155,7 +155,7 @@ def test_the_gather_protocol_is_bit_exact_after_every_sync(runtime):
         ray.get(runtime.engines[0].wake.remote(["weights"]))
         stats = gather.run()
         ray.get(runtime.engines[0].wake.remote(["kv_cache"]))
-        assert stats["sync_transport"] == "gather" and stats["sync_buckets"] == len(gather.plan.buckets)
+        assert stats["sync_method"] == "gather" and stats["sync_buckets"] == len(gather.plan.buckets)
         assert_engine_equals_trainer(runtime)
 
 
@@ -175,7 +175,7 @@ def test_an_in_place_sync_whose_arena_was_replaced_fails_loudly(runtime):
     assert runtime.sync.plan.in_place
     specs = ray.get(runtime.trainers[0].param_specs.remote(runtime.cfg.engine.dtype))
     second = WeightSync(runtime.trainers, runtime.engines, specs, cfg=runtime.cfg.sync, hf_config=hf_config(runtime),
-                        transport="in_place")
+                        method="in_place")
     second.open()
     second.run()
     with pytest.raises(ray.exceptions.RayTaskError, match="a later sync replaced"):
@@ -193,7 +193,7 @@ def test_a_corrupted_ring_slot_fails_the_sync_naming_the_tensor_and_loads_nothin
 
     specs = ray.get(runtime.trainers[0].param_specs.remote(runtime.cfg.engine.dtype))
     ring = WeightSync(runtime.trainers, runtime.engines, specs, cfg=runtime.cfg.sync, hf_config=hf_config(runtime),
-                      transport="ring")
+                      method="ring")
     plan = ring.open()
     assert not plan.in_place and plan.mode == "sliced"
     name = "model.layers.0.self_attn.qkv_proj.weight"

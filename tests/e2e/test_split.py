@@ -52,10 +52,10 @@ def test_split_sync_is_bit_exact_after_every_step(four_slots, tmp_path, num_slot
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     startup = next(r for r in records if r.get("event") == "startup")
-    assert startup["sync_transport"] == "broadcast" and startup["sync_mode"] == "sliced"
+    assert startup["sync_method"] == "broadcast" and startup["sync_mode"] == "sliced"
     assert startup["switch"]["engine_sleep_level"] == 0 and not startup["switch"]["trainer_offload"]
     placement = startup["placement"]
     assert placement["trainer_devices"] == trainer_devices and placement["engine_worker_devices"] == worker_devices
     assert placement["pairs"] == [None] * len(trainer_devices)
     steps = [r for r in records if "event" not in r]
-    assert [r["step"] for r in steps] == [0, 1] and all(r["sync_transport"] == "broadcast" for r in steps)
+    assert [r["step"] for r in steps] == [0, 1] and all(r["sync_method"] == "broadcast" for r in steps)

@@ -93,6 +93,23 @@ def test_launch_rejects_bad_config_before_starting_anything(capsys, monkeypatch)
     assert code == 2 and "engine.tp" in err
 
 
+def test_the_renamed_sync_key_names_its_new_name_before_any_actor(capsys, tmp_path, monkeypatch):
+    """sync.transport (the sync method, which shared its name with the buffers' module) is sync.method now: a
+    config that still sets it, on the command line or in YAML, stops in one line that names the key to use."""
+    import colocate.job.run
+
+    monkeypatch.setattr(colocate.job.run, "run_job", lambda cfg: pytest.fail("a job started"))
+    code, _, err = run_cli(capsys, "launch", DEFAULT, "sync.transport=gather")
+    assert code == 2 and err.strip() == ("colocate: error: sync.transport='gather' is no longer a key: it is "
+                                         "sync.method now; use sync.method=gather")
+    path = tmp_path / "old.yaml"
+    path.write_text("sync:\n  transport: in_place\n")
+    with pytest.raises(ConfigError, match="use sync.method=in_place") as info:
+        load_config(str(path))
+    assert info.value.fix == {"sync.method": "in_place"}
+    assert load_config(None, ["sync.method=gather"]).sync.method == "gather"
+
+
 def test_missing_config_file(capsys):
     code, _, err = run_cli(capsys, "validate", "configs/nope.yaml")
     assert code == 2 and "nope.yaml" in err

@@ -46,6 +46,8 @@ def one_line(exc_info) -> str:
 @pytest.mark.parametrize("argv, needles", [
     pytest.param(["algo.normalize_advantages=false"], ["'algo.normalize_advantages' is no longer a key",
                                                        "algo.advantage=dr_grpo"], id="replaced_key"),
+    pytest.param(["sync.transport=ring"], ["sync.transport='ring' is no longer a key", "use sync.method=ring"],
+                 id="renamed_key"),
     pytest.param(["trainer.mixed_precision=maybe"], ["trainer.mixed_precision='maybe'", "expected true or false"],
                  id="bool_not_true_or_false"),
     pytest.param(["rollout.task=[1, 2]"], ["rollout.task=[1, 2]", "expected a string"], id="str_given_a_list"),

@@ -15,10 +15,11 @@ import torch
 
 from colocate.config import load_config
 from colocate.config.fields import override_value
+from colocate.config.loading import RENAMED
 from colocate.errors import ConfigError
 from colocate.job import placement
 from colocate.job.checks import GpuNode, check_job
-from colocate.job.placement import plan_nodes, plan_slots, sync_transport
+from colocate.job.placement import plan_nodes, plan_slots, sync_method
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN = ROOT / "tests" / "data" / "model_configs" / "Qwen2.5-0.5B-Instruct"  # a config.json, no weights
@@ -37,7 +38,7 @@ def on_cluster(nodes: dict[str, int]):
 
 
 def across_nodes(cfg) -> None:
-    sync_transport(cfg, "cpu", multi_node=True)
+    sync_method(cfg, "cpu", multi_node=True)
 
 
 GPU = validate(GpuNode(2, 80.0))
@@ -64,11 +65,11 @@ HINTED = [
     (["eval.num_samples=4"], validate(), None),
     (["placement.engine_slots=2"], validate(), None),
     (["placement.engine_slots=1"], validate(), None),
-    (["placement.engine_slots=1", "engine.tp=1", "sync.transport=in_place"], validate(), None),
+    (["placement.engine_slots=1", "engine.tp=1", "sync.method=in_place"], validate(), None),
     (["placement.engine_slots=1", "engine.tp=1", "engine.sleep_level=2"], validate(), None),
     (["placement.engine_slots=1", "engine.tp=1", "trainer.offload=true"], validate(), None),
     (["engine.tp=3"], validate(), None),
-    (["sync.transport=broadcast"], validate(), None),
+    (["sync.method=broadcast"], validate(), None),
     (["trainer.max_tokens_per_micro_batch=64"], validate(), None),
     (["rollout.rewards='math:1.0,model:'"], validate(), None),
     (["rollout.rewards=model:tiny-rm", "reward_model.tp=4"], validate(), None),
@@ -98,13 +99,14 @@ HINTED = [
     (["placement.num_slots=64", "placement.engine_slots=40"], validate(), None),
     (["placement.device=cpu", "engine.sleep_backend=vllm"], validate(), None),
     (["trainer.mixed_precision=true"], validate(), None),  # on a CPU without bf16 (the test says so)
-    (["sync.transport=in_place"], GPU, None),
-    (["sync.transport=ring"], GPU, None),
+    (["sync.method=in_place"], GPU, None),
+    (["sync.method=ring"], GPU, None),
     (["placement.num_slots=4"], validate(GpuNode(1, 80.0)), None),
     (["placement.num_slots=4"], on_cluster({"a": 1, "b": 1, "c": 1, "d": 1}), None),
     (["placement.num_slots=5", "placement.engine_slots=4"], on_cluster({"a": 3, "b": 1, "c": 1}), None),
     (["placement.num_slots=4", "engine.tp=2"], on_cluster({"a": 3, "b": 1}), None),
-    (["sync.transport=in_place"], across_nodes, None),
+    (["sync.method=in_place"], across_nodes, None),
+    (["sync.transport=gather"], validate(), None),  # a key renamed since: the fix is its new name
 ]
 
 # The memory preflight's advice (`use key=value ...`): refused on a GPU node of some size, the hint applied on the
@@ -129,7 +131,8 @@ def refusal(overrides: list[str], after) -> ConfigError | None:
 
 
 def applied(overrides: list[str], fix: dict) -> list[str]:
-    kept = [o for o in overrides if o.split("=", 1)[0] not in fix]
+    """`overrides` with the fix's keys set as it says, and a renamed key's old name gone (its fix is the new)."""
+    kept = [o for o in overrides if o.split("=", 1)[0] not in fix and o.split("=", 1)[0] not in RENAMED]
     return kept + [f"{key}={override_value(value)}" for key, value in fix.items()]
 
 

@@ -1,5 +1,5 @@
 """Placement rules, pure: what each engine asks of Ray and vLLM, the pairing of trainer ranks with the engine
-workers on their devices, and which transports a device allows."""
+workers on their devices, and which sync methods a device allows."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from colocate.job.placement import (
     pair_devices,
     plan_nodes,
     plan_slots,
-    sync_transport,
+    sync_method,
 )
 
 
@@ -63,20 +63,20 @@ def test_pairing_errors_are_one_line(trainers, workers, message):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("device, transport, chosen", [
+@pytest.mark.parametrize("device, method, chosen", [
     pytest.param("cpu", "auto", "in_place", id="cpu_auto"),
     pytest.param("cuda", "auto", "gather", id="cuda_auto"),
     pytest.param("cpu", "gather", "gather", id="cpu_gather"),
     pytest.param("cpu", "ring", "ring", id="cpu_ring"),
 ])
-def test_sync_transport(device, transport, chosen):
-    assert sync_transport(load_config(None, [f"sync.transport={transport}"]), device) == chosen
+def test_sync_method(device, method, chosen):
+    assert sync_method(load_config(None, [f"sync.method={method}"]), device) == chosen
 
 
-@pytest.mark.parametrize("transport", ["in_place", "ring"])
-def test_cpu_only_transports_are_refused_on_cuda(transport):
-    cfg = load_config(None, [f"sync.transport={transport}", "engine.sleep_backend=vllm"])
-    message = f"sync.transport='{transport}' is invalid on a CUDA run.*valid: auto, gather"
+@pytest.mark.parametrize("method", ["in_place", "ring"])
+def test_cpu_only_methods_are_refused_on_cuda(method):
+    cfg = load_config(None, [f"sync.method={method}", "engine.sleep_backend=vllm"])
+    message = f"sync.method='{method}' is invalid on a CUDA run.*valid: auto, gather"
     with pytest.raises(ConfigError, match=message):
         plan_slots(cfg, device="cuda", num_devices=8)
 
@@ -110,9 +110,9 @@ def test_a_cluster_of_the_wrong_shape_is_refused_in_one_line(num_slots, tp, node
 
 
 def test_across_nodes_the_sync_gathers():
-    assert sync_transport(load_config(None, []), "cpu", multi_node=True) == "gather"
-    with pytest.raises(ConfigError, match="sync.transport='in_place' is invalid for a job across several nodes"):
-        sync_transport(load_config(None, ["sync.transport=in_place"]), "cpu", multi_node=True)
+    assert sync_method(load_config(None, []), "cpu", multi_node=True) == "gather"
+    with pytest.raises(ConfigError, match="sync.method='in_place' is invalid for a job across several nodes"):
+        sync_method(load_config(None, ["sync.method=in_place"]), "cpu", multi_node=True)
 
 
 def test_split_placement_gives_trainers_the_first_slots_and_engines_the_rest():
@@ -126,7 +126,7 @@ def test_split_placement_gives_trainers_the_first_slots_and_engines_the_rest():
     two = plan_slots(load_config(None, ["placement.num_slots=3", "placement.engine_slots=2", "engine.tp=1"]),
                      device="cpu", num_devices=3)
     assert (two.num_trainer_ranks, two.num_engines, two.engine_slots(1)) == (1, 2, [2])
-    assert sync_transport(load_config(None, ["placement.num_slots=3", "placement.engine_slots=2", "engine.tp=1"]),
+    assert sync_method(load_config(None, ["placement.num_slots=3", "placement.engine_slots=2", "engine.tp=1"]),
                           "cpu") == "broadcast"
 
 
@@ -148,8 +148,8 @@ def test_split_placement_across_nodes_keeps_engines_whole_and_trainers_on_what_i
     (["placement.num_slots=4", "placement.engine_slots=3", "engine.tp=2"],
      "placement.engine_slots=3 is invalid: holds whole engines of engine.tp=2 workers each; valid: a multiple of 2 "
      "below placement.num_slots=4, e.g. placement.engine_slots=2"),
-    (["placement.num_slots=2", "placement.engine_slots=1", "engine.tp=1", "sync.transport=in_place"],
-     "sync.transport='in_place' is invalid: a split placement's engines share no device with a trainer, so the sync "
+    (["placement.num_slots=2", "placement.engine_slots=1", "engine.tp=1", "sync.method=in_place"],
+     "sync.method='in_place' is invalid: a split placement's engines share no device with a trainer, so the sync "
      "is broadcast to them over a process group; valid with placement.engine_slots > 0: auto, broadcast"),
     (["placement.num_slots=2", "placement.engine_slots=1", "engine.tp=1", "engine.sleep_level=2"],
      "engine.sleep_level='2' is invalid: a split placement's engines have their devices to themselves, so they never "
@@ -157,8 +157,8 @@ def test_split_placement_across_nodes_keeps_engines_whole_and_trainers_on_what_i
     (["placement.num_slots=2", "placement.engine_slots=1", "engine.tp=1", "trainer.offload=true"],
      "trainer.offload='true' is invalid: a split placement's trainers have their devices to themselves, so their "
      "state stays; valid with placement.engine_slots > 0: auto or false"),
-    (["sync.transport=broadcast"],
-     "sync.transport='broadcast' is invalid: is the split placement's sync (placement.engine_slots > 0); valid "
+    (["sync.method=broadcast"],
+     "sync.method='broadcast' is invalid: is the split placement's sync (placement.engine_slots > 0); valid "
      "co-located: auto, gather, in_place, ring"),
 ])
 def test_a_bad_split_is_one_line(overrides, message):

@@ -14,7 +14,7 @@ from colocate.job.preflight import SwitchPlan
 from colocate.job.resolve import resolve_job
 
 AUTO_KEYS = ["placement.device", "engine.sleep_level", "trainer.offload", "engine.sleep_backend",
-             "engine.enforce_eager", "sync.transport"]
+             "engine.enforce_eager", "sync.method"]
 
 
 def values(cfg, keys):
@@ -27,7 +27,7 @@ def test_on_the_cpu_every_auto_is_decided_and_said_why():
     resolved = resolve_job(cfg, switch=SwitchPlan(2, True, "engine sleeps (level 2): ...; trainer state offloaded"))
     assert values(resolved.config, AUTO_KEYS) == {
         "placement.device": "cpu", "engine.sleep_level": "2", "trainer.offload": "true",
-        "engine.sleep_backend": "portable", "engine.enforce_eager": "true", "sync.transport": "in_place"}
+        "engine.sleep_backend": "portable", "engine.enforce_eager": "true", "sync.method": "in_place"}
     assert [d.key for d in resolved.decisions] == AUTO_KEYS
     why = {d.key: d.why for d in resolved.decisions}
     assert why["engine.sleep_level"] == "engine sleeps (level 2): ..." and why["trainer.offload"] == \
@@ -36,22 +36,22 @@ def test_on_the_cpu_every_auto_is_decided_and_said_why():
 
 
 def test_what_the_user_chose_is_kept_and_not_listed():
-    cfg = load_config(None, ["engine.sleep_level=1", "trainer.offload=false", "sync.transport=gather",
+    cfg = load_config(None, ["engine.sleep_level=1", "trainer.offload=false", "sync.method=gather",
                              "engine.enforce_eager=false", "placement.device=cpu"])
     resolved = resolve_job(cfg)
     assert values(resolved.config, AUTO_KEYS)["engine.sleep_level"] == "1"
     assert resolved.switch.engine_sleep_level == 1 and not resolved.switch.trainer_offload
     assert [d.key for d in resolved.decisions] == ["engine.sleep_backend"]
-    assert resolved.config.engine.enforce_eager == "false" and resolved.transport == "gather"
+    assert resolved.config.engine.enforce_eager == "false" and resolved.sync_method == "gather"
 
 
 def test_across_nodes_the_gather_protocol():
     resolved = resolve_job(load_config(None, []), switch=SwitchPlan(2, True, "x"), multi_node=True)
-    assert resolved.transport == "gather"
+    assert resolved.sync_method == "gather"
 
 
 CUDA_VALUES = {"placement.device": "cuda", "engine.sleep_level": "0", "trainer.offload": "false",
-               "engine.sleep_backend": "vllm", "engine.enforce_eager": "false", "sync.transport": "gather"}
+               "engine.sleep_backend": "vllm", "engine.enforce_eager": "false", "sync.method": "gather"}
 
 
 @pytest.mark.parametrize("problem, backend", [(None, "torch_memory_saver"), ("not installed", "pinned")])
