@@ -11,7 +11,7 @@ import torch
 
 from tests.distributed.conftest import run_distributed
 from tests.distributed.test_gather import HD, NKV, NQ, VOCAB, _expected, _plan
-from tests.unit.test_reshard import engine_shapes, hf_state
+from tests.unit.test_reshard import hf_state
 
 CPU = torch.device("cpu")
 
