@@ -28,33 +28,58 @@ class AlgoConfig:
     num_steps: int = 150
     """RL steps to run."""
     mode: str = "sync"
-    """sync: each step rolls out with the weights it trains (after the previous step's sync). one_step_off: the rollout of step k+1 runs while step k trains, with the weights after step k-1, so every token trained is one policy version old (corrected by the ratio to its behaviour logprobs, and by TIS/MIS when set); the engine and the trainer stay resident together, and the preflight refuses a job whose memory does not allow it. async: the engines generate without pause in a thread, pass after pass of rollout.partial_tokens tokens per answer; each step trains the first rollout.num_prompts complete groups, and its weight update waits only for the pass in flight to end (pause, sync, resume), so unfinished answers go on under the new weights, every token tagged with its version and none older than rollout.max_lag when trained (docs/async.md)."""
+    """sync: each step rolls out with the weights it trains (after the previous step's sync). one_step_off: the rollout
+    of step k+1 runs while step k trains, with the weights after step k-1, so every token trained is one policy version
+    old (corrected by the ratio to its behaviour logprobs, and by TIS/MIS when set); the engine and the trainer stay
+    resident together, and the preflight refuses a job whose memory does not allow it. async: the engines generate
+    without pause in a thread, pass after pass of rollout.partial_tokens tokens per answer; each step trains the first
+    rollout.num_prompts complete groups, and its weight update waits only for the pass in flight to end (pause, sync,
+    resume), so unfinished answers go on under the new weights, every token tagged with its version and none older than
+    rollout.max_lag when trained (docs/async.md)."""
     advantage: str = "grpo"
-    """Advantage estimator: grpo (reward minus its group's mean, over the group's std: Shao et al. 2024, DeepSeekMath), dr_grpo (minus the group's mean only: Liu et al. 2025, Dr. GRPO), rloo (minus the mean of the group's other samples: Ahmadian et al. 2024), reinforce_pp (REINFORCE++, Hu 2025: normalised over the whole batch's response tokens, no group needed; with algo.kl_in_reward the KL is folded into each token's return first)."""
+    """Advantage estimator: grpo (reward minus its group's mean, over the group's std: Shao et al. 2024, DeepSeekMath),
+    dr_grpo (minus the group's mean only: Liu et al. 2025, Dr. GRPO), rloo (minus the mean of the group's other samples:
+    Ahmadian et al. 2024), reinforce_pp (REINFORCE++, Hu 2025: normalised over the whole batch's response tokens, no
+    group needed; with algo.kl_in_reward the KL is folded into each token's return first)."""
     policy_loss: str = "ppo"
-    """ppo (the clipped token ratio, Schulman et al. 2017; with algo.clip_ratio_c the dual clip of Ye et al. 2020), gspo (one ratio per sequence, the length-normalised geometric mean of its token ratios, clipped: Zheng et al. 2025, GSPO), cispo (the clipped ratio as a stop-gradient weight on the log-prob, so no token loses its gradient: MiniMax 2025, MiniMax-M1)."""
+    """ppo (the clipped token ratio, Schulman et al. 2017; with algo.clip_ratio_c the dual clip of Ye et al. 2020), gspo
+    (one ratio per sequence, the length-normalised geometric mean of its token ratios, clipped: Zheng et al. 2025,
+    GSPO), cispo (the clipped ratio as a stop-gradient weight on the log-prob, so no token loses its gradient: MiniMax
+    2025, MiniMax-M1)."""
     loss_aggregation: str = "token_mean"
-    """How a step's token losses become one number: token_mean (over every response token of the step: DAPO, Yu et al. 2025), seq_mean_token_mean (each sequence's token mean, then the mean over sequences: the GRPO paper), seq_mean_token_sum_norm (the token sum over sequences x rollout.max_tokens, a constant: Dr. GRPO, no length bias)."""
+    """How a step's token losses become one number: token_mean (over every response token of the step: DAPO, Yu et al.
+    2025), seq_mean_token_mean (each sequence's token mean, then the mean over sequences: the GRPO paper),
+    seq_mean_token_sum_norm (the token sum over sequences x rollout.max_tokens, a constant: Dr. GRPO, no length
+    bias)."""
     clip_eps: float = 0.2
     """The ratio's clip: [1 - clip_eps, 1 + clip_eps] unless clip_eps_low / clip_eps_high set either side."""
     clip_eps_low: float | None = None
-    """Lower side of the clip, [1 - clip_eps_low, ...]; null: algo.clip_eps. cispo: 1.0 leaves the weight unbounded below (MiniMax-M1)."""
+    """Lower side of the clip, [1 - clip_eps_low, ...]; null: algo.clip_eps. cispo: 1.0 leaves the weight unbounded
+    below (MiniMax-M1)."""
     clip_eps_high: float | None = None
-    """Upper side of the clip, [..., 1 + clip_eps_high]; null: algo.clip_eps. DAPO's clip-higher: 0.28 with a low side of 0.2."""
+    """Upper side of the clip, [..., 1 + clip_eps_high]; null: algo.clip_eps. DAPO's clip-higher: 0.28 with a low side
+    of 0.2."""
     clip_ratio_c: float | None = None
-    """Dual clip (ppo only): a negative advantage's loss is at most clip_ratio_c x |A| however large the ratio (Ye et al. 2020; verl uses 3); null: off."""
+    """Dual clip (ppo only): a negative advantage's loss is at most clip_ratio_c x |A| however large the ratio (Ye et
+    al. 2020; verl uses 3); null: off."""
     dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: a group whose rewards are all equal carries no gradient; drop it and sample more prompts (up to rollout.max_refill_passes more rollouts) until rollout.num_prompts groups differ."""
+    """DAPO's dynamic sampling: a group whose rewards are all equal carries no gradient; drop it and sample more prompts
+    (up to rollout.max_refill_passes more rollouts) until rollout.num_prompts groups differ."""
     mask_truncated: bool = False
-    """Answers cut off at rollout.max_tokens (finish reason length) are left out of the loss, their group's baseline still counting them (DAPO's overlong filtering)."""
+    """Answers cut off at rollout.max_tokens (finish reason length) are left out of the loss, their group's baseline
+    still counting them (DAPO's overlong filtering)."""
     overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: an answer longer than rollout.max_tokens - overlong_buffer loses algo.overlong_penalty x (its excess / overlong_buffer) of reward, linearly to the whole penalty at rollout.max_tokens; 0: off."""
+    """DAPO's soft overlong punishment: an answer longer than rollout.max_tokens - overlong_buffer loses
+    algo.overlong_penalty x (its excess / overlong_buffer) of reward, linearly to the whole penalty at
+    rollout.max_tokens; 0: off."""
     overlong_penalty: float = 1.0
     """The largest overlong punishment (a reward of this size), reached at rollout.max_tokens."""
     entropy_coef: float = 0.0
-    """Entropy bonus: the loss minus entropy_coef x the mean entropy of the sampling distribution (aggregated as the loss); 0: the entropy is only measured."""
+    """Entropy bonus: the loss minus entropy_coef x the mean entropy of the sampling distribution (aggregated as the
+    loss); 0: the entropy is only measured."""
     correction: str = "none"
-    """Training/inference mismatch correction: none (PPO ratio against the engine's logprobs), tis (truncated importance weights), mis (masked importance weights)."""
+    """Training/inference mismatch correction: none (PPO ratio against the engine's logprobs), tis (truncated importance
+    weights), mis (masked importance weights)."""
     correction_level: str = "token"
     """Importance weight per token, or per sequence (the product over its tokens)."""
     tis_cap: float = 2.0
@@ -64,13 +89,15 @@ class AlgoConfig:
     mis_high: float = 2.0
     """MIS: weights above this are masked."""
     mismatch_band: float = 1.1
-    """Monitor: report the fraction of tokens and sequences whose ratio p_trainer / p_engine lies outside [1/band, band]."""
+    """Monitor: report the fraction of tokens and sequences whose ratio p_trainer / p_engine lies outside [1/band,
+    band]."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the frozen reference policy (the initial weights); 0: no reference, no KL."""
     kl_estimator: str = "k3"
     """KL estimator per token, log r = logp_ref - logp: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r."""
     kl_in_reward: bool = False
-    """reinforce_pp: fold kl_coef x the KL estimate into each token's return (REINFORCE++) instead of adding it to the loss."""
+    """reinforce_pp: fold kl_coef x the KL estimate into each token's return (REINFORCE++) instead of adding it to the
+    loss."""
 
     @property
     def clip_low(self) -> float:

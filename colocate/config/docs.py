@@ -10,7 +10,8 @@ from colocate.config.schema import JobConfig
 
 def field_docs() -> list[tuple[str, str, object, str]]:
     """(key, type, default, doc) for every config key, docs taken from the string under each field; a nested
-    section (trainer.lora) lists its own keys under its prefix."""
+    section (trainer.lora) lists its own keys under its prefix. A docstring is written as short lines (within 120
+    columns); its doc here is one paragraph, the lines joined by single spaces (a table cell holds no newline)."""
     rows = []
     for section in dataclasses.fields(JobConfig):
         rows += _section_docs(typing.get_type_hints(JobConfig)[section.name], section.name)
@@ -27,7 +28,7 @@ def _section_docs(cls, prefix: str) -> list[tuple[str, str, object, str]]:
         if isinstance(node, ast.AnnAssign):
             last = node.target.id
         elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and last:
-            docs[last] = node.value.value
+            docs[last] = " ".join(node.value.value.split())
             last = None
     hints = typing.get_type_hints(cls)
     rows = []

@@ -23,19 +23,23 @@ DEFAULT_JUDGE_PROMPT = ("question: {prompt}\nanswer: {response}\nreference: {ans
 @dataclass
 class RewardModelConfig:
     tp: int = 1
-    """Tensor-parallel size of the reward model's engine; it runs on the first tp slots of the policy's engines, sharing their devices."""
+    """Tensor-parallel size of the reward model's engine; it runs on the first tp slots of the policy's engines, sharing
+    their devices."""
     max_model_len: int = 0
-    """Longest input the reward model reads (prompt + answer, or the judge's prompt); longer inputs lose their beginning and are counted. 0: engine.max_model_len."""
+    """Longest input the reward model reads (prompt + answer, or the judge's prompt); longer inputs lose their beginning
+    and are counted. 0: engine.max_model_len."""
     kv_cache_gib: float = 0.0625
     """CPU: the reward model's KV cache per worker in GiB."""
     gpu_memory_utilization: float = 0.1
     """CUDA: fraction of GPU memory the reward model's engine may use (beside engine.gpu_memory_utilization)."""
     judge_prompt: str = DEFAULT_JUDGE_PROMPT
-    """judge:PATH: the judge's prompt, with {prompt}, {response} and {answer} filled in (and the judge's chat template around it, when its tokenizer has one)."""
+    """judge:PATH: the judge's prompt, with {prompt}, {response} and {answer} filled in (and the judge's chat template
+    around it, when its tokenizer has one)."""
     judge_max_tokens: int = 16
     """judge:PATH: the longest verdict the judge writes (greedy)."""
     verdict_pattern: str = r"-?\d+(?:\.\d+)?"
-    """judge:PATH: regular expression of the score in a verdict; its first match (its first group, if it has one) is read as a number."""
+    """judge:PATH: regular expression of the score in a verdict; its first match (its first group, if it has one) is
+    read as a number."""
     unparsed_reward: float = 0.0
     """judge:PATH: the reward of an answer whose verdict has no score (counted in the metrics)."""
 

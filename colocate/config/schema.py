@@ -1,8 +1,9 @@
 """The job's configuration as typed dataclasses, one per section, each with the checks of its own fields.
 
-Every field carries a one-line docstring (the string literal under it), which `colocate config-docs` turns into
-the table in docs/config.md (config/docs.py). YAML and `key=value` overrides become a JobConfig once, at the
-edge (config/loading.py); library code only ever sees JobConfig.
+Every field carries a docstring (the string literal under it, in lines within 120 columns), which `colocate
+config-docs` joins into one paragraph per key of the table in docs/config.md (config/docs.py). YAML and
+`key=value` overrides become a JobConfig once, at the edge (config/loading.py); library code only ever sees
+JobConfig.
 
     cfg.check()   # each section's check(), then those across sections; ConfigError naming the first bad key
 
@@ -58,11 +59,15 @@ def engine_lora_rank(trainer_rank: int, engine_rank: int = 0) -> int:
 @dataclass
 class LoraConfig:
     rank: int = 0
-    """LoRA rank: 0 trains every weight; > 0 freezes the base and trains rank-r adapters on trainer.lora.target_modules (the optimizer holds their state alone; each sync sends only them, unless the engine discards its weights: engine.sleep_level=2). Any rank from 1 to 512: the engine holds it in buffers of engine.max_lora_rank, its extra rows zero."""
+    """LoRA rank: 0 trains every weight; > 0 freezes the base and trains rank-r adapters on trainer.lora.target_modules
+    (the optimizer holds their state alone; each sync sends only them, unless the engine discards its weights:
+    engine.sleep_level=2). Any rank from 1 to 512: the engine holds it in buffers of engine.max_lora_rank, its extra
+    rows zero."""
     alpha: float = 16.0
     """LoRA scaling numerator: the update is alpha / rank x B A."""
     target_modules: str = "all-linear"
-    """Comma-separated projections to adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; PEFT's suffix rule), or all-linear: every one of them the model has."""
+    """Comma-separated projections to adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; PEFT's
+    suffix rule), or all-linear: every one of them the model has."""
 
     def check(self) -> None:
         if self.rank < 0:
@@ -88,7 +93,8 @@ class TrainerConfig:
     lr: float = 1e-3
     """AdamW learning rate (the peak, with a schedule)."""
     lr_schedule: str = "constant"
-    """Learning rate over the run's algo.num_steps steps, after trainer.lr_warmup_steps of linear warmup: constant, cosine or linear decay to trainer.lr_min_ratio x lr at the last step."""
+    """Learning rate over the run's algo.num_steps steps, after trainer.lr_warmup_steps of linear warmup: constant,
+    cosine or linear decay to trainer.lr_min_ratio x lr at the last step."""
     lr_warmup_steps: int = 0
     """Steps of linear warmup: step s (0-based) uses (s + 1) / (lr_warmup_steps + 1) x lr."""
     lr_min_ratio: float = 0.0
@@ -100,25 +106,36 @@ class TrainerConfig:
     micro_batch_size: int = 16
     """Sequences per forward/backward pass on each rank; gradients accumulate over micro-batches."""
     mixed_precision: bool = False
-    """FSDP2 mixed precision (bf16 compute, fp32 reduce, fp32 master weights and optimizer state): on CUDA, and on a CPU with native bf16 (AVX-512 BF16 or AMX)."""
+    """FSDP2 mixed precision (bf16 compute, fp32 reduce, fp32 master weights and optimizer state): on CUDA, and on a CPU
+    with native bf16 (AVX-512 BF16 or AMX)."""
     offload: str = "auto"
-    """Move parameters and optimizer state out while the engine runs: true, false, or auto (only when the memory preflight finds the rollout would not fit beside them)."""
+    """Move parameters and optimizer state out while the engine runs: true, false, or auto (only when the memory
+    preflight finds the rollout would not fit beside them)."""
     offload_backend: str = "auto"
-    """CUDA: torch_memory_saver (state allocated in its region, paused with a host backup), pinned (exact-size page-locked host buffers), or auto (torch_memory_saver when installed, else pinned). The CPU always uses a file-backed tier."""
+    """CUDA: torch_memory_saver (state allocated in its region, paused with a host backup), pinned (exact-size
+    page-locked host buffers), or auto (torch_memory_saver when installed, else pinned). The CPU always uses a
+    file-backed tier."""
     offload_dir: str = ""
     """CPU: directory of the offload file (on disk, not tmpfs); empty: the system's temporary directory."""
     num_threads: int = 1
     """Torch intra-op threads per trainer rank (CPU)."""
     activation_checkpointing: bool = False
-    """Keep only each decoder layer's input for the backward and recompute the layer there (torch's non-reentrant checkpoint, per layer, inside FSDP2's per-layer groups): activations fall from ~10 hidden sizes a token per layer to one, for ~a third more compute."""
+    """Keep only each decoder layer's input for the backward and recompute the layer there (torch's non-reentrant
+    checkpoint, per layer, inside FSDP2's per-layer groups): activations fall from ~10 hidden sizes a token per layer to
+    one, for ~a third more compute."""
     activation_offload: bool = False
-    """With activation_checkpointing on CUDA: hold the kept layer inputs in pinned host memory (a copy each way per layer); the CPU has nowhere further to put them."""
+    """With activation_checkpointing on CUDA: hold the kept layer inputs in pinned host memory (a copy each way per
+    layer); the CPU has nowhere further to put them."""
     logprob_chunk_tokens: int | None = 1024
-    """Tokens per chunk of the log-prob pass (lm_head, temperature, top-p, log-softmax), each chunk recomputed in the backward: the full [tokens, vocabulary] logits never exist at once; null: all of a micro-batch's at once."""
+    """Tokens per chunk of the log-prob pass (lm_head, temperature, top-p, log-softmax), each chunk recomputed in the
+    backward: the full [tokens, vocabulary] logits never exist at once; null: all of a micro-batch's at once."""
     pack_sequences: bool = False
-    """A micro-batch is one row of its sequences end to end (positions restarting per sequence, attention kept inside each), no padding; false: one right-padded row per sequence."""
+    """A micro-batch is one row of its sequences end to end (positions restarting per sequence, attention kept inside
+    each), no padding; false: one right-padded row per sequence."""
     max_tokens_per_micro_batch: int | None = None
-    """Token budget of a micro-batch (dynamic batch size): as many sequences as fit, packed tokens or rows x longest when padded, at most micro_batch_size rows padded; null: micro_batch_size sequences each. Must hold the longest sequence the engine can return."""
+    """Token budget of a micro-batch (dynamic batch size): as many sequences as fit, packed tokens or rows x longest
+    when padded, at most micro_batch_size rows padded; null: micro_batch_size sequences each. Must hold the longest
+    sequence the engine can return."""
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def check(self) -> None:
@@ -154,19 +171,24 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5
     """CUDA: fraction of GPU memory vLLM may use for weights + KV cache."""
     enforce_eager: str = "auto"
-    """Skip graph capture / compilation: true (fast start), false (CUDA graphs, compiled), auto (true on the CPU, false on CUDA)."""
+    """Skip graph capture / compilation: true (fast start), false (CUDA graphs, compiled), auto (true on the CPU, false
+    on CUDA)."""
     max_num_seqs: int = 0
     """Most sequences the engine decodes at once; 0 keeps vLLM's default."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of a shared prefix: the samples of one prompt share its prefill."""
     max_lora_rank: int = 0
-    """With trainer.lora.rank > 0: the largest adapter rank the engine holds (vLLM's max_lora_rank: 1, 8, 16, 32, 64, 128, 256, 320 or 512, at least the trainer's); 0: the smallest of them that holds the trainer's rank."""
+    """With trainer.lora.rank > 0: the largest adapter rank the engine holds (vLLM's max_lora_rank: 1, 8, 16, 32, 64,
+    128, 256, 320 or 512, at least the trainer's); 0: the smallest of them that holds the trainer's rank."""
     expert_parallel: bool = False
-    """MoE models: split the experts across each engine's TP workers, each expert whole (vLLM enable_expert_parallel), instead of splitting every expert's intermediate dimension."""
+    """MoE models: split the experts across each engine's TP workers, each expert whole (vLLM enable_expert_parallel),
+    instead of splitting every expert's intermediate dimension."""
     extra_args: str = ""
-    """Other vLLM engine arguments as a JSON object, e.g. {"block_size": 32}; names are checked against vLLM's EngineArgs before anything starts."""
+    """Other vLLM engine arguments as a JSON object, e.g. {"block_size": 32}; names are checked against vLLM's
+    EngineArgs before anything starts."""
     sleep_level: str = "auto"
-    """Engine sleep while training: 0 stays awake, 1 keeps a host copy of the weights, 2 discards them (the sync restores them), auto the least that lets the training phase fit (memory preflight)."""
+    """Engine sleep while training: 0 stays awake, 1 keeps a host copy of the weights, 2 discards them (the sync
+    restores them), auto the least that lets the training phase fit (memory preflight)."""
     sleep_backend: str = "auto"
     """auto (vllm on CUDA, portable on CPU), vllm (vLLM sleep mode, CUDA only), portable (release storages)."""
     seed: int = 0
@@ -218,7 +240,10 @@ class RolloutConfig:
     reward_fn: str = ""
     """Dotted path `module:function(prompt, response, answer) -> float`; empty uses the task's reward."""
     rewards: str = ""
-    """Weighted sum of rewards, e.g. math:1.0,format:0.1: built-ins math, exact, format, char, module:function, or a reward model served by the job, model:PATH (a sequence classifier) or judge:PATH (a generative judge; section reward_model) (weight 1 when omitted); each one's mean is logged as reward_<name>_mean. Empty: rollout.reward_fn or the task's reward."""
+    """Weighted sum of rewards, e.g. math:1.0,format:0.1: built-ins math, exact, format, char, module:function, or a
+    reward model served by the job, model:PATH (a sequence classifier) or judge:PATH (a generative judge; section
+    reward_model) (weight 1 when omitted); each one's mean is logged as reward_<name>_mean. Empty: rollout.reward_fn or
+    the task's reward."""
     num_prompts: int = 16
     """Prompts per RL step."""
     num_samples: int = 8
@@ -230,37 +255,55 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus sampling probability mass."""
     ignore_eos: bool = False
-    """Answers run to rollout.max_tokens (or the context) whatever they sample, EOS included: for benchmarks and for stress tests of long answers (verl's rollout.ignore_eos)."""
+    """Answers run to rollout.max_tokens (or the context) whatever they sample, EOS included: for benchmarks and for
+    stress tests of long answers (verl's rollout.ignore_eos)."""
     task_length: int = 3
     """Operand length (characters) of the toy tasks."""
     seed: int = 0
     """Seed of the prompt stream."""
     oversample: float = 1.0
-    """Over-sampling: groups in flight per step, as a multiple of num_prompts; the rollout stops once num_prompts groups are complete (exactly that many are trained) and the rest are carried or dropped (rollout.leftover)."""
+    """Over-sampling: groups in flight per step, as a multiple of num_prompts; the rollout stops once num_prompts groups
+    are complete (exactly that many are trained) and the rest are carried or dropped (rollout.leftover)."""
     leftover: str = "carry"
-    """Groups a step does not train (unfinished, or complete beyond num_prompts): carry (they keep their tokens and go on next step) or drop."""
+    """Groups a step does not train (unfinished, or complete beyond num_prompts): carry (they keep their tokens and go
+    on next step) or drop."""
     partial_tokens: int = 0
-    """Partial rollout: the most new tokens an answer gets in one pass (a step makes another pass only while none of its groups is complete); an answer still unfinished keeps its tokens and continues next step under the newer policy. 0: answers run to their end within the step."""
+    """Partial rollout: the most new tokens an answer gets in one pass (a step makes another pass only while none of its
+    groups is complete); an answer still unfinished keeps its tokens and continues next step under the newer policy. 0:
+    answers run to their end within the step."""
     max_lag: int = 1
-    """An answer (finished or not) whose oldest token was sampled more than this many policy versions ago is restarted from its prompt; tokens within the lag are trained, corrected by the loss's ratio to their behaviour logprobs."""
+    """An answer (finished or not) whose oldest token was sampled more than this many policy versions ago is restarted
+    from its prompt; tokens within the lag are trained, corrected by the loss's ratio to their behaviour logprobs."""
     env: str = ""
-    """Multi-turn episodes (docs/environments.md): an environment, built-in (copy_turns) or `module:factory` returning an object with reset(sample) and step(action_text); each answer is an episode of turns, the engine's tokens and the environment's observations, up to rollout.max_turns turns within rollout.max_tokens tokens; its reward is the environment's. Empty: single-turn answers scored by the reward function."""
+    """Multi-turn episodes (docs/environments.md): an environment, built-in (copy_turns) or `module:factory` returning
+    an object with reset(sample) and step(action_text); each answer is an episode of turns, the engine's tokens and the
+    environment's observations, up to rollout.max_turns turns within rollout.max_tokens tokens; its reward is the
+    environment's. Empty: single-turn answers scored by the reward function."""
     max_turns: int = 4
-    """rollout.env: the most turns (model answers) an episode has; the episode ends sooner when the environment says done or its tokens run out."""
+    """rollout.env: the most turns (model answers) an episode has; the episode ends sooner when the environment says
+    done or its tokens run out."""
     turn_stop: str = ""
-    """rollout.env: text that ends a turn of the model where it appears, besides EOS, kept in the turn, e.g. </tool_call> so the model's turn ends with its call; matched as the tokens the tokenizer gives it (exact for a special token, as Qwen's </tool_call>, and for character vocabularies). Empty: turns end at EOS or rollout.max_turn_tokens."""
+    """rollout.env: text that ends a turn of the model where it appears, besides EOS, kept in the turn, e.g.
+    </tool_call> so the model's turn ends with its call; matched as the tokens the tokenizer gives it (exact for a
+    special token, as Qwen's </tool_call>, and for character vocabularies). Empty: turns end at EOS or
+    rollout.max_turn_tokens."""
     max_turn_tokens: int = 0
-    """rollout.env: the most tokens of one turn of the model; reaching it ends the turn (the environment steps on what it has). 0: a turn ends only at the model's EOS or when the episode's rollout.max_tokens run out."""
+    """rollout.env: the most tokens of one turn of the model; reaching it ends the turn (the environment steps on what
+    it has). 0: a turn ends only at the model's EOS or when the episode's rollout.max_tokens run out."""
     turn_reward: str = "sum"
     """rollout.env: an episode's reward from its turns' rewards: sum, or last (only the final turn's)."""
     env_errors: str = "fail"
-    """rollout.env: an environment that raises, hangs past rollout.env_timeout_s or returns the wrong type: fail (the step stops, naming the sample and turn) or drop (that sample's group is dropped and counted, the step goes on)."""
+    """rollout.env: an environment that raises, hangs past rollout.env_timeout_s or returns the wrong type: fail (the
+    step stops, naming the sample and turn) or drop (that sample's group is dropped and counted, the step goes on)."""
     env_timeout_s: float = 30.0
     """rollout.env: the longest one reset or step may take; 0: no bound."""
     env_workers: int = 0
-    """rollout.env: Ray actors that hold the environments (each episode's in one), stepping a pass's turn ends in parallel so a slow environment does not hold the engines; 0: in the controller's process, one call at a time."""
+    """rollout.env: Ray actors that hold the environments (each episode's in one), stepping a pass's turn ends in
+    parallel so a slow environment does not hold the engines; 0: in the controller's process, one call at a time."""
     max_refill_passes: int = 4
-    """algo.dynamic_sampling: the most extra rollouts a step makes to replace the groups it dropped (each asks the pool for the missing groups over the fraction informative so far); a step still short after them trains the informative groups it has, and says so in its metrics."""
+    """algo.dynamic_sampling: the most extra rollouts a step makes to replace the groups it dropped (each asks the pool
+    for the missing groups over the fraction informative so far); a step still short after them trains the informative
+    groups it has, and says so in its metrics."""
 
     def check(self) -> None:
         positive(self, "rollout", "num_prompts", "num_samples", "max_tokens", "task_length", "top_p")
@@ -322,17 +365,20 @@ def partial_rollout_fix(rollout: RolloutConfig, *, mode: str, partial: int) -> d
 @dataclass
 class DataConfig:
     train_files: str = ""
-    """Training prompts: comma-separated .jsonl or .parquet files (a YAML list works too; globs allowed); empty: the toy task rollout.task makes the prompts."""
+    """Training prompts: comma-separated .jsonl or .parquet files (a YAML list works too; globs allowed); empty: the toy
+    task rollout.task makes the prompts."""
     val_files: str = ""
     """Validation prompts, same format as data.train_files (read and checked; not yet evaluated during a run)."""
     prompt_key: str = "prompt"
-    """Column holding the prompt: plain text, or a list of chat messages {role, content} (rendered with the tokenizer's chat template when it has one, else their contents joined by newlines)."""
+    """Column holding the prompt: plain text, or a list of chat messages {role, content} (rendered with the tokenizer's
+    chat template when it has one, else their contents joined by newlines)."""
     answer_key: str = "answer"
     """Column holding the reference answer given to the reward; empty: no answers (the reward gets "")."""
     max_prompt_tokens: int = 0
     """Longest prompt in tokens; 0: whatever leaves room for one response token within engine.max_model_len."""
     too_long: str = "filter"
-    """A prompt longer than the limit: filter (dropped, the count logged once) or error (the job stops naming its row)."""
+    """A prompt longer than the limit: filter (dropped, the count logged once) or error (the job stops naming its
+    row)."""
     shuffle: bool = True
     """Shuffle the rows, again every epoch (with data.seed + epoch)."""
     seed: int = 0
@@ -349,7 +395,8 @@ class DataConfig:
 @dataclass
 class EvalConfig:
     every_steps: int = 0
-    """Evaluate after every this many steps (pass@k on data.val_files, or with no data files on a fixed set of toy-task prompts); 0: never during the run."""
+    """Evaluate after every this many steps (pass@k on data.val_files, or with no data files on a fixed set of toy-task
+    prompts); 0: never during the run."""
     at_start: bool = False
     """Also evaluate before the first step (the starting model's score)."""
     at_end: bool = False
@@ -363,7 +410,8 @@ class EvalConfig:
     max_prompts: int = 0
     """Evaluate the first this many validation prompts (the same ones every time); 0: all of them (toy tasks: 64)."""
     seed: int = 1234
-    """Sampling seed of the evaluation (the same every time, so evaluations differ only by the policy); toy tasks also draw their prompts with it."""
+    """Sampling seed of the evaluation (the same every time, so evaluations differ only by the policy); toy tasks also
+    draw their prompts with it."""
 
     def check(self) -> None:
         non_negative(self, "eval", "every_steps", "temperature", "max_tokens", "max_prompts")
@@ -377,17 +425,21 @@ class EvalConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = 0
-    """Save a checkpoint after every this many steps (FSDP2 shards through torch.distributed.checkpoint, the optimizer, every rank's RNG, the data position and unfinished answers); 0: only at the end (checkpoint.at_end)."""
+    """Save a checkpoint after every this many steps (FSDP2 shards through torch.distributed.checkpoint, the optimizer,
+    every rank's RNG, the data position and unfinished answers); 0: only at the end (checkpoint.at_end)."""
     at_end: bool = True
     """Also save after the last step."""
     dir: str = ""
-    """Where checkpoints go (one step_<N> folder each); empty: <logging.output_dir>/checkpoints. Several nodes: a directory every node sees."""
+    """Where checkpoints go (one step_<N> folder each); empty: <logging.output_dir>/checkpoints. Several nodes: a
+    directory every node sees."""
     keep_last: int = 2
     """Complete checkpoints kept; older ones are deleted once a newer one is complete. 0 keeps all."""
     resume: str = ""
-    """auto: continue from the newest complete checkpoint in checkpoint.dir (start afresh when there is none); a step_<N> path: continue from it; empty: start afresh. Also given as resume=... on the command line."""
+    """auto: continue from the newest complete checkpoint in checkpoint.dir (start afresh when there is none); a
+    step_<N> path: continue from it; empty: start afresh. Also given as resume=... on the command line."""
     export_hf: bool = False
-    """Also write a Hugging Face model (safetensors, config, tokenizer) into each checkpoint's hf/ folder (a LoRA job: its adapter, in PEFT's format)."""
+    """Also write a Hugging Face model (safetensors, config, tokenizer) into each checkpoint's hf/ folder (a LoRA job:
+    its adapter, in PEFT's format)."""
 
     def check(self) -> None:
         non_negative(self, "checkpoint", "every_steps", "keep_last")
@@ -396,19 +448,27 @@ class CheckpointConfig:
 @dataclass
 class FaultConfig:
     heartbeat_s: float = 1.0
-    """How often the controller checks that every process of the job on its node is alive and running (a dead, zombie or stopped one ends the job at once, named)."""
+    """How often the controller checks that every process of the job on its node is alive and running (a dead, zombie or
+    stopped one ends the job at once, named)."""
     sync_timeout_s: float = 600.0
-    """A weight sync, a sleep/wake switch or a step's metrics read that has not finished after this many seconds is a hang: the job stops naming its members. 0: no limit."""
+    """A weight sync, a sleep/wake switch or a step's metrics read that has not finished after this many seconds is a
+    hang: the job stops naming its members. 0: no limit."""
     checkpoint_timeout_s: float = 1800.0
-    """The same bound for a checkpoint save (and its HF export). A save writes about 12 bytes per parameter (fp32 weights and AdamW's two moments: 91 GB for a 7B model): size it as 2 x those bytes / the storage's slowest write rate (docs/checkpoints.md). 0: no limit."""
+    """The same bound for a checkpoint save (and its HF export). A save writes about 12 bytes per parameter (fp32
+    weights and AdamW's two moments: 91 GB for a 7B model): size it as 2 x those bytes / the storage's slowest write
+    rate (docs/checkpoints.md). 0: no limit."""
     rollout_timeout_s: float = 0.0
     """The same bound for a rollout phase; 0: no limit (a rollout's length is the model's to decide)."""
     train_timeout_s: float = 0.0
     """The same bound for a training phase; 0: no limit."""
     inject: str = ""
-    """Chaos testing: SIGNAL:MEMBER:PHASE:STEP sends a signal to one process of the job as that phase of that step begins, e.g. SIGKILL:engine0.worker1:rollout:2, SIGKILL:trainer1:train:1, SIGSTOP:engine0.worker0:sync:1 (members: trainerR, engineE, engineE.workerK); several, separated by commas, each firing once in the job's life (a restart skips those that fired); empty: none."""
+    """Chaos testing: SIGNAL:MEMBER:PHASE:STEP sends a signal to one process of the job as that phase of that step
+    begins, e.g. SIGKILL:engine0.worker1:rollout:2, SIGKILL:trainer1:train:1, SIGSTOP:engine0.worker0:sync:1 (members:
+    trainerR, engineE, engineE.workerK); several, separated by commas, each firing once in the job's life (a restart
+    skips those that fired); empty: none."""
     max_restarts: int = 0
-    """After a fault (a member died or hung), start the job again from its newest checkpoint (resume=auto) up to this many times; 0: stop with the fault."""
+    """After a fault (a member died or hung), start the job again from its newest checkpoint (resume=auto) up to this
+    many times; 0: stop with the fault."""
 
     def check(self) -> None:
         positive(self, "fault", "heartbeat_s")
@@ -421,9 +481,12 @@ class PlacementConfig:
     device: str = "auto"
     """auto, cpu or cuda."""
     num_slots: int = 2
-    """Device slots (GPUs, or logical CPU slots) the job holds. Co-located (engine_slots=0): each holds one trainer rank and one engine worker."""
+    """Device slots (GPUs, or logical CPU slots) the job holds. Co-located (engine_slots=0): each holds one trainer rank
+    and one engine worker."""
     engine_slots: int = 0
-    """0: co-located (trainers and engines take turns on every slot). N > 0: split placement: the last N slots hold only engines (N / engine.tp of them), the others only trainer ranks; nothing sleeps, and every sync is broadcast from the trainers to the engines over a process group (gloo on the CPU, NCCL on GPUs)."""
+    """0: co-located (trainers and engines take turns on every slot). N > 0: split placement: the last N slots hold only
+    engines (N / engine.tp of them), the others only trainer ranks; nothing sleeps, and every sync is broadcast from the
+    trainers to the engines over a process group (gloo on the CPU, NCCL on GPUs)."""
     ray_address: str = ""
     """Existing Ray cluster to join ('auto', or host:port); empty starts a local Ray."""
 

@@ -144,6 +144,42 @@ def test_every_key_is_documented():
     assert undocumented == []
 
 
+def config_sections(cls=None) -> list[type]:
+    """JobConfig's section dataclasses and the sections nested in them (trainer.lora)."""
+    import dataclasses
+    import typing
+
+    from colocate.config import JobConfig
+
+    cls = cls or JobConfig
+    hints = typing.get_type_hints(cls)
+    nested = [hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])]
+    return nested + [section for child in nested for section in config_sections(child)]
+
+
+def test_field_docstrings_are_short_lines_joined_into_one_paragraph():
+    """A field's docstring is written as lines within 120 columns; `config-docs` joins them, so docs/config.md has
+    each key's doc as one line of single spaces."""
+    import ast
+    import inspect
+
+    from colocate.config import field_docs
+
+    wide, wrapped = [], 0
+    for cls in config_sections():
+        lines, first = inspect.getsourcelines(cls)
+        body = ast.parse("".join(lines)).body[0].body  # the sections are module-level classes
+        for prev, node in zip(body, body[1:]):
+            if isinstance(prev, ast.AnnAssign) and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+                source = lines[node.lineno - 1:node.end_lineno]
+                wrapped += len(source) > 1
+                wide += [f"{cls.__name__}.{prev.target.id} (line {first + node.lineno - 1})" for line in source
+                         if len(line.rstrip("\n")) > 120]
+    assert wide == [], f"field docstring lines over 120 columns: {wide}"
+    assert wrapped > 10, "the long docstrings are written as several lines"
+    assert [key for key, _, _, doc in field_docs() if doc != " ".join(doc.split())] == []
+
+
 def test_config_error_is_a_value_error():
     with pytest.raises(ValueError):
         load_config(None, ["engine.tp=0"])
