@@ -8,6 +8,7 @@
     colocate plot RUN_DIR                        draw a run's metrics as a PNG
     colocate export CKPT OUT [--dtype D] [--merged]  a checkpoint as a Hugging Face model (LoRA: its PEFT adapter)
     colocate clean [RUN_DIR ...] [--dry-run]     remove what a killed job left (its segments, processes, actors)
+    colocate simulate [CONFIG] [key=value ...] --gpus 8 --gpu h100   each mode's step predicted on a GPU node
     colocate config-docs                         print the table of every config key (docs/config.md)
 
 User mistakes (bad keys, values, paths, resources) print one line `colocate: error: ...` and exit with code 2
@@ -286,6 +287,17 @@ def config_docs() -> str:
     return config_docs_markdown(notes=preset_docs())
 
 
+def cmd_simulate(args) -> int:
+    from pathlib import Path
+
+    from colocate.simulate.command import run_simulate
+
+    paths, overrides = _split(args.items)
+    run_simulate(paths, overrides, gpus=args.gpus, gpu_name=args.gpu, lengths_spec=args.lengths,
+                 prompt_tokens=args.prompt_tokens, out=Path(args.out), speculative=args.speculative, name=args.name)
+    return 0
+
+
 def cmd_config_docs(args) -> int:
     print(config_docs(), end="")
     return 0
@@ -398,6 +410,22 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--merged", action="store_true", help="a LoRA job's checkpoint: write the model with the "
                         "adapter merged into its weights, instead of the adapter alone in PEFT's format")
     export.set_defaults(func=cmd_export)
+
+    simulate = sub.add_parser("simulate", help="predict each mode's step on a GPU node (a model: docs/simulate.md)",
+                              description="Predict the RL step of the job on --gpus GPUs of one --gpu kind for each "
+                              "mode and placement, print the best with the keys to set, write JSON and a PNG.")
+    simulate.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
+    simulate.add_argument("--gpus", type=int, default=8, help="GPUs of the node (default 8)")
+    simulate.add_argument("--gpu", default="h100", help="h100, h200, a100, b200 or l20 (default h100)")
+    simulate.add_argument("--lengths", default="lognormal:1500,0.9,64,16384",
+                          help="answer lengths: lognormal:MEDIAN,SIGMA[,MIN,MAX], fixed:N or metrics:PATH "
+                          "(default: the rollout chapter's long tail)")
+    simulate.add_argument("--prompt-tokens", type=int, default=512, help="tokens of each prompt (default 512)")
+    simulate.add_argument("--speculative", default="", help="ACCEPTANCE,DRAFT_TOKENS,DRAFT_COST: speculative "
+                          "decoding in the tail (e.g. 0.7,4,0.05)")
+    simulate.add_argument("--out", default="benchmarks/results", help="output directory (default benchmarks/results)")
+    simulate.add_argument("--name", default="simulate", help="result file name without extension")
+    simulate.set_defaults(func=cmd_simulate)
 
     docs = sub.add_parser("config-docs", help="print the table of every config key (docs/config.md)")
     docs.set_defaults(func=cmd_config_docs)

@@ -130,6 +130,7 @@ class Scored:
             "reward_max": max(self.rewards),
             **{f"reward_{name}_mean": statistics.fmean(values) for name, values in self.components.items()},
             "response_len_mean": statistics.fmean(num_tokens),
+            "response_lengths": list(num_tokens),  # every answer's: `colocate simulate --lengths metrics:PATH`
             "num_response_tokens": sum(num_tokens),
             "num_trained_sequences": len(self.sequences),
             "num_trained_tokens": sum(s.num_trained_tokens for s in self.sequences),

@@ -82,7 +82,8 @@ def test_the_cycle_finder_finds_one():
 
 # docs/architecture.md's layers, bottom first: a package imports only from its own layer or those below
 LAYERS = [["errors"], ["config"], ["host"], ["sync"], ["models", "checkpoint", "telemetry"], ["rl"],
-          ["engine", "trainer"], ["rollout"], ["job"], ["cluster", "bench"], ["cli"]]
+          ["engine", "trainer"], ["rollout"], ["job"], ["cluster", "bench", "simulate"],
+          ["cli"]]
 
 
 def package_of(module: str) -> str:
