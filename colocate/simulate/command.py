@@ -103,13 +103,16 @@ def _plot(predictions: list[Prediction], path: Path, *, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 5))
-    for p in predictions:
+    colors = plt.get_cmap("tab20").colors  # a colour a mode: more than the default cycle's ten
+    for i, p in enumerate(predictions):
         if p.fits and p.timeline:
-            ax.step([t for t, _ in p.timeline], [n for _, n in p.timeline], where="post", label=p.label)
+            ax.step([t for t, _ in p.timeline], [n for _, n in p.timeline], where="post", label=p.label,
+                    color=colors[(2 * i) % 20 + (2 * i) // 20 % 2], linestyle="--" if i % 2 else "-")
     ax.set_xlabel("seconds into one rollout (engine 0, a steady-state step)")
     ax.set_ylabel("running answers")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # nothing fits: an empty picture, the JSON says why
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -97,12 +97,15 @@ class Calibration:
     train curves the CPU does not follow a GPU's roofline for."""
 
     machine: dict
-    decode_step_s: list[tuple[int, int, float]] = field(default_factory=list)  # (running, context, seconds)
-    train_tokens_per_s: list[tuple[int, float]] = field(default_factory=list)  # (tokens per rank, tokens/s)
-    copy_bytes_per_s: float = 0.0
-    sync_s_per_byte: float = 0.0
-    sync_bucket_s: float = 0.0
-    switch_s: dict[str, float] = field(default_factory=dict)
+    decode_step_s: list[tuple[int, int, float]] = field(default_factory=list)  # (running, context total, seconds)
+    train_step_s: list[tuple[int, float]] = field(default_factory=list)  # (tokens in the step, seconds)
+    sync_s: float = 0.0
+    switch_s: dict[str, float] = field(default_factory=dict)  # the switch's halves and their sum, "seconds"
+    prefill_s_per_token: float = 0.0
+    prompt_tokens: int = 0  # the job's mean prompt, as measured
+    num_engines: int = 1
+    max_num_seqs: int = 0
+    config: list[str] = field(default_factory=list)  # the job it measured: CONFIG and key=value
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,6 +115,8 @@ class Calibration:
     def load(cls, path: Path) -> Calibration:
         try:
             data = json.loads(Path(path).read_text())
+            data["decode_step_s"] = [tuple(r) for r in data["decode_step_s"]]
+            data["train_step_s"] = [tuple(r) for r in data["train_step_s"]]
             return cls(**data)
-        except (OSError, ValueError, TypeError) as e:
+        except (OSError, ValueError, TypeError, KeyError) as e:
             raise ConfigError(f"--calibration {path}: not a calibration `colocate simulate --calibrate` wrote ({e})")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from colocate.config import JobConfig
-from colocate.models.dims import ModelDims
+from colocate.models.dims import ModelDims, num_adapter_params
 from colocate.simulate.hardware import Hardware
 
 BF16, FP32 = 2, 4
@@ -40,6 +40,7 @@ class Work:
     num_groups: int  # rollout.num_prompts
     num_samples: int
     max_num_seqs: int
+    trained_params: float = 0.0  # those with gradients and AdamW state: all, or a LoRA job's adapters
 
     @classmethod
     def of(cls, cfg: JobConfig, dims: ModelDims, *, prompt_tokens: int) -> Work:
@@ -55,7 +56,8 @@ class Work:
                    kv_bytes_per_token=2 * dims.num_layers * dims.num_kv_heads * dims.head_dim * BF16,
                    prompt_tokens=prompt_tokens, num_groups=cfg.rollout.num_prompts,
                    num_samples=cfg.rollout.num_samples,
-                   max_num_seqs=cfg.engine.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
+                   max_num_seqs=cfg.engine.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+                   trained_params=num_adapter_params(cfg, dims) if cfg.trainer.lora.rank else dims.num_params)
 
     @property
     def weight_bytes(self) -> float:
@@ -65,7 +67,9 @@ class Work:
         """Forward and backward: 6 per parameter a token computes through (the embedding lookup aside), and causal
         attention's 6 x layers x width x position, on average half the sequence. The MFU's own count (the H200
         table's), so checkpointing's recompute is inside the MFU curve, as measured."""
-        return 6 * (self.active_params - self.embedding_params) + 6 * self.layers * self.attention_width \
+        # a frozen base (LoRA) computes no weight gradients: 4 per parameter, not 6
+        per_param = 6 if self.trained_params >= self.params else 4
+        return per_param * (self.active_params - self.embedding_params) + 6 * self.layers * self.attention_width \
             * sequence_tokens
 
 
@@ -115,8 +119,9 @@ def train_s(work: Work, gpu: Hardware, *, ranks: int, tokens: int, micro_batch_t
     micro = max(1.0, min(per_rank, micro_batch_tokens))
     num_micro = max(1, round(per_rank / micro))
     compute = work.flops_per_trained_token(sequence_tokens) * micro / (gpu.peak_flops * gpu.mfu(int(micro)))
-    comm = 0.0 if ranks == 1 else (3 * BF16 + FP32) * work.params * (ranks - 1) / ranks / gpu.link_bytes_per_s
-    optimizer = 4 * 4 * 2 * work.params / ranks / gpu.hbm_bytes_per_s  # params, grads, 2 moments: read + write
+    gathered = 3 * BF16 * work.params + FP32 * work.trained_params  # all-gathers, and the trained grads' reduce
+    comm = 0.0 if ranks == 1 else gathered * (ranks - 1) / ranks / gpu.link_bytes_per_s
+    optimizer = 4 * 4 * 2 * work.trained_params / ranks / gpu.hbm_bytes_per_s  # params, grads, moments: r + w
     return {"seconds": num_micro * max(compute, comm) + optimizer, "compute_s": num_micro * compute,
             "comm_s": num_micro * comm, "optimizer_s": optimizer, "micro_batches": num_micro}
 
@@ -126,6 +131,8 @@ def sync_s(work: Work, gpu: Hardware, *, ranks: int, engine_tp: int, split: bool
     engine worker's slice (fp32 read, bf16 write at HBM speed), and a fixed cost per bucket (one a layer).
     Split: the trainers broadcast each TP rank's slice to the engines' GPUs over the link."""
     buckets = work.layers + 2
+    if work.trained_params < work.params:  # LoRA: the adapters alone, in one bucket
+        return (FP32 + BF16) * work.trained_params / gpu.hbm_bytes_per_s + PER_BUCKET_S
     if split:
         return work.weight_bytes / engine_tp / gpu.link_bytes_per_s + buckets * PER_BUCKET_S
     gather = 0.0 if ranks == 1 else work.weight_bytes * (ranks - 1) / ranks / gpu.link_bytes_per_s
@@ -138,5 +145,5 @@ def switch_s(work: Work, gpu: Hardware, *, ranks: int, engine_tp: int, sleep_lev
     them; the KV cache is discarded either way), and the trainer's state off the device and back (fp32 params and
     AdamW's two moments, per rank), each at the pinned host copy rate."""
     engine = 2 * work.weight_bytes / engine_tp / gpu.host_bytes_per_s if sleep_level == 1 else 0.0
-    trainer = 2 * 3 * FP32 * work.params / ranks / gpu.host_bytes_per_s if offload else 0.0
+    trainer = 2 * FP32 * (work.params + 2 * work.trained_params) / ranks / gpu.host_bytes_per_s if offload else 0.0
     return {"seconds": engine + trainer, "engine_s": engine, "trainer_s": trainer}
