@@ -89,5 +89,5 @@ def pytest_terminal_summary(terminalreporter):
     for note in _notes:
         terminalreporter.write_line(note)
     if _reported:
-        terminalreporter.write_line(f"FAILED: shared-memory semaphores left behind by the e2e tests: {sorted(_reported)}",
-                                    red=True)
+        terminalreporter.write_line("FAILED: shared-memory semaphores left behind by the e2e tests: "
+                                    f"{sorted(_reported)}", red=True)

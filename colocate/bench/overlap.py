@@ -11,7 +11,8 @@ same prompt stream and the same lengths, so the only difference is the schedule.
 segments of a third of rollout.max_tokens (rollout.partial_tokens), with rollout.max_lag=2 so the longest answer
 fits in three passes. The split run (`async_split`) is a second runtime on the same slots: the first half
 hold the trainer ranks, the rest the engines (TP as large as fits), so each side has its own cores and the
-same total. Per mode: wall seconds per step, trained tokens per second, the seconds each side sits idle per step, and the staleness of the tokens trained.
+same total. Per mode: wall seconds per step, trained tokens per second, the seconds each side sits idle per
+step, and the staleness of the tokens trained.
 
 Next to the measurement, labelled a model: the schedule's own prediction from the sync mode's measured phase
 times, one_step_off taking max(rollout, train) + the rest where sync takes rollout + train + the rest. It is the

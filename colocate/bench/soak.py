@@ -133,7 +133,8 @@ def engine_resources(actor) -> dict:
     are found by the pids their own `colocate_memory` reports, anything else under the actor by its comm."""
     workers = {w["pid"]: (rank, w) for rank, w in enumerate(actor.memory())}
     out = {"actor": process_resources(os.getpid())}
-    pids = {e["pid"] for e in process_tree(os.getpid())} | set(workers)  # on CUDA the workers are Ray's, not our children
+    # on CUDA the workers are Ray's, not our children
+    pids = {e["pid"] for e in process_tree(os.getpid())} | set(workers)
     for pid in sorted(pids - {os.getpid()}):
         try:
             if pid in workers:

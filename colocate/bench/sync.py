@@ -18,8 +18,9 @@ Measured side by side on the same trainers and engine:
   engine dtype at once (the trainer keeps fp32, the engine bf16: every sync reads 2 bytes per byte written).
 Where the job's own sync spends its time above the cast floor (`above_cast_floor` in the JSON, one line of the
 summary): per-copy calls, TP slicing's strided reads, the checksum's read, the writes inside a sync over their
-replay alone, and Ray's calls. Every method is also verified from scratch: the engine's weights are discarded (level-2 sleep: zeros), the
-method syncs alone, and each worker's parameters must then equal the trainer's after the cast.
+replay alone, and Ray's calls. Every method is also verified from scratch: the engine's weights are discarded
+(level-2 sleep: zeros), the method syncs alone, and each worker's parameters must then equal the trainer's after
+the cast.
 """
 
 from __future__ import annotations

@@ -23,6 +23,6 @@ from colocate.config.reward_model import RewardModelConfig
 from colocate.errors import ConfigError
 
 __all__ = ["AlgoConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EngineConfig", "EvalConfig", "FaultConfig",
-           "JobConfig", "LoggingConfig", "ModelConfig", "PlacementConfig", "RewardModelConfig", "RolloutConfig", "SyncConfig",
-           "TrainerConfig", "config_docs_markdown", "engine_extra_args", "field_docs", "from_dict", "load_config",
-           "to_dict"]
+           "JobConfig", "LoggingConfig", "ModelConfig", "PlacementConfig", "RewardModelConfig", "RolloutConfig",
+           "SyncConfig", "TrainerConfig", "config_docs_markdown", "engine_extra_args", "field_docs", "from_dict",
+           "load_config", "to_dict"]

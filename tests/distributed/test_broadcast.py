@@ -46,7 +46,8 @@ def _member(rank: int, world_size: int, port: int, num_trainers: int, tp: int, n
         for t, (_, address) in stores.items():
             board.set(f"port{t}", str(address.port))
         channels = {t: BroadcastChannel.join(address, rank=0, size=size, device=torch.device("cpu"),
-                                             timeout_s=TIMEOUT_S, store=store) for t, (store, address) in stores.items()}
+                                             timeout_s=TIMEOUT_S, store=store)
+                    for t, (store, address) in stores.items()}
         feeder = BroadcastFeeder.create(plan, plan_gather(plan, specs, world_size=num_trainers), rank=rank,
                                         world_size=num_trainers, device=torch.device("cpu"), channels=channels,
                                         checksum=True)

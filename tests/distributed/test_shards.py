@@ -92,8 +92,8 @@ def _sliced_write(rank: int, world_size: int, handle: ShmHandle, vocab: int, buc
 
     full = hf_state(vocab, tied=False, num_layers=1)
     params, specs = _sharded(full, world_size)
-    layouts = [{"tp_rank": r, "tp_size": 2, "params": [(n, s, "bf16") for n, s in
-                                                         engine_shapes(full, TPLayout(r, 2, NQ, NKV, HD, vocab), False)]}
+    layouts = [{"tp_rank": r, "tp_size": 2,
+                "params": [(n, s, "bf16") for n, s in engine_shapes(full, TPLayout(r, 2, NQ, NKV, HD, vocab), False)]}
                for r in range(2)]
     plan = build_sync_plan(specs, layouts, lambda r, s: TPLayout(r, s, NQ, NKV, HD, vocab), bucket_bytes=bucket_bytes,
                            num_slots=2)
@@ -111,7 +111,8 @@ def _sliced_write(rank: int, world_size: int, handle: ShmHandle, vocab: int, buc
                 target = engines[worker][region.engine_name]
                 target = target.view(target.shape[0], -1)
                 start = region.offset
-                source = ring[start:start + region.num_bytes].view(torch.bfloat16).view(region.num_rows, region.num_cols)
+                source = ring[start:start + region.num_bytes].view(torch.bfloat16)
+                source = source.view(region.num_rows, region.num_cols)
                 target[region.row_start:region.row_start + region.num_rows] = source
         dist.barrier()
     for r in range(2):

@@ -20,7 +20,8 @@ PROCESSOR = "tests.e2e.scripted_tool_calls:ScriptedToolCalls"
 
 def test_calls_are_parsed_answered_and_appended_and_a_malformed_call_is_answered(tmp_path):
     result = launch(tmp_path, "model.preset=tiny-chat", "rollout.env=calculator", "rollout.task=add",
-                    "rollout.max_turns=4", "rollout.turn_stop=</tool_call>", "rollout.max_tokens=448", "engine.max_model_len=512",
+                    "rollout.max_turns=4", "rollout.turn_stop=</tool_call>", "rollout.max_tokens=448",
+                    "engine.max_model_len=512",
                     f"engine.extra_args='{json.dumps({'logits_processors': [PROCESSOR]})}'",
                     "rollout.num_prompts=2", "rollout.num_samples=2", "algo.num_steps=1", "logging.progress=false",
                     "checkpoint.at_end=false", "eval.at_end=false",

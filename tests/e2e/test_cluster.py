@@ -19,7 +19,8 @@ BIN = Path(sys.executable).parent
 SMALL = ["algo.num_steps=1", "rollout.num_prompts=4", "rollout.num_samples=4", "engine.kv_cache_gib=0.125",
          f"model.cache_dir={ROOT / '.cache' / 'models'}", "logging.progress=false"]
 # The submitted job runs on one slot (a rank, a TP=1 engine): what it shows (the Job API) has nothing to do with
-# the layout, and each engine worker and rank fewer is seconds of CPU a job start. The joined job keeps two slots and TP=2: the one TP=2 job placed on a cluster that `ray start` made.
+# the layout, and each engine worker and rank fewer is seconds of CPU a job start. The joined job keeps two slots
+# and TP=2: the one TP=2 job placed on a cluster that `ray start` made.
 ONE_SLOT = ["placement.num_slots=1", "engine.tp=1"]
 
 

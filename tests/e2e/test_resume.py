@@ -3,9 +3,10 @@
 One uninterrupted 4-step run against a run resumed from its checkpoint after step 1 (resume=PATH, into another
 output directory): the trainer shards (weights and AdamW moments), the data place, the answers carried in flight
 (partial rollout: each continues from its segment seed, which the saved answer decides), the learning rate of a
-cosine schedule resumed mid-warmup, the groups dynamic sampling kept and every step's metrics are equal. The resumed run's final checkpoint exported as
-a Hugging Face model is loaded by vLLM (the CPU build) and by transformers, and both answer the evaluation prompts
-greedily with exactly the tokens the job's own engine gave (engine.dtype=float32: bit-equal weights everywhere).
+cosine schedule resumed mid-warmup, the groups dynamic sampling kept and every step's metrics are equal. The
+resumed run's final checkpoint exported as a Hugging Face model is loaded by vLLM (the CPU build) and by
+transformers, and both answer the evaluation prompts greedily with exactly the tokens the job's own engine gave
+(engine.dtype=float32: bit-equal weights everywhere).
 """
 
 from __future__ import annotations

@@ -240,7 +240,8 @@ def test_resume_from_an_unfinished_save(tmp_path):
 @pytest.mark.parametrize("changes, needle", [
     pytest.param({"model": {"hidden_size": 1024}}, "saved from another model (hidden_size=1024 there, 896 here)",
                  id="another_model"),
-    pytest.param({"num_trainer_ranks": 8}, "saved with 8 trainer ranks (placement.num_slots - placement.engine_slots), this job has 2",
+    pytest.param({"num_trainer_ranks": 8},
+                 "saved with 8 trainer ranks (placement.num_slots - placement.engine_slots), this job has 2",
                  id="other_rank_count"),
     pytest.param({"num_samples": 4}, "saved with 4 samples per prompt (rollout.num_samples), this job has 8",
                  id="other_group_size"),

@@ -13,7 +13,7 @@ from colocate.sync.reshard import build_sync_plan, plan_pieces
 from colocate.sync.tp_layout import ExpertLayout, TPLayout, engine_tensor
 from tests.unit.test_reshard import HD, NKV, NQ, H, apply_pieces
 
-E, I, VOCAB = 8, 32, 48  # experts, moe intermediate size
+E, I, VOCAB = 8, 32, 48  # experts, moe intermediate size  # noqa: E741 (I: the intermediate size, as in vLLM's MoE)
 TENSORS = ("w13_weight", "w2_weight")
 
 

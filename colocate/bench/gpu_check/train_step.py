@@ -260,7 +260,6 @@ def run_colocate(model_path: str, device_type: str, port: int, lengths: list[int
     """In a fresh process: colocate's TrainerActor at every length (warm, then measured steps), then a profile."""
     from colocate.trainer.actor import TrainerActor
 
-    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     cfg = job_config(lengths[0], model_path)
     trainer = TrainerActor(0, 1, dataclasses.replace(cfg.trainer, offload="false"), model_path, device=device_type,
                            pad_id=0, algo=cfg.algo, sampling=cfg.rollout)
