@@ -219,9 +219,15 @@ class SyncConfig:
     num_bucket_slots: int = 2
     """Bucket slots in the ring: >= 2 lets the next layer be packed while the engine loads the previous."""
     verify: str = "checksum"
-    """After each sync: checksum (ring: every written range, checked before its bucket loads; in place: every engine parameter still where the trainers write), full (compare every engine tensor), or none (docs/integrity.md)."""
+    """After each sync: checksum (ring: every written range, checked before its bucket loads; in place: every engine
+    parameter still where the trainers write), full (compare every engine tensor), or none (docs/integrity.md)."""
     method: str = "auto"
-    """gather: each layer is all-gathered over the trainers' process group and every rank hands the TP slice of the engine worker on its own device to that worker's ring (the CUDA protocol; runs on the CPU with gloo and shared memory); in_place (CPU): trainers write into the engine's parameters, kept in shared memory; ring (CPU): every rank writes its rows into every worker's ring; broadcast (split placement, placement.engine_slots > 0): the trainers all-gather each layer and one rank per TP rank broadcasts its slice to that TP worker of every engine over a process group; auto: broadcast when split, else in_place on CPU and gather on CUDA."""
+    """gather: each layer is all-gathered over the trainers' process group and every rank hands the TP slice of the
+    engine worker on its own device to that worker's ring (the CUDA protocol; runs on the CPU with gloo and shared
+    memory); in_place (CPU): trainers write into the engine's parameters, kept in shared memory; ring (CPU): every
+    rank writes its rows into every worker's ring; broadcast (split placement, placement.engine_slots > 0): the
+    trainers all-gather each layer and one rank per TP rank broadcasts its slice to that TP worker of every engine
+    over a process group; auto: broadcast when split, else in_place on CPU and gather on CUDA."""
 
     def check(self) -> None:
         positive(self, "sync", "num_bucket_slots")
