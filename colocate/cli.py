@@ -8,7 +8,6 @@
     colocate plot RUN_DIR                        draw a run's metrics as a PNG
     colocate export CKPT OUT [--dtype D] [--merged]  a checkpoint as a Hugging Face model (LoRA: its PEFT adapter)
     colocate clean [RUN_DIR ...] [--dry-run]     remove what a killed job left (its segments, processes, actors)
-    colocate simulate [CONFIG] [key=value ...] --gpus 8 --gpu h100   each mode's step predicted on a GPU node
     colocate config-docs                         print the table of every config key (docs/config.md)
 
 User mistakes (bad keys, values, paths, resources) print one line `colocate: error: ...` and exit with code 2
@@ -52,15 +51,14 @@ def cmd_validate(args) -> int:
     if args.gpus is not None and (args.gpus < 1 or args.gpu_memory_gib <= 0):
         raise ConfigError(f"--gpus {args.gpus} --gpu-memory-gib {args.gpu_memory_gib} is invalid: expected at "
                           "least one GPU and a positive size")
-    from colocate.job.checks import GpuNode, check_job
+    from colocate.job.checks import GpuNode
     from colocate.job.placement import plan_line
-    from colocate.job.preflight import model_dims
-    from colocate.job.resolve import resolve_job
+    from colocate.job.setup import check_job
 
     cfg = job_config(args)
     node = None if args.gpus is None else GpuNode(args.gpus, args.gpu_memory_gib)
-    checked = check_job(cfg, node=node)  # what launch checks, in the same functions
-    plan, prediction = checked.slots, checked.prediction
+    checked = check_job(cfg, node=node)  # what launch checks and decides, in the same functions
+    plan, prediction, resolved = checked.slots, checked.prediction, checked.resolved
     print(OmegaConf.to_yaml(to_dict(cfg)).rstrip())
     print("# placement")
     if plan is None:
@@ -68,10 +66,9 @@ def cmd_validate(args) -> int:
               f"{cfg.num_engines} engine(s) x TP={cfg.engine.tp} (devices are checked, and every auto decided, "
               "when the job connects)")
         return 0
-    dims = model_dims(cfg) if cfg.engine.expert_parallel else None
-    for line in plan.describe(num_experts=dims.num_experts if dims else 0):
+    num_experts = checked.dims.num_experts if checked.dims and cfg.engine.expert_parallel else 0
+    for line in plan.describe(num_experts=num_experts):
         print(f"# {line}")
-    resolved = resolve_job(cfg, switch=prediction.plan, device="cuda" if node else None)  # what launch decides
     print("# decided (every auto of the config, as the job runs it)")
     for line in resolved.describe() or ["nothing: no key is auto"]:
         print(f"#   {line}")
@@ -96,7 +93,7 @@ def cmd_validate(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from colocate.job.checks import check_job
+    from colocate.job.setup import check_job
 
     cfg = job_config(args)
     checked = check_job(cfg)  # before anything is written or started; the same as validate's
@@ -172,7 +169,7 @@ def cmd_bench(args) -> int:
     from colocate.bench.common import BENCH_DEFAULTS
     from colocate.bench.overlap import ASYNC_DEFAULTS
     from colocate.bench.rollout import ROLLOUT_DEFAULTS
-    from colocate.job.checks import check_job
+    from colocate.job.setup import check_job
 
     paths, overrides = _split(args.items)
     if args.which == "soak":  # the default job (or CONFIG) with the full switch forced, with or without CONFIG
@@ -287,17 +284,6 @@ def config_docs() -> str:
     return config_docs_markdown(notes=preset_docs())
 
 
-def cmd_simulate(args) -> int:
-    from pathlib import Path
-
-    from colocate.simulate.command import run_simulate
-
-    paths, overrides = _split(args.items)
-    run_simulate(paths, overrides, gpus=args.gpus, gpu_name=args.gpu, lengths_spec=args.lengths,
-                 prompt_tokens=args.prompt_tokens, out=Path(args.out), speculative=args.speculative, name=args.name)
-    return 0
-
-
 def cmd_config_docs(args) -> int:
     print(config_docs(), end="")
     return 0
@@ -361,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks: sync (weight sync), switch (sleep/wake), mismatch (logprobs), "
                            "rollout (long tail), async (sync against one_step_off and async), soak, train (tokens/s "
-                           "and memory of each long-answer feature), train-memory (the preflight against a train step's peak)",
+                           "and memory of each long-answer feature), train-memory (the preflight against a train "
+                           "step's peak)",
                            description="Benchmark against the floor measured in the same run; writes JSON and a PNG "
                            "plot. Without a CONFIG, the bench preset (24 layers, >= 0.4 GB bf16, TP=2); rollout and "
                            "async: the tiny model with long-tailed answer lengths.")
@@ -410,22 +397,6 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--merged", action="store_true", help="a LoRA job's checkpoint: write the model with the "
                         "adapter merged into its weights, instead of the adapter alone in PEFT's format")
     export.set_defaults(func=cmd_export)
-
-    simulate = sub.add_parser("simulate", help="predict each mode's step on a GPU node (a model: docs/simulate.md)",
-                              description="Predict the RL step of the job on --gpus GPUs of one --gpu kind for each "
-                              "mode and placement, print the best with the keys to set, write JSON and a PNG.")
-    simulate.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
-    simulate.add_argument("--gpus", type=int, default=8, help="GPUs of the node (default 8)")
-    simulate.add_argument("--gpu", default="h100", help="h100, h200, a100, b200 or l20 (default h100)")
-    simulate.add_argument("--lengths", default="lognormal:1500,0.9,64,16384",
-                          help="answer lengths: lognormal:MEDIAN,SIGMA[,MIN,MAX], fixed:N or metrics:PATH "
-                          "(default: the rollout chapter's long tail)")
-    simulate.add_argument("--prompt-tokens", type=int, default=512, help="tokens of each prompt (default 512)")
-    simulate.add_argument("--speculative", default="", help="ACCEPTANCE,DRAFT_TOKENS,DRAFT_COST: speculative "
-                          "decoding in the tail (e.g. 0.7,4,0.05)")
-    simulate.add_argument("--out", default="benchmarks/results", help="output directory (default benchmarks/results)")
-    simulate.add_argument("--name", default="simulate", help="result file name without extension")
-    simulate.set_defaults(func=cmd_simulate)
 
     docs = sub.add_parser("config-docs", help="print the table of every config key (docs/config.md)")
     docs.set_defaults(func=cmd_config_docs)

@@ -1,11 +1,13 @@
 """Every check a job needs before any actor starts, beyond its config's own fields (JobConfig.check): the user's
 code, the files it reads, the paths it writes, the model, the devices and the node. `colocate validate`,
-`colocate launch` and `run_job` call these same functions, so what validate accepts, launch accepts.
+`colocate launch` and `run_job` call these same functions (through job/setup.py, which keeps what they build),
+so what validate accepts, launch accepts.
 
-    checked = check_job(cfg)        # validate's and launch's checks, before anything is written or started:
-      check_sources(cfg)            #   user code, data and model files, paths written, metric sinks; no device
-      check_devices(cfg, node=...)  #   the slots and each phase's memory on this machine (or on a described node)
-    inputs = read_inputs(cfg)       # the model fetched, the data's rows and the resume point read
+    task, dims = check_sources(cfg)          # user code, data and model files, paths written, metric sinks; no
+                                             #   device. Returns the task it imported and the model's dimensions
+    slots, prediction = check_devices(cfg, dims, node=...)  # the slots and each phase's memory on this machine
+                                                            #   (or on a described node)
+    inputs = read_inputs(cfg, model_path, tokenizer)        # the data's rows, the resume point, the reward model
 
 Each raises ConfigError (exit 2) naming the key, the bad value and what would be valid. `colocate submit` runs
 check_sources only: a cluster's devices are checked when the job connects to it (Runtime.start), still before
@@ -28,13 +30,13 @@ from colocate.config.reward_model import RewardModelSpec, reward_models_in
 from colocate.errors import ConfigError
 from colocate.job.faults import parse_injections
 from colocate.job.placement import SlotPlan, local_device_count, plan_slots, resolve_device
-from colocate.job.preflight import (GIB, Prediction, host_available_bytes, model_config_file, model_dims,
-                                    num_routed_experts, preflight)
+from colocate.job.preflight import DTYPE_BYTES, GIB, Prediction, host_available_bytes, preflight
 from colocate.models import sources as models
+from colocate.models.dims import ModelDims, model_config_file, model_dims
 from colocate.rl.data import data_files, load_val_samples, make_prompt_source
 from colocate.rollout.evaluation import enabled as evaluation_enabled
 from colocate.rl.rewards import parse_rewards
-from colocate.rl.tasks import load_reward_fn, make_task
+from colocate.rl.tasks import Task, load_reward_fn, make_task
 from colocate.telemetry.sinks import check_sinks
 
 
@@ -45,9 +47,11 @@ class GpuNode:
     gpu_memory_gib: float
 
 
-def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> None:
+def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> tuple[Task, ModelDims | None]:
     """What needs this machine's files and the user's code, but no device. `writes_here=False`: the job writes on
-    another machine (`colocate submit`: the cluster's), whose directories its own launch checks there."""
+    another machine (`colocate submit`: the cluster's), whose directories its own launch checks there. Returns
+    what the checks built: the task (rollout.task, imported) and the model's dimensions (None: a hub id not on
+    this machine yet)."""
     if not cfg.model.path and cfg.model.preset not in models.PRESETS:
         import difflib
 
@@ -57,8 +61,9 @@ def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> None:
     _check_model_path(cfg.model.path)
     _check_chunked_head(cfg)
     _check_activation_checkpointing(cfg)
-    check_experts(cfg)
-    check_lora(cfg)
+    dims = model_dims(cfg)
+    check_experts(cfg, dims)
+    check_lora(cfg, dims)
     task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
     if cfg.rollout.env and not cfg.data.train_files:  # on data rows, read_inputs checks it with the first one
         _check_env(cfg, task.sample(random.Random(0)))
@@ -72,28 +77,16 @@ def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> None:
     data_files(cfg.data.val_files, "data.val_files")
     if cfg.fault.inject:
         parse_injections(cfg.fault.inject)
-    _check_bucket_size(cfg)
+    _check_bucket_size(cfg, dims)
     check_sinks(cfg.logging)
     if writes_here:
         for key, path in written_paths(cfg).items():
             check_writable(key, path)
+    return task, dims
 
 
-@dataclass(frozen=True)
-class CheckedJob:
-    """What the checks found: where the slots go and each phase's predicted memory (None, None: a Ray cluster's
-    devices, checked once the job connects)."""
-    slots: SlotPlan | None
-    prediction: Prediction | None
-
-
-def check_job(cfg: JobConfig, *, node: GpuNode | None = None) -> CheckedJob:
-    """Every check before anything is written or started: validate's and launch's."""
-    check_sources(cfg)
-    return CheckedJob(*check_devices(cfg, node=node))
-
-
-def check_devices(cfg: JobConfig, *, node: GpuNode | None = None) -> tuple[SlotPlan | None, Prediction | None]:
+def check_devices(cfg: JobConfig, dims: ModelDims | None, *,
+                  node: GpuNode | None = None) -> tuple[SlotPlan | None, Prediction | None]:
     """The slots must fit this machine (or `node`), and every phase's memory the device. Returns (slot plan,
     preflight prediction), or (None, None) when the job's devices are a Ray cluster's (checked once connected)."""
     from colocate.host.node_checks import check_node, compute_modes, mps_pipe_directory, shm_free_bytes
@@ -103,12 +96,12 @@ def check_devices(cfg: JobConfig, *, node: GpuNode | None = None) -> tuple[SlotP
             raise ConfigError("placement.device='cpu' is invalid with --gpus: --gpus describes a CUDA node; "
                               "valid: auto, cuda")
         plan = plan_slots(cfg, device="cuda", num_devices=node.num_gpus, where=f"the node of --gpus {node.num_gpus}")
-        return plan, preflight(cfg, model_dims(cfg), device="cuda", available_bytes=int(node.gpu_memory_gib * GIB))
+        return plan, preflight(cfg, dims, device="cuda", available_bytes=int(node.gpu_memory_gib * GIB))
     device = resolve_device(cfg.placement.device)
     if cfg.placement.ray_address:
         return None, None
     plan = plan_slots(cfg, device=device, num_devices=local_device_count(device))
-    prediction = preflight(cfg, model_dims(cfg), device=device)
+    prediction = preflight(cfg, dims, device=device)
     if prediction.host_needs:  # a CUDA job, and this machine is its node: what the node must provide
         check_node(cfg, prediction.host_needs, available_host_bytes=host_available_bytes(),
                    shm_bytes=shm_free_bytes(), modes=compute_modes(), mps=mps_pipe_directory())
@@ -119,7 +112,6 @@ def check_devices(cfg: JobConfig, *, node: GpuNode | None = None) -> tuple[SlotP
 class JobInputs:
     """What the job reads before any actor starts: a bad row or a checkpoint of another model is a ConfigError
     here, not an error after minutes of model loading."""
-    model_path: str
     prompts: object | None  # a DatasetPrompts when data.train_files is set; None: the task's own stream
     resume_from: Path | None
     reward_model_path: str | None = None  # model:PATH or judge:PATH of rollout.rewards, fetched or built
@@ -132,26 +124,22 @@ def _check_env(cfg: JobConfig, sample) -> None:
     check_env(cfg.rollout.env, sample, length=cfg.rollout.task_length, timeout_s=cfg.rollout.env_timeout_s)
 
 
-def read_inputs(cfg: JobConfig) -> JobInputs:
-    model_path = models.ensure_model(cfg.model)
-    if cfg.model.path:  # a hub id's config is on this machine now
-        check_experts(cfg)
-        check_lora(cfg)
-    prompts = make_prompt_source(cfg, models.load_tokenizer(model_path)) if cfg.data.train_files else None
+def read_inputs(cfg: JobConfig, model_path: str, tokenizer) -> JobInputs:
+    """The job's model on this machine (`model_path`, with its `tokenizer`): job/setup.py's set_up_job."""
+    prompts = make_prompt_source(cfg, tokenizer) if cfg.data.train_files else None
     if cfg.rollout.env and prompts is not None:  # an environment may expect the data's own fields
         _check_env(cfg, prompts.samples[0])
     if cfg.rollout.turn_stop:
-        check_turn_stop(cfg.rollout.turn_stop, models.load_tokenizer(model_path))
+        check_turn_stop(cfg.rollout.turn_stop, tokenizer)
     if cfg.data.val_files and evaluation_enabled(cfg.eval):
-        load_val_samples(cfg, models.load_tokenizer(model_path))
-    return JobInputs(model_path, prompts, resume_point(cfg, model_path), reward_model_path(cfg))
+        load_val_samples(cfg, tokenizer)
+    return JobInputs(prompts, resume_point(cfg, model_path), reward_model_path(cfg))
 
 
-def check_experts(cfg: JobConfig) -> None:
+def check_experts(cfg: JobConfig, dims: ModelDims | None) -> None:
     """engine.expert_parallel splits a MoE model's experts over each engine's TP workers: the model must have
-    experts, at least one per worker. A hub id not on this machine yet passes (read_inputs checks it again)."""
-    dims = model_dims(cfg) if cfg.engine.expert_parallel else None
-    if dims is None:
+    experts, at least one per worker. A hub id not on this machine yet passes (set_up_job checks it once it is)."""
+    if dims is None or not cfg.engine.expert_parallel:
         return
     model = cfg.model.path or f"model.preset={cfg.model.preset}"
     if not dims.num_experts:
@@ -164,12 +152,11 @@ def check_experts(cfg: JobConfig) -> None:
                   f"{dims.num_experts}", fix={"engine.expert_parallel": False})
 
 
-def check_lora(cfg: JobConfig) -> None:
+def check_lora(cfg: JobConfig, dims: ModelDims | None) -> None:
     """Every trainer.lora.target_modules entry must name a projection the model has as a linear layer (a MoE
     model's routed experts are fused tensors: its MLP has none, bar a shared expert). A hub id not on this
-    machine yet passes (read_inputs checks it again)."""
-    dims = model_dims(cfg) if cfg.trainer.lora.rank else None
-    if dims is None:
+    machine yet passes (set_up_job checks it once it is)."""
+    if dims is None or not cfg.trainer.lora.rank:
         return
     have = dims.projections()
     missing = [t for t in cfg.trainer.lora.targets if t != "all-linear" and t not in have]
@@ -298,7 +285,7 @@ def _check_model_path(path: str) -> None:
 def _check_reward_model(spec: RewardModelSpec) -> None:
     """A local reward model must be the kind its component says: `model:` a sequence classifier with one label
     (its logit is the score), `judge:` a causal LM. An embedded preset or a hub id not fetched yet passes here
-    (read_inputs checks it once it is on this machine); a path-like PATH that does not exist does not."""
+    (reward_model_path checks it once it is on this machine); a path-like PATH that does not exist does not."""
     key, value = "rollout.rewards", f"{spec.kind}:{spec.path}"
     local = Path(spec.path).expanduser()
     presets = models.REWARD_PRESETS if spec.kind == "model" else models.PRESETS
@@ -327,31 +314,12 @@ def _check_reward_model(spec: RewardModelSpec) -> None:
                   "sequence classifier scores as model:PATH")
 
 
-def _check_bucket_size(cfg: JobConfig) -> None:
-    if cfg.sync.bucket_mb > 0:
-        largest = largest_tensor_bytes(cfg)
-        if largest is not None and cfg.sync.bucket_mb * (1 << 20) < largest:
+def _check_bucket_size(cfg: JobConfig, dims: ModelDims | None) -> None:
+    """A bucket of sync.bucket_mb must hold the model's largest weight in the engine's dtype (a hub id not on this
+    machine yet passes)."""
+    if cfg.sync.bucket_mb > 0 and dims is not None:
+        largest = dims.largest_tensor_params * DTYPE_BYTES[cfg.engine.dtype]
+        if cfg.sync.bucket_mb * (1 << 20) < largest:
             raise bad("sync.bucket_mb", cfg.sync.bucket_mb,
                        f"must hold the largest tensor ({largest / (1 << 20):.2f} MiB in {cfg.engine.dtype}), "
                        "or 0 to size it automatically")
-
-
-def largest_tensor_bytes(cfg: JobConfig) -> int | None:
-    """Bytes of the model's largest weight in the engine dtype, from the preset or the model's config.json
-    (None when the model is a hub id not on this machine)."""
-    import json
-
-    if not cfg.model.path:
-        p = models.PRESETS[cfg.model.preset]
-        dims = dict(vocab_size=p.vocab_size, hidden_size=p.hidden_size, intermediate_size=p.intermediate_size,
-                    num_experts=p.num_experts, moe_intermediate_size=p.moe_intermediate_size)
-    else:
-        config_file = Path(cfg.model.path).expanduser() / "config.json"
-        if not config_file.is_file():
-            return None
-        dims = json.loads(config_file.read_text())
-        dims = dims.get("text_config", dims)
-    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}[cfg.engine.dtype]
-    hidden = dims["hidden_size"]
-    experts = num_routed_experts(dims) * 2 * (dims.get("moe_intermediate_size") or 0)  # fused gate_up rows
-    return max(dims["vocab_size"], dims.get("intermediate_size", hidden), hidden, experts) * hidden * itemsize

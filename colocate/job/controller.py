@@ -48,7 +48,6 @@ from colocate.rl.data import PromptSource, make_prompt_source
 from colocate.rl.rewards import make_reward
 from colocate.rl.samples import Group
 from colocate.rl.scoring import Scored, ScoredGroup, reward_groups
-from colocate.rl.tasks import make_task
 from colocate.rollout.evaluation import make_evaluator, should_evaluate
 from colocate.rollout.modes import make_rollout
 from colocate.rollout.passes import Passes
@@ -67,7 +66,7 @@ class Controller:
         self.cfg = cfg
         self.rt = runtime
         self.metrics = metrics
-        self.task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
+        self.task = runtime.setup.task  # built once per job, in the driver (job/setup.py)
         self.reward_fn = make_reward(cfg, self.task, runtime.reward_model)
         self.trace = Trace()
         self.events, self.spans = self.trace.events, self.trace.spans  # the switching order; `bench async`'s timeline

@@ -1,7 +1,7 @@
 """Every "auto" of a job decided once, in the driver, into a ResolvedJob: what the runtime builds and what every
 actor receives. No actor decides a setting; `colocate validate` prints these same decisions.
 
-    resolved = resolve_job(cfg, switch=prediction.plan)   # the preflight's plan (job/checks.py check_devices)
+    resolved = resolve_job(cfg, switch=prediction.plan)   # the preflight's plan (job/setup.py check_job)
     resolved = resolve_job(cfg, multi_node=True)          # a Ray cluster's nodes, once connected
     resolved.config.engine.sleep_level                    # "0", "1" or "2", never "auto"
     resolved.describe()                                   # what validate prints: each decision and why
@@ -9,7 +9,8 @@ actor receives. No actor decides a setting; `colocate validate` prints these sam
 Each key's rule lives beside what it concerns (placement: the device, the sync method, the sleep backend;
 preflight: the switch plan; offload: the trainer's backend); this module calls each once and records why.
 The checkpoint to resume from (`checkpoint.resume=auto`) is decided with the job's inputs (job/checks.py
-`read_inputs`): it needs the model's signature.
+`read_inputs`): it needs the model's signature. A job's decisions are made once (job/setup.py `check_job`), and on
+a Ray cluster once more by the runtime, when it knows the nodes.
 """
 
 from __future__ import annotations

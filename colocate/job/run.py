@@ -1,4 +1,5 @@
-"""Run one RL job: build the runtime, run the controller's steps, always clean up.
+"""Run one RL job: set it up once (job/setup.py), build the runtime, run the controller's steps, always clean up;
+after a fault, start again from the newest checkpoint with the same set-up.
 
     from colocate.config import load_config
     from colocate.job.run import run_job
@@ -16,14 +17,12 @@ from colocate.checkpoint.layout import checkpoint_root, complete_checkpoints, re
 from colocate.config import JobConfig, to_dict
 from colocate.errors import EXIT_FAILED, EnvError, JobFault, RewardError, UserError
 from colocate.host.signals import Terminated, catch_stop_signals, stop_outcome, stop_received
-from colocate.job.checks import CheckedJob, check_job, read_inputs
+from colocate.job.checks import read_inputs
 from colocate.job.controller import Controller
 from colocate.job.faults import parse_injections
 from colocate.job.placement import plan_line
-from colocate.job.preflight import SwitchPlan
-from colocate.job.resolve import resolve_job
 from colocate.job.runtime import Runtime
-from colocate.models.sources import load_tokenizer
+from colocate.job.setup import CheckedJob, JobSetup, check_job, set_up_job
 from colocate.rl.data import make_prompt_source
 from colocate.telemetry.metrics import MetricsWriter
 
@@ -37,7 +36,6 @@ def run_job(cfg: JobConfig, checked: CheckedJob | None = None) -> int:
 
     if checked is None:
         checked = check_job(cfg)
-    switch = checked.prediction.plan if checked.prediction else None  # the preflight's: decided once
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     out = Path(cfg.logging.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -47,13 +45,15 @@ def run_job(cfg: JobConfig, checked: CheckedJob | None = None) -> int:
     started: list[Controller] = []  # each start's controller; the last one's history is the finished steps
     restore_signals = catch_stop_signals()
     try:
-        inputs = read_inputs(cfg)  # a bad row, a checkpoint of another model: exit 2, one line, no actor started
-        model_path, prompts, resume_from = inputs.model_path, inputs.prompts, inputs.resume_from
-        attempt_cfg = cfg
+        setup = set_up_job(cfg, checked)  # the model on this machine, its tokenizer: once for every start
+        # a bad row, a checkpoint of another model: exit 2, one line, no actor started
+        inputs = read_inputs(cfg, setup.model_path, setup.tokenizer)
+        prompts, resume_from = inputs.prompts, inputs.resume_from
+        attempt_cfg, attempt_setup = cfg, setup
         fired: set[str] = set()  # fault.inject's injections that fired: a restart does not repeat them
         for restart in range(cfg.fault.max_restarts + 1):
             try:
-                _attempt(attempt_cfg, metrics, prompts, resume_from, started, switch)
+                _attempt(attempt_cfg, attempt_setup, metrics, prompts, resume_from, started)
                 break
             except JobFault as fault:
                 if started and started[-1].watchdog is not None:
@@ -61,14 +61,14 @@ def run_job(cfg: JobConfig, checked: CheckedJob | None = None) -> int:
                 if restart == cfg.fault.max_restarts:
                     raise
                 # the same job again, from its newest checkpoint (or from the start when it has none)
-                attempt_cfg = _restarted(cfg, fired)
-                resume_from = resume_point(attempt_cfg, model_path)
+                attempt_cfg, attempt_setup = _restarted(cfg, fired), _restarted_setup(setup, fired)
+                resume_from = resume_point(attempt_cfg, setup.model_path)
                 metrics.write({"event": "restart", "fault": str(fault), "restart": restart + 1,
                                "from": str(resume_from) if resume_from else None})
                 print(f"colocate: {fault}\ncolocate: restart {restart + 1}/{cfg.fault.max_restarts} from "
                       f"{resume_from or 'the first step (no checkpoint yet)'}", file=sys.stderr, flush=True)
-                if prompts is not None:
-                    prompts = make_prompt_source(cfg, load_tokenizer(model_path))  # a fresh place: the load sets it
+                if prompts is not None:  # a fresh place: the checkpoint's load sets it
+                    prompts = make_prompt_source(cfg, setup.tokenizer, setup.task)
         _summary(started[-1] if started else None, metrics.path)
         return 0
     except UserError as e:  # a bad row, a checkpoint of another model, the cluster's resources: before any actor
@@ -93,10 +93,10 @@ def run_job(cfg: JobConfig, checked: CheckedJob | None = None) -> int:
         restore_signals()
 
 
-def _attempt(cfg: JobConfig, metrics: MetricsWriter, prompts, resume_from, started: list,
-             switch: SwitchPlan | None) -> list[dict]:
+def _attempt(cfg: JobConfig, setup: JobSetup, metrics: MetricsWriter, prompts, resume_from,
+             started: list) -> list[dict]:
     """One start of the job: the runtime up, the controller's steps, the runtime down (whatever happens)."""
-    with Runtime(cfg, resolve_job(cfg, switch=switch) if switch is not None else None) as runtime:
+    with Runtime(cfg, setup) as runtime:
         metrics.write({"event": "startup", "trainers": runtime.trainer_info, "engines": runtime.engine_info,
                        "sync_mode": runtime.sync.plan.mode, "sync_method": runtime.sync.method,
                        "sync_bytes": runtime.sync.plan.num_bytes, "placement": runtime.placement_report,
@@ -117,6 +117,14 @@ def _restarted(cfg: JobConfig, fired: set[str]) -> JobConfig:
     left = ",".join(i.spec for i in parse_injections(cfg.fault.inject) if i.spec not in fired)
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="auto"),
                                fault=dataclasses.replace(cfg.fault, inject=left))
+
+
+def _restarted_setup(setup: JobSetup, fired: set[str]) -> JobSetup:
+    """The same set-up, its decided config restarted as the user's is (_restarted: sections no decision reads)."""
+    if setup.resolved is None:  # a Ray cluster's: the runtime decides once connected, from the restarted config
+        return setup
+    resolved = dataclasses.replace(setup.resolved, config=_restarted(setup.resolved.config, fired))
+    return dataclasses.replace(setup, resolved=resolved)
 
 
 def _resume_hint(cfg: JobConfig) -> str:

@@ -1,7 +1,7 @@
 """Runtime: bring the co-located actors up on Ray, and take every one of them down again.
 
-    with Runtime(cfg) as rt:        # Ray (local or cluster), placement group, trainers, engines, sync ring
-        rt.trainers, rt.engines, rt.sync, rt.tokenizer
+    with Runtime(cfg, setup) as rt: # Ray (local or cluster), placement group, trainers, engines, sync ring
+        rt.trainers, rt.engines, rt.sync, rt.tokenizer, rt.setup.task
     # on exit (normal, exception, Ctrl-C): engines shut down (their TP worker processes exit with them),
     # actors killed, placement group removed, Ray stopped if we started it; no /dev/shm segment stays behind.
 
@@ -41,15 +41,16 @@ from colocate.job.placement import (
     cluster_nodes,
     create_placement_group,
     engine_placement,
-    local_device_count,
     pair_devices,
     plan_nodes,
     plan_slots,
     resolve_device,
     reward_model_placement,
 )
+from colocate.job.preflight import plan_switch
 from colocate.job.resolve import ResolvedJob, resolve_job
-from colocate.models.sources import ensure_model, ensure_reward_model, load_tokenizer
+from colocate.job.setup import JobSetup, bare_setup
+from colocate.models.sources import ensure_reward_model
 from colocate.rollout.reward_model import RewardModel
 from colocate.sync.buckets import TensorSpec
 from colocate.sync.tp_layout import is_adapter
@@ -85,11 +86,13 @@ ACTOR_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 
 
 class Runtime:
-    def __init__(self, cfg: JobConfig, resolved: ResolvedJob | None = None):
-        """`resolved`: the job's decisions when the driver already made them (run_job); else made at start. On a
-        Ray cluster the sync method is decided again once the nodes are known."""
+    def __init__(self, cfg: JobConfig, setup: JobSetup | None = None):
+        """`setup`: what run_job built once (job/setup.py: the model, its tokenizer, the task, the slots, every
+        "auto" decided); without it (a test, a benchmark) start() builds it, unchecked. On a Ray cluster the slots
+        are planned and the autos decided once the nodes are known."""
         self.cfg = cfg
-        self.resolved = resolved
+        self.setup = setup
+        self.resolved: ResolvedJob | None = None
         self.trainers = TrainerGroup()
         self.engines = EngineGroup()
         self.group = None
@@ -130,25 +133,24 @@ class Runtime:
         remove_stale_rpc_dirs()
         self.record.update()  # before anything that could leave something behind
         self._recorded = True
-        self.model_path = ensure_model(cfg.model)
-        try:
-            self.tokenizer = load_tokenizer(self.model_path)
-        except Exception as e:  # transformers raises many types for a broken or partial model directory
-            raise RuntimeError(f"cannot load the tokenizer of model.path={self.model_path!r}: {e}") from None
-        device = resolve_device(cfg.placement.device)
-        if not cfg.placement.ray_address:  # decided before Ray takes its share of the memory the plan measures
-            self._resolve(self.resolved or resolve_job(cfg))
+        if self.setup is None:  # decided before Ray takes its share of the memory the switch plan measures
+            self.setup = bare_setup(cfg)
+        setup = self.setup
+        self.model_path, self.tokenizer = setup.model_path, setup.tokenizer
+        if not cfg.placement.ray_address:
+            assert setup.resolved is not None and setup.slots is not None, "a local job's set-up plans its slots"
+            self._resolve(setup.resolved)
+            self.plan = setup.slots
         self._init_ray()
         self.record.update(ray=self._ray_record())
         if cfg.placement.ray_address:
+            device = resolve_device(cfg.placement.device)
             nodes = cluster_nodes(device)
             self.plan = plan_slots(cfg, device=device, num_devices=sum(nodes.values()), where="the Ray cluster")
             self.slot_nodes = plan_nodes(self.plan, nodes)
             # across nodes only the gather protocol works: every handover stays on the rank's own node
-            self._resolve(resolve_job(cfg, switch=self.resolved.switch if self.resolved else None,
-                                      multi_node=len(set(self.slot_nodes)) > 1))
-        else:
-            self.plan = plan_slots(cfg, device=device, num_devices=local_device_count(device))
+            switch = setup.resolved.switch if setup.resolved else plan_switch(cfg, setup.dims, device=device)
+            self._resolve(resolve_job(cfg, switch=switch, multi_node=len(set(self.slot_nodes)) > 1))
         cfg = self.cfg
         self.group = create_placement_group(self.plan, slot_nodes=self.slot_nodes)
         self._create_trainers()

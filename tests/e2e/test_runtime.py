@@ -1,5 +1,6 @@
 """The co-located runtime on the real stack: generation with logprobs, weight sync verified bit for bit against
-vLLM's TP layout, sleep/wake that frees memory and gives identical generations, the switching order."""
+vLLM's TP layout, sleep/wake that frees memory and gives identical generations, the switching order; the driver
+sets the job up once, however many controllers run on it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from colocate.job.controller import Controller
 from colocate.job.runtime import Runtime
 from colocate.sync.tp_layout import TPLayout, engine_tensor
 from tests.e2e.conftest import assert_nothing_left, colocate_processes, shm_segments, small_job
+from tests.unit.test_setup import count_set_up
 
 pytestmark = pytest.mark.e2e
 
@@ -19,7 +21,14 @@ SAMPLING = {"n": 3, "temperature": 1.0, "top_p": 1.0, "max_tokens": 5, "seed": 1
 
 
 @pytest.fixture(scope="module")
-def runtime(tmp_path_factory):
+def set_up_calls():
+    """Every call in this process, the module's tests through, of what sets a job up (tests/unit/test_setup.py)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield count_set_up(monkeypatch)
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory, set_up_calls):
     before = (colocate_processes(), shm_segments())
     with Runtime(small_job(tmp_path_factory.mktemp("job"))) as rt:
         yield rt
@@ -237,3 +246,11 @@ def test_a_corrupted_ring_slot_fails_the_sync_naming_the_tensor_and_loads_nothin
     assert torch.equal(after[1][name], before[1][name])  # the corrupted bytes never reached the parameter
     runtime.sync.run()  # the runtime's own sync, for the tests after this one
     assert_engine_equals_trainer(runtime)
+
+
+def test_the_driver_set_the_job_up_once(runtime, set_up_calls):
+    """Runtime(cfg) alone builds its set-up at start (job/setup.py bare_setup), and every controller of the tests
+    above took the task and the tokenizer from it: in this process each was made once (the actors load their own).
+    Last in the module, after the controllers and the engine restart."""
+    assert {name: len(calls) for name, calls in set_up_calls.items()} == dict.fromkeys(set_up_calls, 1)
+    assert runtime.setup.tokenizer is runtime.tokenizer

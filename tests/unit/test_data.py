@@ -15,7 +15,7 @@ from colocate.errors import ConfigError
 from colocate.job.checks import check_sources
 from colocate.models.sources import CHARACTERS, build_tokenizer
 from colocate.rl.data import DatasetPrompts, load_val_samples, make_prompt_source, render_prompt
-from colocate.rl.tasks import PromptStream, Sample
+from colocate.rl.tasks import PromptStream, Sample, make_task
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -292,13 +292,14 @@ def test_controller_draws_from_the_files_and_scores_with_rollout_rewards(tmp_pat
     path = write_jsonl(tmp_path / "train.jsonl", rows(8))
     cfg = config(f"data.train_files={path}", "rollout.rewards=math:1.0,format:0.1")
     # Building the controller starts nothing: Passes keeps the engines' handles for later passes.
+    setup = SimpleNamespace(task=make_task(cfg.rollout.task, length=cfg.rollout.task_length))
     controller = Controller(cfg, SimpleNamespace(engines=[], tokenizer=tokenizer, model_path="", reward_model=None,
-                                                  env_workers=[], switch=SwitchPlan(0, False, "test")))
+                                                  env_workers=[], switch=SwitchPlan(0, False, "test"), setup=setup))
     assert isinstance(controller.passes.prompts, DatasetPrompts)
     assert isinstance(controller.reward_fn, CombinedReward)
     given = DatasetPrompts([Sample("1=", "1")] * 4)
     runtime = SimpleNamespace(engines=[], tokenizer=tokenizer, model_path="", reward_model=None, env_workers=[],
-                              switch=SwitchPlan(0, False, "test"))
+                              switch=SwitchPlan(0, False, "test"), setup=setup)
     assert Controller(cfg, runtime, prompts=given).passes.prompts is given
 
 

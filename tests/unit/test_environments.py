@@ -301,6 +301,7 @@ def test_an_environment_on_data_rows_is_checked_on_the_first_row(tmp_path, monke
     import datasets
 
     from colocate.job.checks import read_inputs
+    from colocate.models.sources import ensure_model, load_tokenizer
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")
     path = tmp_path / "train.jsonl"
@@ -309,11 +310,12 @@ def test_an_environment_on_data_rows_is_checked_on_the_first_row(tmp_path, monke
     good = load_config(None, ["rollout.env=tests.unit.test_environments:needs_data_answers", cache,
                               f"data.train_files={path}"])
     check_sources(good, writes_here=False)  # no toy prompt was tried
-    read_inputs(good)
+    model_path = ensure_model(good.model)
+    read_inputs(good, model_path, load_tokenizer(model_path))
     path.write_text("".join(json.dumps({"prompt": f"{i}=", "answer": str(i)}) + "\n" for i in range(16)))
     with pytest.raises(ConfigError, match=r"^rollout.env='tests.unit.test_environments:needs_data_answers' is "
                                           r"invalid: environment \(rollout.env\) reset raised ValueError: not a row"):
-        read_inputs(good)
+        read_inputs(good, model_path, load_tokenizer(model_path))
 
 
 def test_an_empty_observation_still_separates_two_turns():

@@ -18,8 +18,9 @@ from colocate.config.fields import override_value
 from colocate.config.loading import RENAMED
 from colocate.errors import ConfigError
 from colocate.job import placement
-from colocate.job.checks import GpuNode, check_job
+from colocate.job.checks import GpuNode
 from colocate.job.placement import plan_nodes, plan_slots, sync_method
+from colocate.job.setup import check_job
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN = ROOT / "tests" / "data" / "model_configs" / "Qwen2.5-0.5B-Instruct"  # a config.json, no weights

@@ -202,12 +202,14 @@ def test_bad_lora_settings_are_one_line(overrides, line):
 
 
 def test_target_modules_that_match_nothing_are_refused_before_anything_starts():
-    cfg = load_config(None, ["model.preset=tiny-moe", "trainer.lora.rank=8", "trainer.lora.target_modules=q_proj,up_proj"])
+    cfg = load_config(None, ["model.preset=tiny-moe", "trainer.lora.rank=8",
+                             "trainer.lora.target_modules=q_proj,up_proj"])
     with pytest.raises(ConfigError) as e:
-        check_lora(cfg)
+        check_lora(cfg, model_dims(cfg))
     assert str(e.value) == ("trainer.lora.target_modules='q_proj,up_proj' is invalid: up_proj matches no linear layer "
                             "of model.preset=tiny-moe; valid: all-linear, q_proj, k_proj, v_proj, o_proj")
-    check_lora(load_config(None, ["trainer.lora.rank=8", "trainer.lora.target_modules=q_proj,up_proj"]))  # dense
+    dense = load_config(None, ["trainer.lora.rank=8", "trainer.lora.target_modules=q_proj,up_proj"])
+    check_lora(dense, model_dims(dense))
 
 
 @pytest.mark.parametrize("rank, engine_rank, resolved", [

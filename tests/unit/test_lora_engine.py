@@ -9,7 +9,7 @@ import pytest
 from colocate.config import load_config
 from colocate.engine.actor import EngineActor
 from colocate.engine.reward_engine import RewardEngineActor, reward_engine_config
-from colocate.job.checks import check_job
+from colocate.job.setup import check_job
 from colocate.job.resolve import resolve_job
 from tests.unit.test_lora import adapter_state
 

@@ -21,7 +21,7 @@ from colocate.job.controller import Controller
 from colocate.job.groups import EngineGroup, TrainerGroup
 from colocate.job.preflight import SwitchPlan
 from colocate.rl.samples import Answer, Group
-from colocate.rl.tasks import Sample
+from colocate.rl.tasks import Sample, make_task
 from colocate.trainer.stats import TrainStats
 
 NUM_TRAINERS, NUM_STEPS = 2, 2
@@ -268,7 +268,8 @@ def make_controller(plan: SwitchPlan, log: list, monkeypatch, tmp_path, *, check
         switch=plan, trainers=TrainerGroup(FakeTrainer(name, log, state) for name in names),
         engines=EngineGroup([FakeEngine("engine 0", log, state)], sleeps_with=[reward] if reward else []),
         sync=FakeSync(log, state), model_path=str(model), reward_model=reward,
-        tokenizer=SimpleNamespace(decode=lambda ids: "2", eos_token_id=None))
+        tokenizer=SimpleNamespace(decode=lambda ids: "2", eos_token_id=None),
+        setup=SimpleNamespace(task=make_task(cfg.rollout.task, length=cfg.rollout.task_length)))
     return Controller(cfg, runtime, rollouts=passes(cfg, runtime) if passes else FakeRollouts(log, state))
 
 
