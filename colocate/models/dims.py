@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from colocate.config import JobConfig
+from colocate.config.fields import bad
 from colocate.models.sources import PRESETS, is_hub_id
 
 
@@ -120,7 +121,8 @@ def num_routed_experts(config: dict) -> int:
 
 
 def model_dims(cfg: JobConfig) -> ModelDims | None:
-    """From the preset, or the model's config.json on this machine (None for a hub id not on this machine)."""
+    """From the preset, or the model's config.json on this machine (None for a hub id not on this machine).
+    Raises ConfigError naming model.path when the config.json lacks a decoder's dimensions."""
     if not cfg.model.path:
         p = PRESETS[cfg.model.preset]
         return ModelDims.from_config_dict({**asdict(p), "num_hidden_layers": p.num_layers,
@@ -128,7 +130,11 @@ def model_dims(cfg: JobConfig) -> ModelDims | None:
     config_file = model_config_file(cfg.model.path)
     if config_file is None:
         return None
-    return ModelDims.from_config_dict(json.loads(config_file.read_text()))
+    try:
+        return ModelDims.from_config_dict(json.loads(config_file.read_text()))
+    except KeyError as e:  # not a decoder LM's config (GPT-2 names its widths n_embd, n_layer, ...)
+        raise bad("model.path", cfg.model.path, f"its config.json has no {e.args[0]} (colocate reads a decoder's "
+                  "hidden_size, num_hidden_layers, num_attention_heads and vocab_size)") from None
 
 
 def model_config_file(path: str) -> Path | None:

@@ -3,6 +3,8 @@ the parameters' names kept, and a model class that cannot checkpoint refused bef
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -66,7 +68,8 @@ def test_a_model_that_cannot_checkpoint_is_refused_before_any_actor(tmp_path, mo
 
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}')
+    qwen = Path(__file__).parents[1] / "data" / "model_configs" / "Qwen2.5-0.5B-Instruct" / "config.json"
+    (model / "config.json").write_text(qwen.read_text())  # Qwen2ForCausalLM's, with the dimensions checks read
     overrides = [f"model.path={model}", f"logging.output_dir={tmp_path / 'out'}"]
     check_sources(load_config(None, [*overrides, "trainer.activation_checkpointing=true"]))
     monkeypatch.setattr(Qwen2ForCausalLM, "supports_gradient_checkpointing", False)

@@ -68,3 +68,16 @@ def test_a_submitted_job_writes_on_the_cluster_so_its_directories_are_not_tried_
     check_sources(cfg, writes_here=False)
     with pytest.raises(ConfigError, match="logging.output_dir='/proc/forbidden' is invalid"):
         check_sources(cfg)
+
+
+def test_a_model_whose_config_has_no_decoder_dimensions_is_refused_in_one_line(tmp_path, capsys):
+    """The checks read the model's dimensions once (models/dims.py); a config.json without them (GPT-2 names its
+    widths n_embd, n_layer) is one line before anything starts, not a KeyError in the memory preflight."""
+    model = tmp_path / "gpt2"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "vocab_size": 50257}')
+    for command in ("validate", "submit"):
+        assert main([command, f"model.path={model}", f"logging.output_dir={tmp_path / 'out'}"]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"colocate: error: model.path={str(model)!r} is invalid: its config.json has no hidden_size (colocate "
+            "reads a decoder's hidden_size, num_hidden_layers, num_attention_heads and vocab_size)"]

@@ -107,7 +107,8 @@ def test_a_model_that_transforms_its_logits_is_refused_chunking(tmp_path):
 
     model = tmp_path / "gemma"
     model.mkdir()
-    (model / "config.json").write_text('{"model_type": "gemma2", "final_logit_softcapping": 30.0}')
+    (model / "config.json").write_text('{"model_type": "gemma2", "final_logit_softcapping": 30.0, "hidden_size": 64, '
+                                       '"num_hidden_layers": 2, "num_attention_heads": 2, "vocab_size": 100}')
     cfg = load_config(None, [f"model.path={model}", f"logging.output_dir={tmp_path / 'out'}"])
     with pytest.raises(ConfigError) as refused:
         check_sources(cfg)
