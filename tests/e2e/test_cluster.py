@@ -66,7 +66,7 @@ def test_launch_joins_submit_runs_and_a_local_job_stays_local(head, tmp_path):
     assert steps(tmp_path / "submitted" / "metrics.jsonl") == [0]
 
     # Without an address the job starts a Ray of its own, even with this head running on the machine and
-    # RAY_ADDRESS naming it. What decides it is the runtime's Ray start alone (job/runtime.py _connect_ray):
+    # RAY_ADDRESS naming it. What decides it is the runtime's Ray start alone (job/ray_session.py connect_ray):
     # run just that, in a process of its own, instead of a third job (a job start is a minute of CPU here).
     own = subprocess.run([sys.executable, "-c", OWN_RAY, str(tmp_path / "local")], cwd=ROOT, env=joining(head),
                          capture_output=True, text=True, timeout=300)

@@ -123,7 +123,7 @@ def test_a_job_across_two_nodes_syncs_exactly_on_both_and_stop_ends_it(two_nodes
     actors = actor_processes()
     assert len(actors) == 4  # a trainer and an engine on each node
     # a cluster the job joins (its raylets started by this process): the actors at the raylets' priority, not
-    # at Ray's worker default of nice 15 below it (runtime.ACTOR_PRIORITY_ENV)
+    # at Ray's worker default of nice 15 below it (ray_session.ACTOR_PRIORITY_ENV)
     niceness = {pid: thread_niceness(pid) for pid in actors}
     assert all(n == {os.getpriority(os.PRIO_PROCESS, 0)} for n in niceness.values()), niceness
 
