@@ -8,6 +8,7 @@
     colocate plot RUN_DIR                        draw a run's metrics as a PNG
     colocate export CKPT OUT [--dtype D] [--merged]  a checkpoint as a Hugging Face model (LoRA: its PEFT adapter)
     colocate clean [RUN_DIR ...] [--dry-run]     remove what a killed job left (its segments, processes, actors)
+    colocate simulate [CONFIG] [key=value ...] --gpus 8 --gpu h100   each mode's step predicted on a GPU node
     colocate config-docs                         print the table of every config key (docs/config.md)
 
 User mistakes (bad keys, values, paths, resources) print one line `colocate: error: ...` and exit with code 2
@@ -89,6 +90,10 @@ def cmd_validate(args) -> int:
     if prediction.host_needs:
         print("# host memory on the node (the larger must fit; docs/gpu.md, node requirements): "
               + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in prediction.host_needs.items()))
+    if node is not None:  # the step's time beside its memory (colocate/simulate; docs/simulate.md)
+        from colocate.simulate.command import predicted_step_line
+
+        print(f"# {predicted_step_line(cfg, gpus=node.num_gpus, gpu_name=args.gpu)}")
     return 0
 
 
@@ -284,6 +289,24 @@ def config_docs() -> str:
     return config_docs_markdown(notes=preset_docs())
 
 
+def cmd_simulate(args) -> int:
+    from pathlib import Path
+
+    from colocate.simulate.command import run_simulate
+
+    paths, overrides = _split(args.items)
+    if args.calibrate or args.calibration:  # this machine's CPU, measured (or a saved measurement)
+        from colocate.simulate.calibrate import run_calibrate
+
+        name = args.name if args.name != "simulate" else "simulate_cpu"
+        run_calibrate(paths, overrides, out=Path(args.out), name=name, against=args.against, num_steps=args.repeats,
+                      calibration=Path(args.calibration) if args.calibration and not args.calibrate else None)
+        return 0
+    run_simulate(paths, overrides, gpus=args.gpus, gpu_name=args.gpu, lengths_spec=args.lengths,
+                 prompt_tokens=args.prompt_tokens, out=Path(args.out), speculative=args.speculative, name=args.name)
+    return 0
+
+
 def cmd_config_docs(args) -> int:
     print(config_docs(), end="")
     return 0
@@ -310,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--address", help="the Ray cluster the job will run on")
     validate.add_argument("--gpus", type=int, help="predict for a GPU node that need not be this machine: its "
                           "number of GPUs (with --gpu-memory-gib; placement.num_slots still says how many are used)")
+    validate.add_argument("--gpu", default="h100", help="with --gpus: the GPU kind the step's time is predicted "
+                          "for (h100, h200, a100, b200, l20; default h100)")
     validate.add_argument("--gpu-memory-gib", type=float, help="that node's memory per GPU in GiB (e.g. 79.6 for "
                           "an 80 GB H100)")
     validate.set_defaults(func=cmd_validate)
@@ -397,6 +422,31 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--merged", action="store_true", help="a LoRA job's checkpoint: write the model with the "
                         "adapter merged into its weights, instead of the adapter alone in PEFT's format")
     export.set_defaults(func=cmd_export)
+
+    simulate = sub.add_parser("simulate", help="predict each mode's step on a GPU node (a model: docs/simulate.md)",
+                              description="Predict the RL step of the job on --gpus GPUs of one --gpu kind for each "
+                              "mode and placement, print the best with the keys to set, write JSON and a PNG.")
+    simulate.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
+    simulate.add_argument("--gpus", type=int, default=8, help="GPUs of the node (default 8)")
+    simulate.add_argument("--gpu", default="h100", help="h100, h200, a100, b200 or l20 (default h100)")
+    simulate.add_argument("--lengths", default="lognormal:1500,0.9,64,16384",
+                          help="answer lengths: lognormal:MEDIAN,SIGMA[,MIN,MAX], fixed:N or metrics:PATH "
+                          "(default: the rollout chapter's long tail)")
+    simulate.add_argument("--prompt-tokens", type=int, default=512, help="tokens of each prompt (default 512)")
+    simulate.add_argument("--speculative", default="", help="ACCEPTANCE,DRAFT_TOKENS,DRAFT_COST: speculative "
+                          "decoding in the tail (e.g. 0.7,4,0.05)")
+    simulate.add_argument("--out", default="benchmarks/results", help="output directory (default benchmarks/results)")
+    simulate.add_argument("--name", default="simulate", help="result file name without extension")
+    simulate.add_argument("--calibrate", action="store_true", help="measure this machine's engine decode steps, "
+                          "train steps, switch and sync on the job (default: bench rollout's), save "
+                          "<out>/<name>_calibration.json, and predict bench rollout's modes with the CPU model")
+    simulate.add_argument("--calibration", default="", metavar="FILE", help="predict with the CPU model from a "
+                          "saved --calibrate file instead of a GPU")
+    simulate.add_argument("--against", default="", choices=["", "rollout", "async"], help="with --calibrate or "
+                          "--calibration: then run that bench's work for real, write predicted / measured / ratio "
+                          "per mode (async: its job's defaults, its split placement calibrated too)")
+    simulate.add_argument("--repeats", type=int, default=5, help="with --against: timed steps per mode (default 5)")
+    simulate.set_defaults(func=cmd_simulate)
 
     docs = sub.add_parser("config-docs", help="print the table of every config key (docs/config.md)")
     docs.set_defaults(func=cmd_config_docs)

@@ -18,7 +18,7 @@ from colocate.models.dims import model_dims
 from colocate.simulate.hardware import hardware
 from colocate.simulate.lengths import LengthDistribution
 from colocate.simulate.rollout import Speculative
-from colocate.simulate.step import Prediction, best_choice, predict_modes
+from colocate.simulate.step import Prediction, best_choice, predict, predict_modes
 
 
 def check_request(cfg: JobConfig, gpus: int) -> None:
@@ -116,3 +116,18 @@ def _plot(predictions: list[Prediction], path: Path, *, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def predicted_step_line(cfg: JobConfig, *, gpus: int, gpu_name: str) -> str:
+    """`colocate validate --gpus N`: the job as configured, its step predicted on N GPUs of `gpu_name` with answers
+    log-normal around a quarter of rollout.max_tokens (`colocate simulate --lengths` for others)."""
+    gpu = hardware(gpu_name)
+    longest = cfg.rollout.max_tokens
+    lengths = LengthDistribution.parse(f"lognormal:{max(1, longest // 4)},0.9,1,{longest}")
+    prompt = cfg.data.max_prompt_tokens or max(1, cfg.engine.max_model_len - longest)
+    [p] = [predict(lambda keys: cfg, {}, "as configured", gpu, gpus=gpus, lengths=lengths, prompt_tokens=prompt)]
+    if not p.fits:
+        return f"predicted step: none ({p.refused})"
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in p.phases.items())
+    return (f"predicted step on {gpus} x {gpu.name}: {p.step_s:.1f} s ({phases}; {p.trained_tokens_per_s:.0f} "
+            f"trained tokens/s; a model: answers log-normal around {longest // 4} tokens, colocate simulate for more)")

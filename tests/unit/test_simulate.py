@@ -101,3 +101,13 @@ def test_simulate_prints_each_mode_and_the_best_and_writes_json_and_png(capsys, 
     fitting = [p for p in result["predictions"] if p["fits"]]
     assert fitting and all(p["step_s"] > 0 and p["trained_tokens_per_s"] > 0 for p in fitting)
     assert result["best"] == max(fitting, key=lambda p: p["trained_tokens_per_s"])["label"]
+
+
+def test_validate_prints_the_predicted_step_beside_the_memory(capsys):
+    job = [f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2", "engine.max_model_len=4096",
+           "rollout.max_tokens=1024", "trainer.micro_batch_size=1"]
+    assert main(["validate", *job, "--gpus", "8", "--gpu-memory-gib", "79.6", "--gpu", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "# predicted memory per phase, per GPU" in out and "# predicted step on 8 x H200" in out
+    assert main(["validate", *job, "--gpus", "8", "--gpu-memory-gib", "79.6", "--gpu", "v100"]) == 2
+    assert "--gpu 'v100' is not a GPU colocate simulate knows" in capsys.readouterr().err
