@@ -10,7 +10,6 @@ import json
 import re
 from pathlib import Path
 
-import pytest
 import torch
 
 from colocate.config import load_config

@@ -22,7 +22,8 @@ class Block(nn.Module):
         self.self_attn = nn.ModuleDict({p: nn.Linear(H, NQ * HD if p == "q_proj" else NKV * HD, bias=True)
                                         for p in ("q_proj", "k_proj", "v_proj")})
         self.self_attn["o_proj"] = nn.Linear(NQ * HD, H, bias=False)
-        self.mlp = nn.ModuleDict({"gate_proj": nn.Linear(H, INTER, bias=False), "up_proj": nn.Linear(H, INTER, bias=False),
+        self.mlp = nn.ModuleDict({"gate_proj": nn.Linear(H, INTER, bias=False),
+                                  "up_proj": nn.Linear(H, INTER, bias=False),
                                   "down_proj": nn.Linear(INTER, H, bias=False), "gate": nn.Linear(H, 4, bias=False)})
 
     def forward(self, x):
