@@ -177,14 +177,14 @@ class Runtime:
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
         one_node = self._trainers_on_one_node()
-        env = {"OMP_NUM_THREADS": str(cfg.trainer.num_threads), JOB_ENV: self.job,
+        env_vars = {"OMP_NUM_THREADS": str(cfg.trainer.num_threads), JOB_ENV: self.job,
                **(ONE_NODE_TRAINER_ENV if one_node else {})}
         actor = ray.remote(TrainerActor)
         gpu_share = TRAINER_SHARE if self.device == "cuda" else 0.0
         self.trainers = TrainerGroup([
             actor.options(name=self._trainer_name(rank),
                           **actor_options(self.group, rank, cpu_share=TRAINER_SHARE, gpu_share=gpu_share,
-                                          env=env)).remote(
+                                          env=env_vars)).remote(
                 rank, world, cfg.trainer, self.model_path, device=self.device, pad_id=pad,
                 algo=cfg.algo, sampling=cfg.rollout, engine_lora_rank=cfg.engine.max_lora_rank)
             for rank in range(world)
@@ -204,8 +204,8 @@ class Runtime:
         self._engine_generation += 1
         for e in range(self.plan.num_engines):
             where = engine_placement(self.plan, e)
-            env = {**engine_env(cfg.engine, self.device, where.env), JOB_ENV: self.job}
-            options = actor_options(self.group, where.bundle, cpu_share=where.cpu_share, env=env,
+            env_vars = {**engine_env(cfg.engine, self.device, where.env), JOB_ENV: self.job}
+            options = actor_options(self.group, where.bundle, cpu_share=where.cpu_share, env=env_vars,
                                     gpu_share=where.driver_share if self.device == "cuda" else 0.0)
             self.engines.append(actor.options(name=self._engine_name(e), **options).remote(
                 cfg.engine, self.model_path, device=self.device, sleep_backend=self.resolved.sleep_backend,
@@ -222,8 +222,8 @@ class Runtime:
         path = ensure_reward_model(spec.kind, spec.path, cache_dir=cfg.model.cache_dir, seed=cfg.model.seed)
         engine_cfg = reward_engine_config(cfg.engine, cfg.reward_model)
         where = reward_model_placement(self.plan)
-        env = {**engine_env(engine_cfg, self.device, where.env), JOB_ENV: self.job}
-        options = actor_options(self.group, where.bundle, cpu_share=where.cpu_share, env=env,
+        env_vars = {**engine_env(engine_cfg, self.device, where.env), JOB_ENV: self.job}
+        options = actor_options(self.group, where.bundle, cpu_share=where.cpu_share, env=env_vars,
                                 gpu_share=where.driver_share if self.device == "cuda" else 0.0)
         actor = ray.remote(RewardEngineActor).options(name=self._reward_model_name(), **options).remote(
             engine_cfg, path, kind=spec.kind, rm_cfg=cfg.reward_model, device=self.device,
