@@ -23,6 +23,7 @@ plan, when it keeps the engines busy during training, is job/preflight.py's); jo
 from __future__ import annotations
 
 from colocate.config import JobConfig
+from colocate.config.algo import OVERLAPPED_MODES
 from colocate.rl.samples import Group
 from colocate.rollout.overlap import Background, ContinuousRollout
 from colocate.rollout.passes import Passes
@@ -30,8 +31,6 @@ from colocate.rollout.passes import Passes
 
 class RolloutMode:
     """algo.mode=sync, and what every mode shares: the passes, the trace, the checkpoint's part."""
-
-    overlaps_training = False  # the engines generate while the trainer works: nothing may sleep or move
 
     def __init__(self, passes: Passes, trace):
         self.passes, self.trace = passes, trace
@@ -72,8 +71,6 @@ class OneStepOffRollout(RolloutMode):
     """Step k trains what step k - 1 generated ahead with version k - 1; only the first step (or the first after a
     resume, which restored that pool) generates its own. The engines stay awake and the trainer resident
     throughout (preflight.ONE_STEP_OFF_PLAN)."""
-
-    overlaps_training = True
 
     def __init__(self, passes: Passes, trace):
         super().__init__(passes, trace)
@@ -117,8 +114,6 @@ class AsyncRollout(RolloutMode):
     """The passes run without pause in their own thread, started by the first take (of the run, or after a
     resume); a step takes complete groups that its policy may train (within rollout.max_lag)."""
 
-    overlaps_training = True
-
     def __init__(self, passes: Passes, trace):
         super().__init__(passes, trace)
         self._continuous: ContinuousRollout | None = None
@@ -158,8 +153,7 @@ MODES: dict[str, type[RolloutMode]] = {"sync": RolloutMode, "one_step_off": OneS
 
 def make_rollout(cfg: JobConfig, passes: Passes, trace, switch) -> RolloutMode:
     """The driver of cfg.algo.mode. `switch`: the runtime's switch plan; a mode that generates while the trainer
-    works needs both sides where they are (config checks refuse a plan that moves them)."""
-    mode = MODES[cfg.algo.mode](passes, trace)
-    assert not mode.overlaps_training or not (switch.engine_sleep_level or switch.trainer_offload), \
+    works (config.algo.OVERLAPPED_MODES, which the preflight gives a fixed plan) needs both sides where they are."""
+    assert cfg.algo.mode not in OVERLAPPED_MODES or not (switch.engine_sleep_level or switch.trainer_offload), \
         f"algo.mode={cfg.algo.mode} with a switch plan that moves memory: {switch}"
-    return mode
+    return MODES[cfg.algo.mode](passes, trace)

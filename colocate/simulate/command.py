@@ -22,14 +22,10 @@ from colocate.simulate.step import Prediction, best_choice, predict, predict_mod
 
 
 def check_request(cfg: JobConfig, gpus: int) -> None:
-    """What `simulate` refuses before modelling anything, each one line naming the bad value."""
+    """What `simulate` refuses before modelling anything, each one line naming the bad value (a split that leaves
+    no trainer GPU, a TP that does not divide the GPUs: the config's own checks, placement.num_slots being --gpus)."""
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus} is invalid: valid: a number of GPUs >= 1")
-    if cfg.placement.engine_slots and cfg.placement.engine_slots >= gpus:
-        raise ConfigError(f"placement.engine_slots={cfg.placement.engine_slots} leaves no trainer GPU of --gpus "
-                          f"{gpus}; valid: 0 (co-located) or 1..{gpus - 1}")
-    if cfg.engine.tp > gpus:
-        raise ConfigError(f"engine.tp={cfg.engine.tp} is more than --gpus {gpus}; valid: 1..{gpus}")
     if model_dims(cfg) is None:
         raise ConfigError(f"model.path={cfg.model.path!r}: its config.json is not on this machine (a local directory "
                           "or the Hugging Face cache); the simulation needs the model's dimensions")
@@ -125,7 +121,7 @@ def predicted_step_line(cfg: JobConfig, *, gpus: int, gpu_name: str) -> str:
     longest = cfg.rollout.max_tokens
     lengths = LengthDistribution.parse(f"lognormal:{max(1, longest // 4)},0.9,1,{longest}")
     prompt = cfg.data.max_prompt_tokens or max(1, cfg.engine.max_model_len - longest)
-    [p] = [predict(lambda keys: cfg, {}, "as configured", gpu, gpus=gpus, lengths=lengths, prompt_tokens=prompt)]
+    p = predict(lambda keys: cfg, {}, "as configured", gpu, gpus=gpus, lengths=lengths, prompt_tokens=prompt)
     if not p.fits:
         return f"predicted step: none ({p.refused})"
     phases = ", ".join(f"{k} {v:.1f}" for k, v in p.phases.items())

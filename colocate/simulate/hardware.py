@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,8 +48,6 @@ class Hardware:
             return points[0][1]
         for (t0, m0), (t1, m1) in zip(points, points[1:]):
             if tokens <= t1:
-                import math
-
                 w = math.log(tokens / t0) / math.log(t1 / t0)
                 return m0 + w * (m1 - m0)
         return points[-1][1]

@@ -66,8 +66,12 @@ class LengthDistribution:
 
     @property
     def longest(self) -> int:
-        return max(self.observed) if self.observed else self.high if self.kind != "lognormal" or self.high < 1 << 30 \
-            else int(self.median * math.exp(4 * self.sigma))
+        """The longest answer it draws (an unbounded log-normal's: 4 sigma above its median)."""
+        if self.observed:
+            return max(self.observed)
+        if self.kind == "lognormal" and self.high == 1 << 30:
+            return int(self.median * math.exp(4 * self.sigma))
+        return self.high
 
 
 def _observed(path: Path) -> tuple[int, ...]:
