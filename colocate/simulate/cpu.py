@@ -25,11 +25,12 @@ from __future__ import annotations
 import bisect
 import statistics
 from dataclasses import dataclass
+from functools import cached_property
 
 from colocate.config import JobConfig
 from colocate.simulate.hardware import Calibration
 from colocate.simulate.phases import Work
-from colocate.simulate.rollout import RolloutSim
+from colocate.simulate.rollout import WARMUP_STEPS, RolloutSim
 
 CPU_KV_BLOCK_TOKENS = 128
 TIME_SLICING_GAIN = 1.0
@@ -51,6 +52,7 @@ class CpuEngine:
     cal: Calibration
     num_samples: int = 1
 
+    @cached_property  # read once: step_s runs for every simulated decode step
     def _table(self) -> tuple[list[int], list[float], list[float], list[float]]:
         by_batch: dict[int, list[tuple[int, float]]] = {}
         for running, context, seconds in self.cal.decode_step_s:
@@ -68,7 +70,7 @@ class CpuEngine:
     def step_s(self, running: int, context: int) -> float:
         if running <= 0:
             return 0.0
-        batches, base, mid, slope = self._table()
+        batches, base, mid, slope = self._table
         at = _interp(batches, base, running)
         return max(at + _interp(batches, slope, running) * (context - _interp(batches, mid, running)), 0.1 * at)
 
@@ -110,7 +112,7 @@ def predict_rollout(cal: Calibration, cfg: JobConfig, draw, *, num_steps: int, p
     if oversample > 1 and leftover == "drop":
         steps = [sim().run(1).steps[0] for _ in range(num_steps + 1)][1:]
     else:
-        steps = sim().run(num_steps + 2).steps[2:]  # RolloutSim's warm-up: carried answers build up first
+        steps = sim().run(num_steps + WARMUP_STEPS).steps[WARMUP_STEPS:]  # carried answers build up first
     rollout = statistics.fmean(s["seconds"] for s in steps)
     trained = statistics.fmean(s["trained_tokens"] for s in steps)
     train = train_step_s(cal, trained)
