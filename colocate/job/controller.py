@@ -106,7 +106,7 @@ class Controller:
                     raise self.watchdog.fault from None
                 raise
             finally:
-                self.rollout.close()
+                self.close()
 
     def run_steps(self, num_steps: int, *, first: int = 0) -> list[dict]:
         """Steps first .. num_steps - 1 (a resumed run starts after its checkpoint's step)."""
