@@ -113,6 +113,8 @@ def _sync_rank(rank: int, world_size: int, method: str):
             layout = layouts[0 if method == "broadcast" else rank]
             for name, expected in _expected(current, layout, False).items():
                 assert torch.equal(params[name][:expected.shape[0]], expected), (method, sync, rank, name)
+        # every rank checked before the next sync writes: in place, a rank's writes land in every worker's pages
+        dist.barrier()
     assert trainer.take_write_times() and not trainer.take_write_times()  # each write timed, taken once
     if method == "in_place":
         worker.arena.unlink()
