@@ -39,6 +39,7 @@ class JobFootprint:
         self._recorded = False
         self._shm_before = shm_entries()  # what /dev/shm held before us: release() leaves those alone
         self._processes: list[dict] = []  # this host's processes of the job, stopped at release if still alive
+        self._shm: set[str] = set()  # the new entries the job's processes mapped when it was recorded: its own
         # The driver's children from before the job (a caller's own subprocesses; under pytest, the worker's
         # multiprocessing resource tracker) are not the job's: release() must never stop them.
         self._driver_children_before = {e["pid"] for e in process_tree(os.getpid())[1:]}
@@ -66,8 +67,8 @@ class JobFootprint:
         # tracker would unlink, and a SIGKILLed job's tracker dies with it. Their names carry no job; the engine
         # actor that created them maps them (by inode: mapped_by), which makes them this job's and no other's.
         self._processes = list(processes.values())
-        self.record.update(state="running", actors=names, processes=list(processes.values()),
-                           shm=sorted(mapped_by(new, pids=[os.getpid(), *processes])))
+        self._shm = mapped_by(new, pids=[os.getpid(), *processes])
+        self.record.update(state="running", actors=names, processes=list(processes.values()), shm=sorted(self._shm))
 
     def _started_for_job(self, entry: dict) -> bool:
         """A descendant of this driver that the job started: not one from before it, nor this process's own
@@ -104,14 +105,17 @@ class JobFootprint:
         """Unlink the entries that appeared during the job and that no process maps any more. Killed workers take
         a moment to exit, and until they have their segments still look mapped: wait while a process of this job
         (one stopped, or a descendant of this driver) maps one of them. An entry that only processes outside the
-        job map is another job's (a second job beside this one): nothing to wait for."""
+        job map is another job's (a second job beside this one): nothing to wait for. An entry the job's processes
+        mapped when it was recorded is the job's whoever maps it now: it is waited for too (a killed TP worker
+        that is still exiting may no longer be found among the job's processes, and its vLLM cpushm segments
+        were left behind when the wait ended early: test_split's teardown, twice, with a second file beside it)."""
         new = shm_entries() - self._shm_before
         deadline = time.monotonic() + timeout_s
         while new and time.monotonic() < deadline:
             new -= set(remove_orphaned_entries(new))
             ours = [e["pid"] for e in stopped + process_tree(os.getpid())[1:] + processes_with_env(JOB_ENV, self.job)
                     if same_process(e)]
-            if not new or not mapped_by(new, pids=ours):
+            if not new or not new & self._shm and not mapped_by(new, pids=ours):
                 return
             time.sleep(0.5)
 
