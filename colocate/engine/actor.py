@@ -59,6 +59,7 @@ class EngineActor:
         self._adapter = None  # a LoRA job: the LoRARequest every generation carries (engine/lora.py)
         self._adapter_shapes: dict[str, tuple[int, ...]] = {}  # and the trainer's adapter tensors it holds
         self._sleep_level = 0  # of the last sleep: a level-2 wake discarded the adapter's buffers (wake)
+        self._worker_entries: set[str] = set()  # vLLM's /dev/shm entries its TP workers map (start), for shutdown
 
     # ------------------------------------------------------------------------------------------------ life
 
@@ -110,6 +111,9 @@ class EngineActor:
         except Exception as e:  # vLLM raises many types; the controller needs one clear line
             raise EngineStartError(f"vLLM engine failed to start for {self.model_path!r}: {_root_cause(e)}") from None
         self._watch_workers()
+        from colocate.host.shm import vllm_entries  # which vLLM never unlinks: shutdown() does
+
+        self._worker_entries = vllm_entries(os.getpid())
         from colocate.sync.engine_end import EngineEnd  # here: it imports torch, which prepare() must precede
 
         self.sync_end = EngineEnd(self.llm.collective_rpc, device=self.device)
@@ -164,6 +168,11 @@ class EngineActor:
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+        if self._worker_entries:  # once its stopped workers unmapped them; any still mapped: the job's release
+            from colocate.host.shm import remove_when_unmapped
+
+            remove_when_unmapped(self._worker_entries)
+            self._worker_entries = set()
         if self._rpc_dir is not None:
             shutil.rmtree(self._rpc_dir, ignore_errors=True)
             self._rpc_dir = None

@@ -6,6 +6,7 @@ what a dead job or process left there (its own, and vLLM's).
     remove_stale_segments()              # this user's colocate segments whose creator is dead
     job_segments(job)                    # one job's segments (`colocate clean`)
     remove_orphaned_entries(new)         # entries that appeared during a job and that no process maps any more
+    vllm_entries(engine_pid), remove_when_unmapped(names)  # what an engine's TP workers map, unlinked at its end
 
 Isolation (docs/security.md): a segment is `colocate-<pid>-<job>-<tag>-<uuid8>`, created O_CREAT|O_EXCL with
 mode 0600 (sync/buffers.py `ShmBuffer.create`), so another user can neither open it nor slip in one of the same
@@ -19,7 +20,8 @@ multiprocessing.shared_memory.SharedMemory, which shm_opens O_CREAT|O_EXCL with 
 (multiprocessing/shared_memory.py:72); `sem.mp-*`, multiprocessing's semaphores, sem_open(..., 0600);
 `vllm_dist_<ident>-tp:0-[0-1]-cpushm_<rank>` (4 MiB per TP rank), csrc/cpu/shm.cpp SHMManager::init_shm:
 shm_open(name, O_CREAT|O_EXCL|O_RDWR, 0600) (read from the binary: flags 0xc2, mode 0x180). All are 0600
-whatever the umask; vLLM leaves the last kind behind even on a clean exit (Runtime.close removes it).
+whatever the umask; vLLM leaves the last kind behind even on a clean exit: the engine that started the workers
+removes it at shutdown (engine/actor.py), and Runtime.close whatever an engine killed mid-way left.
 
 Hazard (pid namespaces): a pid in a name is only meaningful in this pid namespace; containers that share
 /dev/shm but not pids must not share a uid either, or a living owner elsewhere looks dead here.
@@ -30,10 +32,11 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import time
 import uuid
 from pathlib import Path
 
-from colocate.host.procfs import pid_alive
+from colocate.host.procfs import pid_alive, process_tree
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "colocate-"
@@ -146,3 +149,31 @@ def mapped_by(names: set[str], pids: list[int] | None = None) -> set[str]:
             if len(fields) == 6 and fields[5].startswith(prefix):
                 mapped |= inodes.get(int(fields[4]), set())
     return mapped
+
+
+def vllm_entries(engine_pid: int) -> set[str]:
+    """The entries that the TP workers of the engine in process `engine_pid` map (its descendants: on the CPU they
+    fork from engine/worker_start.py's server), but colocate's own segments (the sync's ring, which its creator
+    removes) and semaphores (their multiprocessing resource tracker unlinks them): vLLM's.
+
+    vLLM never unlinks its CPU TP workers' all-reduce segments (`vllm_dist_<ident>-tp:0-[0-1]-cpushm_<rank>`,
+    csrc/cpu/shm.cpp SHMManager: shm_open'ed, never shm_unlink'ed), even on a clean shutdown: an engine started
+    outside a job (tests/e2e/lora_engine.py, a user's script) leaked 8 MiB a run, and a test file beside it failed
+    its teardown on them. The engine that started the workers removes them at its shutdown (engine/actor.py)."""
+    workers = [e["pid"] for e in process_tree(engine_pid)[1:]]
+    names = {n for n in shm_entries() if not n.startswith((SEGMENT_PREFIX, "sem."))}
+    return mapped_by(names, pids=workers) if workers else set()
+
+
+def remove_when_unmapped(names: set[str], timeout_s: float = 10.0) -> set[str]:
+    """Unlink each of `names` once no process maps it (stopped processes take a moment to exit and unmap);
+    returns those still mapped at the deadline, left for whoever cleans up after (job/teardown.py)."""
+    left = {n for n in names if (SHM_DIR / n).exists()}
+    deadline = time.monotonic() + timeout_s
+    while left:
+        left -= set(remove_orphaned_entries(left))
+        left = {n for n in left if (SHM_DIR / n).exists()}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return left

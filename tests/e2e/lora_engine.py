@@ -12,7 +12,8 @@ from the trainer's own adapter layers (trainer/lora.py), zeros as a job's engine
   the engine clears it), and the engine answers with it;
 - a level-2 sleep and the weights' wake: every LoRA buffer must read zero and vLLM's LoRA mapping cache be
   forgotten, before anything is written;
-- the base weights reloaded (as a sync would), the KV cache woken: the answers must be the base's again.
+- the base weights reloaded (as a sync would), the KV cache woken: the answers must be the base's again;
+- shut down, the engine leaves none of its workers' /dev/shm entries (vLLM's CPU all-reduce segments) behind.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def run(device: str, preset: str, *, tp: int, expert_parallel: bool, rank: int, 
         engine.load_state(load_file(os.path.join(path, "model.safetensors")))  # the base, as the sync writes it
         engine.wake(["kv_cache"])
         after = engine.generate(PROMPTS, GREEDY)
+        worker_entries = sorted(engine._worker_entries)  # vLLM's /dev/shm entries: shutdown must unlink them
     finally:
         engine.shutdown()
     return {
@@ -93,6 +95,8 @@ def run(device: str, preset: str, *, tp: int, expert_parallel: bool, rank: int, 
         "cached_before": cached_before, "cached_after": cached_after,
         "tokens": {"base": _tokens(base), "poisoned": _tokens(poisoned), "after": _tokens(after)},
         "finite_logprobs": {"poisoned": _finite(poisoned), "after": _finite(after)},
+        "worker_entries": worker_entries,
+        "entries_left": [n for n in worker_entries if os.path.exists(f"/dev/shm/{n}")],
     }
 
 

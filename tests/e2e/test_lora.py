@@ -100,3 +100,5 @@ def test_a_moe_engine_under_expert_parallelism_adapts_the_trainers_projections_a
     assert r["cached_before"] == [True, True] and r["cached_after"] == [False, False]
     assert r["nonzero_after_wake"] == [[], []]
     assert r["tokens"]["after"] == r["tokens"]["base"] and r["finite_logprobs"]["after"]
+    # vLLM's TP all-reduce segments, one per worker, which vLLM never unlinks: the engine's shutdown did
+    assert sum("cpushm" in name for name in r["worker_entries"]) == 2 and r["entries_left"] == []

@@ -13,8 +13,10 @@ from colocate.host.shm import (
     job_token,
     remove_orphaned_entries,
     remove_stale_segments,
+    remove_when_unmapped,
     segment_job,
     segment_pid,
+    vllm_entries,
 )
 from colocate.sync.buffers import ShmBuffer
 
@@ -45,6 +47,43 @@ def test_only_entries_nobody_maps_are_removed_as_orphans():
     finally:
         orphan.unlink(missing_ok=True)
         live.unlink()
+
+
+def _map_and_wait(path: str, mapped, release) -> None:
+    import mmap
+
+    with open(path, "r+b") as f:
+        view = mmap.mmap(f.fileno(), 4096)
+    mapped.set()
+    release.wait(60)
+    view.close()
+
+
+def test_an_engine_finds_what_its_workers_map_and_unlinks_it_once_they_have_exited():
+    """vLLM's CPU TP workers leave their all-reduce segments behind (host/shm.py vllm_entries): the engine records
+    the entries its workers (its descendants) map, not colocate's nor semaphores, and unlinks them once unmapped."""
+    ctx = mp.get_context("spawn")
+    segment = SHM_DIR / f"vllm_dist_{os.getpid()}-tp:0-[0-1]-cpushm_0"
+    segment.write_bytes(b"\0" * 4096)
+    ours = ShmBuffer.create(4096, tag="ring")
+    mapped, release = [ctx.Event(), ctx.Event()], ctx.Event()
+    workers = [ctx.Process(target=_map_and_wait, args=(str(path), event, release))
+               for path, event in zip([segment, SHM_DIR / ours.name], mapped)]
+    try:
+        for worker in workers:
+            worker.start()
+        assert all(event.wait(60) for event in mapped)
+        assert vllm_entries(os.getpid()) == {segment.name}  # and not colocate's, which the second maps
+        assert vllm_entries(workers[0].pid) == set()  # no worker of its own
+        assert remove_when_unmapped({segment.name}, timeout_s=0.5) == {segment.name} and segment.exists()
+        release.set()
+        assert remove_when_unmapped({segment.name}, timeout_s=60) == set() and not segment.exists()
+    finally:
+        release.set()
+        for worker in workers:
+            worker.join(60)
+        segment.unlink(missing_ok=True)
+        ours.unlink()
 
 
 # ----------------------------------------------------------------------------------- isolation (security)
