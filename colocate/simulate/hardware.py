@@ -104,6 +104,9 @@ class Calibration:
     prompt_tokens: int = 0  # the job's mean prompt, as measured
     num_engines: int = 1
     max_num_seqs: int = 0
+    # a decode pass beside a train step: the work done a second with both running, over one running alone
+    # (calibrate._overlap_gain); 1.0 (time-sliced) for a calibration made before it was measured
+    overlap_gain: float = 1.0
     config: list[str] = field(default_factory=list)  # the job it measured: CONFIG and key=value
 
     def save(self, path: Path) -> None:

@@ -8,6 +8,7 @@ docs/simulate.md.
     train_s(work, gpu, ranks=8, tokens=...)    # FSDP2 over the ranks: tokens over the MFU curve, comm, AdamW
     sync_s(work, gpu, ranks=8, split=False)    # all-gather + local cast + per-bucket cost; broadcast when split
     switch_s(work, gpu, ranks=8, plan)         # sleep and wake by level, trainer offload, at the copy rates
+    overlapped_s(generating, training, gain)   # the two sides at once, by how much running them together gains
 """
 
 from __future__ import annotations
@@ -147,3 +148,14 @@ def switch_s(work: Work, gpu: Hardware, *, ranks: int, engine_tp: int, sleep_lev
     engine = 2 * work.weight_bytes / engine_tp / gpu.host_bytes_per_s if sleep_level == 1 else 0.0
     trainer = 2 * FP32 * (work.params + 2 * work.trained_params) / ranks / gpu.host_bytes_per_s if offload else 0.0
     return {"seconds": engine + trainer, "engine_s": engine, "trainer_s": trainer}
+
+
+def overlapped_s(generating: float, training: float, gain: float) -> float:
+    """A step whose rollout (`generating` seconds of the engines' work alone) runs beside its training (`training`,
+    the trainers' work alone, the sync included). `gain`: the work done per second with both running, over one
+    running alone: 2 for sides on devices of their own (a split placement's GPUs: the longer side is the step),
+    about 1 for two processes time-sliced on one device (an H200 measured 0.99: the step is their sum), below 1
+    where running both costs more than running each in turn (threads of both sides fighting over a CPU's cores).
+    Never shorter than the longer side alone."""
+    assert gain > 0
+    return max(generating, training, (generating + training) / gain)

@@ -50,10 +50,22 @@ class _Group:
 class Rounds:
     steps: list[dict] = field(default_factory=list)
     timeline: list[tuple[float, int]] = field(default_factory=list)  # engine 0, last step
+    warmup_steps: int = WARMUP_STEPS  # the first steps, left out of the means
 
     def mean(self, key: str) -> float:
-        kept = self.steps[WARMUP_STEPS:] if len(self.steps) > WARMUP_STEPS else self.steps
-        return statistics.fmean(s[key] for s in kept)
+        return statistics.fmean(s[key] for s in self._kept)
+
+    def per_step_of(self, num_groups: int, key: str) -> float:
+        """`key` (seconds, trained or decoded tokens) over the passes it takes to complete `num_groups` groups, in
+        the steady state: algo.mode=async's step waits for exactly rollout.num_prompts complete groups, however
+        many passes of rollout.partial_tokens that takes, where a round (mean) is one pass and trains what it
+        completed."""
+        completed = sum(s["groups"] for s in self._kept)
+        return sum(s[key] for s in self._kept) * num_groups / completed if completed else math.inf
+
+    @property
+    def _kept(self) -> list[dict]:
+        return self.steps[self.warmup_steps:] if len(self.steps) > self.warmup_steps else self.steps
 
 
 @dataclass

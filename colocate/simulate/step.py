@@ -26,10 +26,11 @@ from colocate.job.preflight import preflight
 from colocate.models.dims import model_dims
 from colocate.simulate.hardware import Hardware
 from colocate.simulate.lengths import LengthDistribution
-from colocate.simulate.phases import EngineModel, Work, switch_s, sync_s, train_s
+from colocate.simulate.phases import EngineModel, Work, overlapped_s, switch_s, sync_s, train_s
 from colocate.simulate.rollout import RolloutSim, Speculative
 
 NUM_STEPS = 6
+SPLIT_GAIN = 2.0  # two sides on disjoint GPUs share nothing but the broadcast
 
 
 @dataclass
@@ -101,23 +102,27 @@ def predict(load, keys: dict[str, str], label: str, gpu: Hardware, *, gpus: int,
     rounds = RolloutSim(work, engine, num_engines=engine_gpus // cfg.engine.tp, draw=draw,
                         partial_tokens=cfg.rollout.partial_tokens, oversample=cfg.rollout.oversample,
                         max_lag=cfg.rollout.max_lag, speculative=speculative).run(NUM_STEPS)
-    tokens = rounds.mean("trained_tokens")
-    mean_sequence = tokens / max(1.0, rounds.mean("groups") * work.num_samples)
+    # algo.mode=async's step waits for num_prompts complete groups, over as many passes as that takes; partial
+    # rollout's (sync) trains what one pass completed
+    whole = cfg.algo.mode == "async"
+    tokens = rounds.per_step_of(work.num_groups, "trained_tokens") if whole else rounds.mean("trained_tokens")
+    generating = rounds.per_step_of(work.num_groups, "seconds") if whole else rounds.mean("seconds")
+    mean_sequence = tokens / max(1.0, (work.num_groups if whole else rounds.mean("groups")) * work.num_samples)
     micro = cfg.trainer.max_tokens_per_micro_batch or cfg.trainer.micro_batch_size * mean_sequence
     train = train_s(work, gpu, ranks=ranks, tokens=int(tokens), micro_batch_tokens=int(micro),
                     sequence_tokens=mean_sequence)
-    phases = {"rollout": rounds.mean("seconds"), "train": train["seconds"],
+    phases = {"rollout": generating, "train": train["seconds"],
               "sync": sync_s(work, gpu, ranks=ranks, engine_tp=cfg.engine.tp, split=split)}
-    if split:
-        generating, training = phases["rollout"], phases["train"] + phases["sync"]
-        result.step_s = max(generating, training)
+    training = phases["train"] + phases["sync"]
+    if split:  # each side on GPUs of its own
+        result.step_s = overlapped_s(generating, training, SPLIT_GAIN)
         phases["wait"] = result.step_s - training  # the trainers idle for the engines (or the other way)
     elif cfg.algo.mode == "sync":
         phases["switch"] = switch_s(work, gpu, ranks=ranks, engine_tp=cfg.engine.tp,
                                     sleep_level=plan.engine_sleep_level, offload=plan.trainer_offload)["seconds"]
         result.step_s = sum(phases.values())
     else:  # co-located and overlapped: one GPU's time, sliced between the two processes
-        result.step_s = sum(phases.values()) / gpu.time_slicing_gain
+        result.step_s = overlapped_s(generating, training, gpu.time_slicing_gain)
     result.phases = phases
     result.trained_tokens = tokens
     result.trained_tokens_per_s = tokens / result.step_s if result.step_s else 0.0

@@ -13,7 +13,7 @@ from colocate.models.dims import ModelDims, model_dims
 from colocate.simulate.decode import chapter_numbers, decode, lognormal_lengths
 from colocate.simulate.hardware import H200_TRAIN_TOKENS_PER_S, hardware
 from colocate.simulate.lengths import LengthDistribution
-from colocate.simulate.phases import Work, train_s
+from colocate.simulate.phases import Work, overlapped_s, train_s
 from colocate.simulate.rollout import RolloutSim
 from colocate.simulate.step import candidates
 
@@ -67,6 +67,18 @@ def test_partial_rollout_carries_and_over_sampling_stops_early():
     draw = LengthDistribution.parse("lognormal:200,0.9,8,2000").sampler(seed=0)
     partial = RolloutSim(work, step, num_engines=2, draw=draw, partial_tokens=100, max_lag=20).run(4)
     assert any(s["carried_answers"] for s in partial.steps) and partial.mean("seconds") < whole.mean("seconds")
+    # async's step: the passes that complete 8 groups; a pass completes fewer, so the step is longer than one
+    completed = sum(s["groups"] for s in partial.steps[2:])
+    assert completed < 8 * len(partial.steps[2:])
+    per_step = partial.per_step_of(8, "seconds")
+    assert per_step == pytest.approx(sum(s["seconds"] for s in partial.steps[2:]) * 8 / completed)
+    assert per_step > partial.mean("seconds")
+
+
+@pytest.mark.parametrize("gain, step", [(2.0, 3.0), (1.0, 5.0), (0.5, 10.0), (0.99, 5.0 / 0.99)])
+def test_overlapped_sides_by_their_gain(gain, step):
+    """Sides of their own (2): the longer; time-sliced (1, an H200's 0.99): the sum; fighting (0.5): worse."""
+    assert overlapped_s(2.0, 3.0, gain) == pytest.approx(step)
 
 
 def test_each_partial_candidate_sets_a_lag_cap_its_check_accepts():
