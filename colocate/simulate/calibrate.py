@@ -29,21 +29,36 @@ BATCH_SIZES = (1, 8, 32, 64)
 ANSWER_TOKENS = 96  # per answer in a decode pass: enough steps that a median holds on 2 busy cores
 TRAIN_SEQUENCE_SCALES = (0.5, 1.0, 1.5)  # of the job's sequences a step
 NUM_CYCLES = 2
+REPEATS = 3  # of each decode sweep and train step, the median kept
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "ignore_eos": True}  # every answer its full length
 
 
 def calibrate(cfg: JobConfig, *, batch_sizes: tuple[int, ...] = BATCH_SIZES) -> Calibration:
-    from colocate.bench.common import machine
     from colocate.job.runtime import Runtime
 
     with Runtime(cfg) as rt:
-        prompt_tokens = _prompt_tokens(rt, cfg)
-        limit = cfg.engine.max_num_seqs or max(batch_sizes)
-        decode, prefill = _decode(rt, [b for b in batch_sizes if b <= limit], prompt_tokens)
-        train = _train(rt, cfg, prompt_tokens)
-        switch, sync = _switch_and_sync(rt)
+        return measure(rt, cfg, batch_sizes=batch_sizes)
+
+
+def measure(rt, cfg: JobConfig, *, batch_sizes: tuple[int, ...] = BATCH_SIZES) -> Calibration:
+    """The job's runtime `rt` measured, from the state a job starts in (engines awake, trainers as the plan
+    keeps them between steps) back to it."""
+    from colocate.bench.common import machine
+
+    prompt_tokens = _prompt_tokens(rt, cfg)
+    limit = cfg.engine.max_num_seqs or max(batch_sizes)
+    batches = [b for b in batch_sizes if b <= limit]
+    decode, prefill = _decode(rt, batches, prompt_tokens)
+    if rt.switch.trainer_offload:  # resident for its steps, and beside the engine for the overlap's
+        rt.trainers.onload()
+    train = _train(rt, cfg, prompt_tokens)
+    gain = _overlap_gain(rt, cfg, prompt_tokens, batches[-1])
+    if rt.switch.trainer_offload:
+        rt.trainers.offload()
+    switch, sync = _switch_and_sync(rt)
     return Calibration(machine=machine(), decode_step_s=decode, train_step_s=train, sync_s=sync,
                        switch_s=switch, prefill_s_per_token=prefill, prompt_tokens=prompt_tokens,
-                       num_engines=cfg.num_engines, max_num_seqs=limit)
+                       num_engines=cfg.num_engines, max_num_seqs=limit, overlap_gain=gain)
 
 
 def _prompt_tokens(rt, cfg: JobConfig) -> int:
@@ -55,54 +70,103 @@ def _prompt_tokens(rt, cfg: JobConfig) -> int:
                                   for s in samples))
 
 
-def _decode(rt, batch_sizes: list[int], prompt_tokens: int) -> tuple[list, float]:
-    """(running, context total, seconds) rows, and prefill seconds per prompt token."""
+def _decode_requests(tag: str, batch: int, prompt_tokens: int) -> list:
+    """`batch` answers of ANSWER_TOKENS each (ignore_eos), from prompts of the job's length."""
     from colocate.engine.requests import EngineRequest
 
-    engine, rows, prefill = rt.engines[0], [], []
-    sampling = {"temperature": 1.0, "top_p": 1.0, "ignore_eos": True}
-    for b in [batch_sizes[0]] + list(batch_sizes):  # the first pass warms the engine up, not kept
-        requests = [EngineRequest(f"calibrate-{b}-{i}-{time.monotonic_ns()}", i, 0,
-                                  [5 + (i * 7 + j) % 40 for j in range(prompt_tokens)], ANSWER_TOKENS, True,
-                                  seed=i) for i in range(b)]
-        timeline = ray.get(engine.run_pass.remote(requests, sampling))["timeline"]
-        steps, previous = [], 0.0
-        for t, n in timeline:
-            steps.append((t - previous, n))
-            previous = t
-        full = [s for s, n in steps[1:] if n == b]  # the first step prefills
-        if len(full) < 4:
-            continue
-        half = len(full) // 2
-        for part, offset in ((full[:half], half / 2), (full[half:], half + (len(full) - half) / 2)):
-            rows.append((b, round(b * (prompt_tokens + offset)), statistics.median(part)))
-        prefill.append(max(0.0, steps[0][0] - statistics.median(full)) / (b * prompt_tokens))
-    rows = sorted(set(rows[2:]))  # the warm-up pass's two rows dropped
-    return rows, statistics.median(prefill[1:])
+    return [EngineRequest(f"{tag}-{batch}-{i}-{time.monotonic_ns()}", i, 0,
+                          [5 + (i * 7 + j) % 40 for j in range(prompt_tokens)], ANSWER_TOKENS, True, seed=i)
+            for i in range(batch)]
 
 
-def _train(rt, cfg: JobConfig, prompt_tokens: int) -> list[tuple[int, float]]:
-    """(tokens in the step, seconds): steps of half, all and one and a half times the job's sequences a step, their
-    answer lengths drawn as bench rollout draws them (a long tail: the micro-batches' padding is the job's)."""
+def _decode(rt, batch_sizes: list[int], prompt_tokens: int) -> tuple[list, float]:
+    """(running, context total, seconds) rows, and prefill seconds per prompt token: after a warm-up pass at the
+    largest batch, REPEATS sweeps over the batch sizes, each row the median of its sweeps (one pass of a 2-core
+    machine's decode steps is seen drifting by 4x between its halves)."""
+    engine, halves, prefill = rt.engines[0], {}, []
+    ray.get(engine.run_pass.remote(_decode_requests("warm-up", batch_sizes[-1], prompt_tokens), SAMPLING))
+    for _ in range(REPEATS):
+        for b in batch_sizes:
+            timeline = ray.get(engine.run_pass.remote(_decode_requests("calibrate", b, prompt_tokens), SAMPLING))
+            steps, previous = [], 0.0
+            for t, n in timeline["timeline"]:
+                steps.append((t - previous, n))
+                previous = t
+            full = [s for s, n in steps[1:] if n == b]  # the first step prefills
+            if len(full) < 4:
+                continue
+            half = len(full) // 2
+            for k, (part, offset) in enumerate(((full[:half], half / 2), (full[half:], half + (len(full) - half) / 2))):
+                halves.setdefault((b, k), []).append((b * (prompt_tokens + offset), statistics.median(part)))
+            prefill.append(max(0.0, steps[0][0] - statistics.median(full)) / (b * prompt_tokens))
+    rows = sorted((b, round(statistics.fmean(c for c, _ in runs)), statistics.median(s for _, s in runs))
+                  for (b, _), runs in halves.items())
+    return rows, statistics.median(prefill)
+
+
+def _sequences(cfg: JobConfig, prompt_tokens: int, count: int) -> list:
+    """`count` sequences of the job's prompt length, their answer lengths drawn as bench rollout draws them (a long
+    tail: the micro-batches' padding is the job's)."""
     from colocate.bench.rollout import lognormal_budgets
     from colocate.rl.samples import Sequence
 
+    lengths = lognormal_budgets(cfg.rollout.max_tokens, seed=cfg.rollout.seed + count)(None, count)
+    return [Sequence([5 + (i + k) % 40 for i in range(prompt_tokens)], [6 + (i * 7 + k) % 40 for i in range(n)],
+                     [-2.0] * n, 1.0 if k % 2 == 0 else -1.0) for k, n in enumerate(lengths)]
+
+
+def _train(rt, cfg: JobConfig, prompt_tokens: int) -> list[tuple[int, float]]:
+    """(tokens in the step, seconds): steps of half, all and one and a half times the job's sequences a step."""
     num = cfg.rollout.num_prompts * cfg.rollout.num_samples
-    budgets = lognormal_budgets(cfg.rollout.max_tokens, seed=cfg.rollout.seed + 1)
+    for _ in range(2):  # warm-up, not kept: the first steps after the start are seen 1.5x slower
+        _train_once(rt, cfg, _sequences(cfg, prompt_tokens, num))
     rows = []
-    if rt.switch.trainer_offload:
-        rt.trainers.onload()
-    for count in (num // 2,) + TRAIN_SEQUENCE_SCALES:  # the first warms up, not kept
-        lengths = budgets(None, max(1, round(count * num)) if isinstance(count, float) else count)
-        seqs = [Sequence([5 + (i + k) % 40 for i in range(prompt_tokens)], [6 + (i * 7 + k) % 40 for i in range(n)],
-                         [-2.0] * n, 1.0 if k % 2 == 0 else -1.0) for k, n in enumerate(lengths)]
+    for scale in TRAIN_SEQUENCE_SCALES:
+        seqs = _sequences(cfg, prompt_tokens, max(1, round(scale * num)))
+        seconds = statistics.median(_train_once(rt, cfg, seqs) for _ in range(REPEATS))
+        rows.append((sum(len(s.prompt_ids) + len(s.response_ids) for s in seqs), seconds))
+    return sorted(rows)
+
+
+def _train_once(rt, cfg: JobConfig, seqs: list) -> float:
+    started = time.perf_counter()
+    rt.trainers.train_step(seqs, cfg.trainer, step=0)
+    seconds = time.perf_counter() - started
+    rt.trainers.release_grads()
+    return seconds
+
+
+def _overlap_gain(rt, cfg: JobConfig, prompt_tokens: int, batch: int) -> float:
+    """A decode pass of `batch` answers on every engine beside a train step of the job's sequences, against each
+    alone: the alone-seconds of work done a second while both ran (the first to finish did all of its own; the
+    other, its alone time less what it ran by itself after). One-step-off, async and, on one machine, split run
+    both at once; on a GPU the same ratio is the time-slicing gain (an H200: 0.99). The median of NUM_CYCLES."""
+    from colocate.rollout.overlap import Background
+
+    seqs = _sequences(cfg, prompt_tokens, cfg.rollout.num_prompts * cfg.rollout.num_samples)
+
+    def decode() -> list:
+        return [e.run_pass.remote(_decode_requests(f"overlap-{e_i}", batch, prompt_tokens), SAMPLING)
+                for e_i, e in enumerate(rt.engines)]
+
+    gains = []
+    for _ in range(NUM_CYCLES):
         started = time.perf_counter()
-        rt.trainers.train_step(seqs, cfg.trainer, step=0)
-        rows.append((sum(prompt_tokens + n for n in lengths), time.perf_counter() - started))
+        ray.get(decode())
+        decode_alone = time.perf_counter() - started
+        train_alone = _train_once(rt, cfg, seqs)
+        started = time.perf_counter()
+        passes = decode()
+        training = Background(rt.trainers.train_step, seqs, cfg.trainer, step=0)
+        ray.get(passes)
+        decode_end = time.perf_counter() - started
+        training.wait()
+        train_end = training.finished_at - started
         rt.trainers.release_grads()
-    if rt.switch.trainer_offload:
-        rt.trainers.offload()
-    return sorted(rows[1:])
+        first = min(decode_end, train_end)
+        alone_after = max(decode_end, train_end) - first  # the later one, by itself, at its own speed
+        gains.append(max(0.05, (decode_alone + train_alone - alone_after) / first))
+    return statistics.median(gains)
 
 
 def _switch_and_sync(rt) -> tuple[dict[str, float], float]:
@@ -153,8 +217,9 @@ def predict_bench_rollout(cal: Calibration, cfg: JobConfig, *, num_steps: int) -
 
 def predict_bench_async(cal: Calibration, split: Calibration, cfg: JobConfig, *, num_steps: int) -> dict[str, dict]:
     """bench async's modes (bench/overlap.py) by the CPU model: sync in turn; one_step_off and async (segments of
-    a third of max_tokens, lag 2) co-located, time-sliced; async split, the longer of the engine's rollout (the
-    split runtime's calibration: its engine alone on its slots) and its trainers' train + sync."""
+    a third of max_tokens, lag 2, a step the passes that complete num_prompts groups) at once, at the overlap gain
+    the calibration measured; async split the same from the split runtime's calibration (its engines on their
+    slots, its trainers on theirs: on one machine, the same cores)."""
     from colocate.bench.rollout import lognormal_budgets
     from colocate.simulate.cpu import overlapped_step_s, predict_rollout
 
@@ -162,12 +227,11 @@ def predict_bench_async(cal: Calibration, split: Calibration, cfg: JobConfig, *,
         budgets = lognormal_budgets(cfg.rollout.max_tokens, seed=cfg.rollout.seed)
         return predict_rollout(c, cfg, lambda n: budgets(None, n), num_steps=num_steps, **keys)
 
-    segments = {"partial_tokens": -(-cfg.rollout.max_tokens // 3), "max_lag": 2}
+    segments = {"partial_tokens": -(-cfg.rollout.max_tokens // 3), "max_lag": 2, "whole": True}
     sync, overlapped, apart = run(cal), run(cal, **segments), run(split, **segments)
-    one_step_off = {**sync, "step_s": overlapped_step_s(sync["phases"])}
-    async_ = {**overlapped, "step_s": overlapped_step_s(overlapped["phases"])}
-    ph = apart["phases"]
-    async_split = {**apart, "step_s": max(ph["rollout"], ph["train"] + ph["sync"])}
+    one_step_off = {**sync, "step_s": overlapped_step_s(cal, sync["phases"])}
+    async_ = {**overlapped, "step_s": overlapped_step_s(cal, overlapped["phases"])}
+    async_split = {**apart, "step_s": overlapped_step_s(split, apart["phases"])}
     return {"sync": sync, "one_step_off": one_step_off, "async": async_, "async_split": async_split}
 
 

@@ -16,8 +16,11 @@ Assumptions, each a line of docs/simulate.md:
   longer than the benchmark's prompts, so a group's samples share no full block);
 - the train step is linear in the step's tokens between the measured points (and beyond, from the last two);
 - scoring is not modelled (a char-match reward over short answers: milliseconds);
-- co-located overlapped modes on a CPU: the engine and the trainers contend for the same two cores, so their
-  work adds up (a time-slicing gain of 1.0, the H200's 0.99 measured the same effect).
+- overlapped modes (one_step_off, async; split too: on one machine its "devices" are the same cores): the engine
+  and the trainers run at once at the gain the calibration measured (a decode pass beside a train step, over the
+  two alone: Calibration.overlap_gain), the step phases.overlapped_s of the two sides' work alone;
+- async's step is the passes it takes to complete rollout.num_prompts groups (Rounds.per_step_of);
+- the switch is the one the calibration measured: the job it calibrated, with its sleep level and offload.
 """
 
 from __future__ import annotations
@@ -29,11 +32,10 @@ from functools import cached_property
 
 from colocate.config import JobConfig
 from colocate.simulate.hardware import Calibration
-from colocate.simulate.phases import Work
-from colocate.simulate.rollout import WARMUP_STEPS, RolloutSim
+from colocate.simulate.phases import Work, overlapped_s
+from colocate.simulate.rollout import WARMUP_STEPS, Rounds, RolloutSim
 
 CPU_KV_BLOCK_TOKENS = 128
-TIME_SLICING_GAIN = 1.0
 
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -99,10 +101,11 @@ def cpu_work(cal: Calibration, cfg: JobConfig) -> Work:
 
 
 def predict_rollout(cal: Calibration, cfg: JobConfig, draw, *, num_steps: int, partial_tokens: int = 0,
-                    oversample: float = 1.0, max_lag: int = 1, leftover: str = "carry") -> dict:
+                    oversample: float = 1.0, max_lag: int = 1, leftover: str = "carry", whole: bool = False) -> dict:
     """One mode's steady state: rollout seconds and the step (rollout, switch, train, sync in turn), over
     `num_steps` after the warm-up the measurement also drops. Over-sampling with `leftover=drop` starts every
-    step afresh (nothing carried), so each step is its own one-step simulation."""
+    step afresh (nothing carried), so each step is its own one-step simulation. `whole`: a step is the passes
+    that complete rollout.num_prompts groups (algo.mode=async), not one pass (partial rollout)."""
     work, engine = cpu_work(cal, cfg), CpuEngine(cal, num_samples=cfg.rollout.num_samples)
 
     def sim() -> RolloutSim:
@@ -110,18 +113,22 @@ def predict_rollout(cal: Calibration, cfg: JobConfig, draw, *, num_steps: int, p
                           partial_tokens=partial_tokens, oversample=oversample, max_lag=max_lag)
 
     if oversample > 1 and leftover == "drop":
-        steps = [sim().run(1).steps[0] for _ in range(num_steps + 1)][1:]
-    else:
-        steps = sim().run(num_steps + WARMUP_STEPS).steps[WARMUP_STEPS:]  # carried answers build up first
-    rollout = statistics.fmean(s["seconds"] for s in steps)
-    trained = statistics.fmean(s["trained_tokens"] for s in steps)
-    train = train_step_s(cal, trained)
-    switch = cal.switch_s.get("seconds", 0.0) if cfg.engine.sleep_level or cfg.trainer.offload else 0.0
-    phases = {"rollout": rollout, "switch": switch, "train": train, "sync": cal.sync_s}
+        rounds = Rounds([sim().run(1).steps[0] for _ in range(num_steps + 1)][1:], warmup_steps=0)
+    else:  # carried answers build up first: the warm-up steps are left out, as the measurement leaves them
+        rounds = sim().run(num_steps + WARMUP_STEPS)
+
+    def per_step(key: str) -> float:
+        return rounds.per_step_of(cfg.rollout.num_prompts, key) if whole else rounds.mean(key)
+
+    rollout, trained = per_step("seconds"), per_step("trained_tokens")
+    # the switch the calibration measured: its job's own sleep level and offload (the halves are ~0 without)
+    phases = {"rollout": rollout, "switch": cal.switch_s.get("seconds", 0.0), "train": train_step_s(cal, trained),
+              "sync": cal.sync_s}
     return {"rollout_s": rollout, "step_s": sum(phases.values()), "phases": phases, "trained_tokens": trained,
-            "decoded_tokens": statistics.fmean(s["decoded_tokens"] for s in steps)}
+            "decoded_tokens": per_step("decoded_tokens")}
 
 
-def overlapped_step_s(phases: dict[str, float]) -> float:
-    """A co-located overlapped mode (one_step_off, async) on this machine: the sides time-sliced on its cores."""
-    return sum(phases.values()) / TIME_SLICING_GAIN
+def overlapped_step_s(cal: Calibration, phases: dict[str, float]) -> float:
+    """An overlapped mode on this machine: the rollout beside the trainers' side (switch, train, sync), at the
+    gain the calibration measured for running both at once."""
+    return overlapped_s(phases["rollout"], phases["switch"] + phases["train"] + phases["sync"], cal.overlap_gain)

@@ -248,6 +248,24 @@ def test_a_corrupted_ring_slot_fails_the_sync_naming_the_tensor_and_loads_nothin
     assert_engine_equals_trainer(runtime)
 
 
+def test_the_simulators_calibration_measures_this_runtime_and_leaves_it_as_it_found_it(runtime):
+    """`colocate simulate --calibrate`'s measurement (simulate/calibrate.py) on the module's job, two batch sizes:
+    what a step of each phase costs here, and running a decode pass beside a train step (the overlap gain)."""
+    from colocate.simulate.calibrate import measure
+
+    cal = measure(runtime, runtime.cfg, batch_sizes=(1, 4))
+    assert sorted({b for b, _, _ in cal.decode_step_s}) == [1, 4]
+    assert all(s > 0 for _, _, s in cal.decode_step_s) and cal.prefill_s_per_token >= 0
+    tokens = [t for t, _ in cal.train_step_s]
+    assert tokens == sorted(tokens) and len(set(tokens)) == 3 and all(s > 0 for _, s in cal.train_step_s)
+    assert 0 < cal.overlap_gain < 4 and cal.sync_s > 0
+    assert set(cal.switch_s) == {"to_train", "to_sync", "to_rollout", "seconds"}
+    assert cal.prompt_tokens > 0 and cal.num_engines == 1
+    # left as a job starts: a step runs its whole switching order from here, and the engines end synced
+    assert Controller(runtime.cfg, runtime).step(0)["sync_bytes"] > 0
+    assert_engine_equals_trainer(runtime)
+
+
 def test_the_driver_set_the_job_up_once(runtime, set_up_calls):
     """Runtime(cfg) alone builds its set-up at start (job/setup.py bare_setup), and every controller of the tests
     above took the task and the tokenizer from it: in this process each was made once (the actors load their own).

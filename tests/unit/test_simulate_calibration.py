@@ -80,7 +80,21 @@ def test_modes_of_bench_async_predicted_overlapped_and_split():
     cfg = load_config([], ASYNC_DEFAULTS)
     cal, split = _cal(), _cal()
     cal.switch_s = split.switch_s = {}  # one_step_off's plan: nothing moved
+    split.overlap_gain = 2.0  # sides that share nothing: the longer one is the step
     predicted = predict_bench_async(cal, split, cfg, num_steps=3)
     assert predicted["one_step_off"]["step_s"] == pytest.approx(predicted["sync"]["step_s"])  # time-sliced: 1.0
     ph = predicted["async_split"]["phases"]
     assert predicted["async_split"]["step_s"] == pytest.approx(max(ph["rollout"], ph["train"] + ph["sync"]))
+    # async's step completes num_prompts groups, as sync's does, over as many segment passes as that takes: it
+    # trains about as many tokens (the groups a pass completes first are the short ones, so not exactly)
+    assert predicted["async"]["trained_tokens"] == pytest.approx(predicted["sync"]["trained_tokens"], rel=0.25)
+    # both sides fighting over the cores (a gain below 1) cost more than running them in turn
+    cal.overlap_gain = 0.8
+    slowed = predict_bench_async(cal, split, cfg, num_steps=3)
+    assert slowed["one_step_off"]["step_s"] == pytest.approx(predicted["sync"]["step_s"] / 0.8)
+
+
+def test_an_old_calibration_without_the_overlap_gain_loads_as_time_sliced(tmp_path):
+    data = {k: v for k, v in _cal().__dict__.items() if k != "overlap_gain"}
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert Calibration.load(tmp_path / "old.json").overlap_gain == 1.0
