@@ -48,7 +48,7 @@ def measure(rt, cfg: JobConfig, *, batch_sizes: tuple[int, ...] = BATCH_SIZES) -
     prompt_tokens = _prompt_tokens(rt, cfg)
     limit = cfg.engine.max_num_seqs or max(batch_sizes)
     batches = [b for b in batch_sizes if b <= limit]
-    decode, prefill = _decode(rt, batches, prompt_tokens)
+    decode, prefill, pass_s = _decode(rt, batches, prompt_tokens)
     if rt.switch.trainer_offload:  # resident for its steps, and beside the engine for the overlap's
         rt.trainers.onload()
     train = _train(rt, cfg, prompt_tokens)
@@ -58,7 +58,7 @@ def measure(rt, cfg: JobConfig, *, batch_sizes: tuple[int, ...] = BATCH_SIZES) -
     switch, sync = _switch_and_sync(rt)
     return Calibration(machine=machine(), decode_step_s=decode, train_step_s=train, sync_s=sync,
                        switch_s=switch, prefill_s_per_token=prefill, prompt_tokens=prompt_tokens,
-                       num_engines=cfg.num_engines, max_num_seqs=limit, overlap_gain=gain)
+                       num_engines=cfg.num_engines, max_num_seqs=limit, overlap_gain=gain, pass_s=pass_s)
 
 
 def _prompt_tokens(rt, cfg: JobConfig) -> int:
@@ -79,15 +79,19 @@ def _decode_requests(tag: str, batch: int, prompt_tokens: int) -> list:
             for i in range(batch)]
 
 
-def _decode(rt, batch_sizes: list[int], prompt_tokens: int) -> tuple[list, float]:
-    """(running, context total, seconds) rows, and prefill seconds per prompt token: after a warm-up pass at the
+def _decode(rt, batch_sizes: list[int], prompt_tokens: int) -> tuple[list, float, float]:
+    """(running, context total, seconds) rows, prefill seconds per prompt token, and a pass's wall time beyond its
+    steps (the call, its requests in, its results out: a pass of partial rollout's or async's pays it each time,
+    one of algo.mode=async's steps several times): after a warm-up pass at the
     largest batch, REPEATS sweeps over the batch sizes, each row the median of its sweeps (one pass of a 2-core
     machine's decode steps is seen drifting by 4x between its halves)."""
-    engine, halves, prefill = rt.engines[0], {}, []
+    engine, halves, prefill, beside = rt.engines[0], {}, [], []
     ray.get(engine.run_pass.remote(_decode_requests("warm-up", batch_sizes[-1], prompt_tokens), SAMPLING))
     for _ in range(REPEATS):
         for b in batch_sizes:
+            started = time.perf_counter()
             timeline = ray.get(engine.run_pass.remote(_decode_requests("calibrate", b, prompt_tokens), SAMPLING))
+            beside.append(time.perf_counter() - started - timeline["timeline"][-1][0])
             steps, previous = [], 0.0
             for t, n in timeline["timeline"]:
                 steps.append((t - previous, n))
@@ -101,7 +105,7 @@ def _decode(rt, batch_sizes: list[int], prompt_tokens: int) -> tuple[list, float
             prefill.append(max(0.0, steps[0][0] - statistics.median(full)) / (b * prompt_tokens))
     rows = sorted((b, round(statistics.fmean(c for c, _ in runs)), statistics.median(s for _, s in runs))
                   for (b, _), runs in halves.items())
-    return rows, statistics.median(prefill)
+    return rows, statistics.median(prefill), max(0.0, statistics.median(beside))
 
 
 def _sequences(cfg: JobConfig, prompt_tokens: int, count: int) -> list:

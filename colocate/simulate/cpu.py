@@ -49,7 +49,8 @@ def _interp(xs: list[float], ys: list[float], x: float) -> float:
 
 @dataclass(frozen=True)
 class CpuEngine:
-    """One engine of this machine: what RolloutSim asks of an engine (step_s, prefill_s, kv_capacity_tokens)."""
+    """One engine of this machine: what RolloutSim asks of an engine (step_s, prefill_s, resume_s, pass_s,
+    kv_capacity_tokens)."""
 
     cal: Calibration
     num_samples: int = 1
@@ -82,6 +83,15 @@ class CpuEngine:
         shared = self.cal.prompt_tokens >= CPU_KV_BLOCK_TOKENS
         return self.cal.prefill_s_per_token * num_tokens * (1 if shared else self.num_samples)
 
+    def resume_s(self, num_tokens: int) -> float:
+        """`num_tokens`: the contexts (prompt and tokens so far) of continued answers, each its own."""
+        return self.cal.prefill_s_per_token * num_tokens
+
+    @property
+    def pass_s(self) -> float:
+        """A pass's cost beside its steps (the call, its requests in and results out), as measured."""
+        return self.cal.pass_s
+
     @property
     def kv_capacity_tokens(self) -> int:
         return 1 << 40  # the benchmark's engine.kv_cache_gib holds every running context: not the limit here
@@ -110,7 +120,7 @@ def predict_rollout(cal: Calibration, cfg: JobConfig, draw, *, num_steps: int, p
 
     def sim() -> RolloutSim:
         return RolloutSim(work, engine, num_engines=max(1, cal.num_engines), draw=draw,
-                          partial_tokens=partial_tokens, oversample=oversample, max_lag=max_lag)
+                          partial_tokens=partial_tokens, oversample=oversample, max_lag=max_lag, take_whole=whole)
 
     if oversample > 1 and leftover == "drop":
         rounds = Rounds([sim().run(1).steps[0] for _ in range(num_steps + 1)][1:], warmup_steps=0)

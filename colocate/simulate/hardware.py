@@ -107,6 +107,7 @@ class Calibration:
     # a decode pass beside a train step: the work done a second with both running, over one running alone
     # (calibrate._overlap_gain); 1.0 (time-sliced) for a calibration made before it was measured
     overlap_gain: float = 1.0
+    pass_s: float = 0.0  # a rollout pass's wall time beyond its steps' (0 in calibrations from before it)
     config: list[str] = field(default_factory=list)  # the job it measured: CONFIG and key=value
 
     def save(self, path: Path) -> None:

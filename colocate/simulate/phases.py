@@ -102,6 +102,16 @@ class EngineModel:
         return 2 * w.active_params * num_tokens / (self.gpu.peak_flops * PREFILL_EFFICIENCY * self.tp) \
             + self.all_reduce_s(num_tokens)
 
+    def resume_s(self, num_tokens: int) -> float:
+        """Continued answers' contexts (prompt and tokens so far) computed again: a continuation is a new request,
+        and the level-2 sleep between steps has dropped the prefix cache that could have served it."""
+        return self.prefill_s(num_tokens)
+
+    @property
+    def pass_s(self) -> float:
+        """A pass's fixed cost beside its steps: on a GPU, within the steps' measured overhead."""
+        return 0.0
+
     @property
     def kv_capacity_tokens(self) -> int:
         """The context tokens the KV cache holds: what engine.gpu_memory_utilization leaves of each GPU after

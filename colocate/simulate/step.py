@@ -99,12 +99,12 @@ def predict(load, keys: dict[str, str], label: str, gpu: Hardware, *, gpus: int,
     ranks = gpus - engine_gpus if split else gpus
     engine = EngineModel(work, gpu, tp=cfg.engine.tp, memory_utilization=cfg.engine.gpu_memory_utilization)
     draw = lengths.sampler(seed=cfg.rollout.seed)
-    rounds = RolloutSim(work, engine, num_engines=engine_gpus // cfg.engine.tp, draw=draw,
-                        partial_tokens=cfg.rollout.partial_tokens, oversample=cfg.rollout.oversample,
-                        max_lag=cfg.rollout.max_lag, speculative=speculative).run(NUM_STEPS)
     # algo.mode=async's step waits for num_prompts complete groups, over as many passes as that takes; partial
     # rollout's (sync) trains what one pass completed
     whole = cfg.algo.mode == "async"
+    rounds = RolloutSim(work, engine, num_engines=engine_gpus // cfg.engine.tp, draw=draw,
+                        partial_tokens=cfg.rollout.partial_tokens, oversample=cfg.rollout.oversample,
+                        max_lag=cfg.rollout.max_lag, speculative=speculative, take_whole=whole).run(NUM_STEPS)
     tokens = rounds.per_step_of(work.num_groups, "trained_tokens") if whole else rounds.mean("trained_tokens")
     generating = rounds.per_step_of(work.num_groups, "seconds") if whole else rounds.mean("seconds")
     mean_sequence = tokens / max(1.0, (work.num_groups if whole else rounds.mean("groups")) * work.num_samples)

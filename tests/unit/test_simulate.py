@@ -4,6 +4,7 @@ measured table, each candidate checked by the job's own checks, and bad input re
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -56,11 +57,34 @@ def test_the_train_phase_against_the_h200_table(tokens, measured):
     assert predicted == pytest.approx(measured, rel=0.15)
 
 
+def _engine(resume_s_per_token: float = 0.0, pass_s: float = 0.0):
+    """An engine of 10 ms decode steps and free prompts, continuations and passes unless given a cost."""
+    return type("E", (), {"step_s": staticmethod(lambda b, c: 0.01), "prefill_s": staticmethod(lambda n: 0.0),
+                          "resume_s": staticmethod(lambda n: n * resume_s_per_token), "pass_s": pass_s,
+                          "kv_capacity_tokens": 10**9})()
+
+
+def test_a_continued_answer_computes_its_context_again_and_each_pass_costs_its_fixed_part():
+    """A continuation is a new request (engine/requests.py): its prompt and tokens so far are prefilled again."""
+    cfg = load_config(None, [f"model.path={QWEN_7B}", "rollout.num_prompts=8", "rollout.num_samples=4"])
+    work = Work.of(cfg, model_dims(cfg), prompt_tokens=64)
+
+    def run(engine):
+        draw = LengthDistribution.parse("lognormal:200,0.9,8,2000").sampler(seed=0)
+        return RolloutSim(work, engine, num_engines=1, draw=draw, partial_tokens=100, max_lag=20).run(4).steps
+
+    free, resumed, fixed = run(_engine()), run(_engine(resume_s_per_token=1e-3)), run(_engine(pass_s=0.5))
+    assert resumed[0]["seconds"] == free[0]["seconds"]  # nothing to continue in the first pass
+    for before, f, r in zip(free, free[1:], resumed[1:]):
+        # each answer carried into the pass had at least a pass's 100 tokens: its prompt and those, again
+        assert before["carried_answers"] and r["seconds"] - f["seconds"] >= 0.164 * before["carried_answers"] - 1e-9
+    assert all(x["seconds"] == pytest.approx(f["seconds"] + 0.5) for x, f in zip(fixed, free))
+
+
 def test_partial_rollout_carries_and_over_sampling_stops_early():
     cfg = load_config(None, [f"model.path={QWEN_7B}", "rollout.num_prompts=8", "rollout.num_samples=4"])
     work = Work.of(cfg, model_dims(cfg), prompt_tokens=64)
-    step = type("E", (), {"step_s": staticmethod(lambda b, c: 0.01), "prefill_s": staticmethod(lambda n: 0.0),
-                          "kv_capacity_tokens": 10**9})()
+    step = _engine()
     draw = LengthDistribution.parse("lognormal:200,0.9,8,2000").sampler(seed=0)
     whole = RolloutSim(work, step, num_engines=2, draw=draw).run(4)
     assert all(s["groups"] == 8 and s["carried_answers"] == 0 for s in whole.steps)
@@ -73,6 +97,21 @@ def test_partial_rollout_carries_and_over_sampling_stops_early():
     per_step = partial.per_step_of(8, "seconds")
     assert per_step == pytest.approx(sum(s["seconds"] for s in partial.steps[2:]) * 8 / completed)
     assert per_step > partial.mean("seconds")
+
+
+def test_async_holds_complete_groups_until_a_step_takes_num_prompts_of_them():
+    """rollout/passes.py: a complete group keeps its place until the step's take of rollout.num_prompts, so the
+    pool is not topped up meanwhile; a step takes exactly num_prompts groups, and a version is a step."""
+    cfg = load_config(None, [f"model.path={QWEN_7B}", "rollout.num_prompts=8", "rollout.num_samples=4"])
+    work = Work.of(cfg, model_dims(cfg), prompt_tokens=64)
+    draw = LengthDistribution.parse("lognormal:200,0.9,8,2000").sampler(seed=0)
+    rounds = RolloutSim(work, _engine(), num_engines=2, draw=draw, partial_tokens=100, max_lag=20,
+                        take_whole=True).run(4)
+    takes = [s["groups"] for s in rounds.steps]
+    assert sorted(set(takes)) == [0, 8] and takes.count(8) == 4 and takes[-1] == 8  # run(4): until four takes
+    assert rounds.warmup_steps == takes.index(8, takes.index(8) + 1) + 1  # the passes of the first two steps
+    assert rounds.per_step_of(8, "trained_tokens") == pytest.approx(
+        statistics.fmean(s["trained_tokens"] for s in rounds.steps[rounds.warmup_steps:] if s["groups"]))
 
 
 @pytest.mark.parametrize("gain, step", [(2.0, 3.0), (1.0, 5.0), (0.5, 10.0), (0.99, 5.0 / 0.99)])
