@@ -62,10 +62,10 @@ def measure(rt, cfg: JobConfig, *, batch_sizes: tuple[int, ...] = BATCH_SIZES) -
 
 
 def _prompt_tokens(rt, cfg: JobConfig) -> int:
-    from colocate.rl.tasks import PromptStream, make_task
+    from colocate.rl.tasks import PromptStream
 
-    samples = PromptStream(make_task(cfg.rollout.task, length=cfg.rollout.task_length),
-                           seed=cfg.rollout.seed).next_batch(16)
+    # the runtime's own task (job/setup.py: built once a job, which test_runtime counts)
+    samples = PromptStream(rt.setup.task, seed=cfg.rollout.seed).next_batch(16)
     return round(statistics.fmean(len(rt.tokenizer(s.prompt, add_special_tokens=False).input_ids)
                                   for s in samples))
 
