@@ -19,7 +19,7 @@ Assumptions, each a line of docs/simulate.md:
 - overlapped modes (one_step_off, async; split too: on one machine its "devices" are the same cores): the engine
   and the trainers run at once at the gain the calibration measured (a decode pass beside a train step, over the
   two alone: Calibration.overlap_gain), the step phases.overlapped_s of the two sides' work alone;
-- async's step is the passes it takes to complete rollout.num_prompts groups (Rounds.per_step_of);
+- async's step is the passes it takes to complete rollout.num_prompts groups (Rounds.per_step);
 - the switch is the one the calibration measured: the job it calibrated, with its sleep level and offload.
 """
 
@@ -127,15 +127,12 @@ def predict_rollout(cal: Calibration, cfg: JobConfig, draw, *, num_steps: int, p
     else:  # carried answers build up first: the warm-up steps are left out, as the measurement leaves them
         rounds = sim().run(num_steps + WARMUP_STEPS)
 
-    def per_step(key: str) -> float:
-        return rounds.per_step_of(cfg.rollout.num_prompts, key) if whole else rounds.mean(key)
-
-    rollout, trained = per_step("seconds"), per_step("trained_tokens")
+    rollout, trained = rounds.per_step("seconds"), rounds.per_step("trained_tokens")
     # the switch the calibration measured: its job's own sleep level and offload (the halves are ~0 without)
     phases = {"rollout": rollout, "switch": cal.switch_s.get("seconds", 0.0), "train": train_step_s(cal, trained),
               "sync": cal.sync_s}
     return {"rollout_s": rollout, "step_s": sum(phases.values()), "phases": phases, "trained_tokens": trained,
-            "decoded_tokens": per_step("decoded_tokens")}
+            "decoded_tokens": rounds.per_step("decoded_tokens")}
 
 
 def overlapped_step_s(cal: Calibration, phases: dict[str, float]) -> float:

@@ -53,9 +53,14 @@ class Rounds:
     steps: list[dict] = field(default_factory=list)
     timeline: list[tuple[float, int]] = field(default_factory=list)  # engine 0, last step
     warmup_steps: int = WARMUP_STEPS  # the first rounds (passes), left out of the means
+    whole_groups: int = 0  # take_whole: the groups a step takes, over as many passes as that takes
 
     def mean(self, key: str) -> float:
         return statistics.fmean(s[key] for s in self._kept)
+
+    def per_step(self, key: str) -> float:
+        """`key` a training step: a round's (mean), or under take_whole the passes' that complete its groups."""
+        return self.per_step_of(self.whole_groups, key) if self.whole_groups else self.mean(key)
 
     def per_step_of(self, num_groups: int, key: str) -> float:
         """`key` (seconds, trained or decoded tokens) over the passes it takes to complete `num_groups` groups, in
@@ -90,7 +95,7 @@ class RolloutSim:
         quota = math.ceil(w.num_groups / self.num_engines)
         early_stop = self.oversample > 1 and not self.partial_tokens
         pool: list[_Group] = []
-        rounds = Rounds()
+        rounds = Rounds(whole_groups=w.num_groups if self.take_whole else 0)
         step_fn = self.engine.step_s
         if self.speculative:
             spec = self.speculative

@@ -105,9 +105,8 @@ def predict(load, keys: dict[str, str], label: str, gpu: Hardware, *, gpus: int,
     rounds = RolloutSim(work, engine, num_engines=engine_gpus // cfg.engine.tp, draw=draw,
                         partial_tokens=cfg.rollout.partial_tokens, oversample=cfg.rollout.oversample,
                         max_lag=cfg.rollout.max_lag, speculative=speculative, take_whole=whole).run(NUM_STEPS)
-    tokens = rounds.per_step_of(work.num_groups, "trained_tokens") if whole else rounds.mean("trained_tokens")
-    generating = rounds.per_step_of(work.num_groups, "seconds") if whole else rounds.mean("seconds")
-    mean_sequence = tokens / max(1.0, (work.num_groups if whole else rounds.mean("groups")) * work.num_samples)
+    tokens, generating = rounds.per_step("trained_tokens"), rounds.per_step("seconds")
+    mean_sequence = tokens / max(1.0, rounds.per_step("groups") * work.num_samples)
     micro = cfg.trainer.max_tokens_per_micro_batch or cfg.trainer.micro_batch_size * mean_sequence
     train = train_s(work, gpu, ranks=ranks, tokens=int(tokens), micro_batch_tokens=int(micro),
                     sequence_tokens=mean_sequence)
