@@ -280,6 +280,10 @@ class RolloutConfig:
     max_lag: int = 1
     """An answer (finished or not) whose oldest token was sampled more than this many policy versions ago is restarted
     from its prompt; tokens within the lag are trained, corrected by the loss's ratio to their behaviour logprobs."""
+    update_in_pass: str = "never"
+    """algo.mode=async: a weight update enters the pass in flight between two engine steps (never: it waits for the
+    pass to end); the pass's later tokens are the new policy's (docs/async.md). keep: the answers in flight keep the
+    KV cache the old weights computed; recompute: the engine computes it again with the new weights first."""
     env: str = ""
     """Multi-turn episodes (docs/environments.md): an environment, built-in (copy_turns) or `module:factory` returning
     an object with reset(sample) and step(action_text); each answer is an episode of turns, the engine's tokens and the
@@ -320,6 +324,7 @@ class RolloutConfig:
             raise bad("rollout.oversample", self.oversample,
                        "must be >= 1 (a multiple of rollout.num_prompts groups in flight)")
         one_of(self, "rollout", "leftover", ["carry", "drop"])
+        one_of(self, "rollout", "update_in_pass", ["never", "keep", "recompute"])
         positive(self, "rollout", "max_turns")
         non_negative(self, "rollout", "env_timeout_s", "max_turn_tokens", "env_workers")
         if self.turn_stop and not self.env:
@@ -357,15 +362,22 @@ def partial_rollout_fix(rollout: RolloutConfig, *, mode: str, partial: int) -> d
 
     An answer takes a pass per segment and, with rollout.env, one more per turn after the first (each turn's end
     ends a request); beyond rollout.max_lag + 1 passes (policy versions) it would be restarted forever. With
-    algo.mode=one_step_off a token is a version old before its first pass, so its segments get max_lag passes."""
+    algo.mode=one_step_off a token is a version old before its first pass, and with rollout.update_in_pass an update
+    can land inside each pass, so there its segments get max_lag passes."""
     turns = rollout.max_turns - 1 if rollout.env else 0
     segments = rollout.max_lag + 1 - turns  # the most segments an answer may take
-    if mode == "one_step_off":
+    if a_version_more(rollout, mode):
         segments = min(segments, rollout.max_lag)
     if segments >= 1:
         return {"rollout.partial_tokens": max(partial, -(-rollout.max_tokens // segments))}
     needed = -(-rollout.max_tokens // partial)
-    return {"rollout.max_lag": max(turns + needed - 1, needed if mode == "one_step_off" else 0)}
+    return {"rollout.max_lag": max(turns + needed - 1, needed if a_version_more(rollout, mode) else 0)}
+
+
+def a_version_more(rollout: RolloutConfig, mode: str) -> bool:
+    """An answer's tokens can span one more policy version than its passes: one_step_off samples a version before
+    training, and an update inside a pass (rollout.update_in_pass) splits that pass's tokens over two."""
+    return mode == "one_step_off" or (mode == "async" and rollout.update_in_pass != "never")
 
 
 @dataclass
@@ -622,6 +634,11 @@ class JobConfig:
             raise bad("rollout.partial_tokens", partial, f"with algo.mode=one_step_off a token is already one "
                       f"version old when trained, so an answer of rollout.max_tokens={max_tokens} must finish "
                       f"within rollout.max_lag = {lag} passes; valid: {valid}", fix=fix)
+        if a_version_more(rollout, mode) and max_tokens > lag * partial:
+            raise bad("rollout.partial_tokens", partial, f"with rollout.update_in_pass={rollout.update_in_pass} an "
+                      f"update can land inside each pass, so an answer's tokens span one version more than its "
+                      f"passes: an answer of rollout.max_tokens={max_tokens} must finish within rollout.max_lag = "
+                      f"{lag} passes; valid: {valid}", fix=fix)
         if rollout.env:
             passes = rollout.max_turns - 1 + -(-max_tokens // partial)
             raise bad("rollout.max_turns", rollout.max_turns, f"with partial rollout an episode can take "
@@ -690,6 +707,10 @@ class JobConfig:
             raise bad("algo.mask_truncated", True, "rollout.ignore_eos=true makes every answer run to its budget, "
                       "so every one would be left out of the loss; valid with it: false",
                       fix={"algo.mask_truncated": False})
+        if rollout.update_in_pass != "never" and algo.mode != "async":
+            raise bad("rollout.update_in_pass", rollout.update_in_pass, f"lets a weight update into a pass in flight, "
+                      f"and only algo.mode=async updates while the engines generate (algo.mode={algo.mode}); valid "
+                      "with it: never, or algo.mode=async", fix={"rollout.update_in_pass": "never"})
         if algo.mode in OVERLAPPED_MODES:
             self._check_overlapped()
         if algo.overlong_buffer >= rollout.max_tokens:

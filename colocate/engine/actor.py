@@ -18,10 +18,19 @@ import re
 import shutil
 import time
 
+import ray
+
 from colocate.config import engine_extra_args
+from colocate.engine.pass_gate import PassGate
 from colocate.errors import EngineStartError
 
 EXTENSION = "colocate.engine.extension.ColocateWorkerExtension"
+CONTROL = "control"
+"""The concurrency group (one thread) of the calls a weight update makes while a pass may be in flight in the
+actor's default thread (rollout.update_in_pass): pause_pass, the sync's, memory, resume_pass. Their exclusion
+from the pass is the engine's PassGate, not Ray's one call at a time. Create the actor with
+ray.remote(concurrency_groups=CONCURRENCY_GROUPS)."""
+CONCURRENCY_GROUPS = {CONTROL: 1}
 
 
 def engine_env(cfg, device: str, placement_env: dict[str, str] | None = None) -> dict[str, str]:
@@ -58,6 +67,7 @@ class EngineActor:
         self._deaths: list[tuple[int, int, int | None]] = []  # worker exits, in order (_watch_workers)
         self._adapter = None  # a LoRA job: the LoRARequest every generation carries (engine/lora.py)
         self._adapter_shapes: dict[str, tuple[int, ...]] = {}  # and the trainer's adapter tensors it holds
+        self._gate = PassGate()  # a weight update inside a pass (rollout.update_in_pass)
         self._sleep_level = 0  # of the last sleep: a level-2 wake discarded the adapter's buffers (wake)
         self._worker_entries: set[str] = set()  # vLLM's /dev/shm entries its TP workers map (start), for shutdown
 
@@ -206,23 +216,51 @@ class EngineActor:
             for out in outputs
         ]
 
-    def run_pass(self, requests: list, sampling: dict, num_groups_wanted: int | None = None) -> dict:
+    def run_pass(self, requests: list, sampling: dict, num_groups_wanted: int | None = None,
+                 version: int = 0) -> dict:
         """One rollout pass, step by step (engine.requests): stops once `num_groups_wanted` groups are complete
-        and aborts the rest, keeping their tokens for a continuation."""
+        and aborts the rest, keeping their tokens for a continuation. `version`: the policy it was planned under; a
+        weight update may enter it (pause_pass, resume_pass), its tokens then tagged with the new version."""
         from colocate.engine.requests import run_pass
 
         assert not self._asleep, f"run_pass() while the engine's {sorted(self._asleep)} sleep: wake them first"
         started = time.perf_counter()
         results, timeline = run_pass(self.llm, requests, sampling, num_groups_wanted=num_groups_wanted,
-                                     eos_token_id=self.eos_token_id, lora_request=self._adapter)
-        return {"results": results, "timeline": timeline, "seconds": time.perf_counter() - started}
+                                     eos_token_id=self.eos_token_id, lora_request=self._adapter, version=version,
+                                     gate=self._gate)
+        return {"results": results, "timeline": timeline, "seconds": time.perf_counter() - started,
+                "parked_s": self._gate.parked_s}
+
+    @ray.method(concurrency_group=CONTROL)
+    def pause_pass(self) -> bool:
+        """Hold the engine for a weight update (engine/pass_gate.py): returns between two steps of the pass in
+        flight, or at once when none is; no pass starts until resume_pass. Whether a pass is parked."""
+        return self._gate.pause()
+
+    @ray.method(concurrency_group=CONTROL)
+    def pass_progress(self) -> dict:
+        """The pass in flight, read while it runs: whether there is one, its engine steps so far, and the policy
+        version of the weights."""
+        return {"in_pass": self._gate.in_pass, "steps": self._gate.steps, "version": self._gate.version}
+
+    @ray.method(concurrency_group=CONTROL)
+    def resume_pass(self, version: int, kv: str, end: bool = False) -> None:
+        """The weights are policy `version` now: the parked pass goes on. `kv` (rollout.update_in_pass): keep the
+        KV of the answers in flight, or recompute it (vLLM preempts them; they prefill again with the new
+        weights before their next token). `end` (the rollout closes): the pass aborts what is unfinished and
+        returns at its next step."""
+        if kv == "recompute" and self._gate.in_pass:
+            self.llm.reset_prefix_cache(reset_running_requests=True)
+        self._gate.resume(version, end=end)
 
     # ----------------------------------------------------------------------------------------- weight sync
 
+    @ray.method(concurrency_group=CONTROL)
     def share_weights(self) -> list[dict]:
         """Move every worker's parameters into a shared-memory arena (in-place sync); per worker: tp_rank,
         handle, offsets."""
-        return self.sync_end.share_weights()
+        with self._gate.exclusive():  # a pass in flight parks meanwhile
+            return self.sync_end.share_weights()
 
     def node_id(self) -> str:
         """The Ray node of this engine (its TP workers share it: placement.plan_nodes)."""
@@ -234,6 +272,7 @@ class EngineActor:
         """Each worker's device (by TP rank), named alike in every process (devices.device_name)."""
         return self.llm.collective_rpc("colocate_device_name")
 
+    @ray.method(concurrency_group=CONTROL)
     def open_ring(self, key: str, plan, *, shared: bool = False, engine_index: int | None = None,
                   broadcast: dict | None = None) -> list:
         """Give every worker a ring for sync `key`; returns their handles (by TP rank) for the trainers. Each
@@ -244,47 +283,67 @@ class EngineActor:
         placement, sync/broadcast.py): {"addresses": {TP rank: StoreAddress}, "num_members", "timeout_s"}; each
         worker's ring is then its own memory, filled by the broadcast of its TP rank's group, which it joins here
         (this returns once the feeders joined too)."""
-        return self.sync_end.open_ring(key, plan, shared=shared, engine_index=engine_index, broadcast=broadcast)
+        with self._gate.exclusive():  # a pass in flight parks meanwhile
+            return self.sync_end.open_ring(key, plan, shared=shared, engine_index=engine_index, broadcast=broadcast)
 
+    @ray.method(concurrency_group=CONTROL)
     def receive_bucket(self, key: str, index: int) -> float:
         """Broadcast sync: every worker receives its slice of bucket `index` into its ring slot (a collective with
         the feeders' broadcast_write of it). The load that follows checks it. Returns the slowest worker's
         seconds."""
-        return self.sync_end.receive_bucket(key, index)
+        with self._gate.exclusive():  # a pass in flight parks meanwhile
+            return self.sync_end.receive_bucket(key, index)
 
+    @ray.method(concurrency_group=CONTROL)
     def seal_ring(self, key: str) -> None:
         """Everyone has mapped the rings: drop their names so no crash can leak a segment."""
         self.sync_end.seal_ring(key)
 
+    @ray.method(concurrency_group=CONTROL)
     def load_bucket(self, key: str, index: int, *per_rank_checksums) -> dict:
         """Load bucket `index` into every worker. Ray passes the trainers' write results as arguments, so this
         runs only after every rank has written its part of the bucket. Each worker verifies its ranges before it
         copies any (sync/load.py): a corrupted slot raises SyncVerificationError naming the tensor, unloaded."""
-        return self.sync_end.load_bucket(key, index, per_rank_checksums)
+        with self._gate.exclusive():  # a pass in flight parks meanwhile
+            return self.sync_end.load_bucket(key, index, per_rank_checksums)
 
+    @ray.method(concurrency_group=CONTROL)
     def verify_in_place(self, key: str, *per_rank_checksums) -> dict:
         """After the trainers wrote every bucket in place (Ray passes their results, so this runs after them):
         check every worker's parameters still live in its arena, and the written ranges' checksums; then the
         post-load step (one call fewer per sync than through the ring)."""
-        return {**self.sync_end.verify_in_place(key, per_rank_checksums), "post_s": self.finish_sync()}
+        with self._gate.exclusive():
+            return {**self.sync_end.verify_in_place(key, per_rank_checksums), "post_s": self.finish_sync()}
 
+    @ray.method(concurrency_group=CONTROL)
     def finish_sync(self) -> float:
         """Post-load processing, once per sync. Returns its seconds."""
         started = time.perf_counter()
-        # Hazard: cached prefixes were computed with the old weights.
-        self.llm.reset_prefix_cache()
+        # Hazard: cached prefixes were computed with the old weights. A parked pass's requests hold blocks, so
+        # the reset waits for resume_pass (recompute) or for the pass's end (keep): engine/pass_gate.py.
+        with self._gate.exclusive():
+            if self._gate.in_pass:
+                self._gate.updated_in_pass = True
+            else:
+                self.llm.reset_prefix_cache()
         return time.perf_counter() - started
 
+    @ray.method(concurrency_group=CONTROL)
     def load_state(self, state: dict) -> None:
         """Naive baseline: a whole state dict (arrived through Ray's object store) into every worker."""
-        self.llm.collective_rpc("colocate_load_state", args=(state,))
-        self.llm.reset_prefix_cache()
+        with self._gate.exclusive():
+            self.llm.collective_rpc("colocate_load_state", args=(state,))
+            self.finish_sync()
 
+    @ray.method(concurrency_group=CONTROL)
     def state_dicts(self) -> list[dict]:
-        return self.llm.collective_rpc("colocate_state_dict")
+        with self._gate.exclusive():  # a pass in flight parks meanwhile
+            return self.llm.collective_rpc("colocate_state_dict")
 
+    @ray.method(concurrency_group=CONTROL)
     def param_layouts(self) -> list[dict]:
-        return self.llm.collective_rpc("colocate_param_layout")
+        with self._gate.exclusive():  # a pass in flight parks meanwhile
+            return self.llm.collective_rpc("colocate_param_layout")
 
     # -------------------------------------------------------------------------------------- memory switch
 
@@ -318,8 +377,10 @@ class EngineActor:
         after = self.llm.collective_rpc("colocate_device_free_bytes")
         return sum(a - b for a, b in zip(after, before))
 
+    @ray.method(concurrency_group=CONTROL)
     def memory(self) -> list[dict]:
-        return self.llm.collective_rpc("colocate_memory")
+        with self._gate.exclusive():  # a pass in flight parks meanwhile
+            return self.llm.collective_rpc("colocate_memory")
 
     # ----------------------------------------------------------------------------------------- liveness
 

@@ -25,7 +25,9 @@ only equal in distribution.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from colocate.engine.pass_gate import PassGate
 
 
 @dataclass
@@ -54,17 +56,31 @@ class RequestResult:
     """stop / length as vLLM says; None: aborted when enough groups were complete."""
     num_cached_tokens: int
     """Prompt tokens served from the prefix cache (their prefill was not computed)."""
+    versions: list[int] = field(default_factory=list)
+    """The policy version that sampled each token: the pass's, and after a weight update inside the pass
+    (engine/pass_gate.py) the new one. Empty from a source that does not say (the pool tags the pass's version)."""
 
     def done(self, request: EngineRequest) -> bool:
         return self.finish_reason == "stop" or (self.finish_reason == "length" and request.final)
 
 
 def run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_wanted: int | None,
-             eos_token_id: int | None, lora_request=None) -> tuple[list[RequestResult], list[tuple[float, int]]]:
+             eos_token_id: int | None, lora_request=None, version: int = 0,
+             gate: PassGate | None = None) -> tuple[list[RequestResult], list[tuple[float, int]]]:
     """Run `requests` until each is finished, or until `num_groups_wanted` groups are complete (the rest are
     aborted). Returns the results in request order and the busy timeline: per engine step, (seconds since the
     start, sequences that produced a token in it). `lora_request`: the adapter every request runs with (a LoRA
-    job's policy), or None."""
+    job's policy), or None. `version`: the policy the pass was planned under; `gate`: the engine's, through which
+    a weight update enters the pass between two steps (engine/pass_gate.py), each token tagged with the version
+    that sampled it."""
+    gate = gate or PassGate()  # a pass of its own: nothing enters it
+    with gate.running(version):
+        return _run_pass(llm, requests, sampling, num_groups_wanted=num_groups_wanted, eos_token_id=eos_token_id,
+                         lora_request=lora_request, gate=gate)
+
+
+def _run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_wanted: int | None,
+              eos_token_id: int | None, lora_request, gate: PassGate):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -76,43 +92,53 @@ def run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_w
     # Rendered as LLM.generate renders them (vLLM 0.32: entrypoints/common/offline.py; a raw prompt passed to
     # add_request is deprecated there): LLM's own offline path forces FINAL_ONLY outputs, which would lose the
     # tokens of the requests this pass aborts.
-    rendered = llm._preprocess_cmpl([TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests])
-    for r, prompt in zip(requests, rendered):
-        params = SamplingParams(
-            n=1, temperature=sampling["temperature"], top_p=sampling["top_p"], max_tokens=r.max_tokens,
-            seed=r.seed, logprobs=0, detokenize=False, ignore_eos=sampling.get("ignore_eos", False),
-            # ignore_eos (the long-tail benchmark's fixed lengths) must also skip the EOS stop token
-            stop_token_ids=[eos_token_id] if eos_token_id is not None and not sampling.get("ignore_eos") else None,
-            output_kind=RequestOutputKind.DELTA)
-        engine.add_request(r.request_id, prompt, params, lora_request=lora_request)
+    with gate.work():
+        rendered = llm._preprocess_cmpl([TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests])
+        for r, prompt in zip(requests, rendered):
+            params = SamplingParams(
+                n=1, temperature=sampling["temperature"], top_p=sampling["top_p"], max_tokens=r.max_tokens,
+                seed=r.seed, logprobs=0, detokenize=False, ignore_eos=sampling.get("ignore_eos", False),
+                # ignore_eos (the long-tail benchmark's fixed lengths) must also skip the EOS stop token
+                stop_token_ids=[eos_token_id] if eos_token_id is not None and not sampling.get("ignore_eos")
+                else None, output_kind=RequestOutputKind.DELTA)
+            engine.add_request(r.request_id, prompt, params, lora_request=lora_request)
 
     groups_left = {}  # group -> its requests not yet done
     for r in requests:
         groups_left.setdefault(r.group, set()).add(r.request_id)
     num_complete, unfinished = 0, set(by_id)
     timeline, started = [], time.perf_counter()
-    while unfinished and (num_groups_wanted is None or num_complete < num_groups_wanted):
-        outputs = engine.step()
-        timeline.append((time.perf_counter() - started, sum(1 for o in outputs if o.outputs[0].token_ids)))
-        for out in outputs:
-            result, completion = results[out.request_id], out.outputs[0]
-            result.token_ids += completion.token_ids
-            # logprobs=0: only the sampled token's logprob at each new position
-            result.logprobs += [next(iter(lp.values())).logprob for lp in completion.logprobs or []]
-            result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens or 0)
-            stopped = bool(stop_ids) and _cut_at_stop(result, len(completion.token_ids), stop_ids,
-                                                      turn_before=_turn_tail(by_id[out.request_id], len(stop_ids)))
-            if stopped and not out.finished:
-                engine.abort_request([out.request_id])  # what it decodes from here on is not the turn's
-            if out.finished or stopped:
-                result.finish_reason = "stop" if stopped else completion.finish_reason
-                unfinished.discard(out.request_id)
-                if result.done(by_id[out.request_id]):
-                    left = groups_left[by_id[out.request_id].group]
-                    left.discard(out.request_id)
-                    num_complete += not left
-    if unfinished:  # stopped mid-segment: they go on next pass, from where they are, under their next seed
-        engine.abort_request(sorted(unfinished))
+    while unfinished and (num_groups_wanted is None or num_complete < num_groups_wanted) and not gate.ending:
+        with gate.work():  # an update waits for this step and its aborts; the next step is the new weights'
+            outputs, version = engine.step(), gate.version
+            gate.steps += 1
+            timeline.append((time.perf_counter() - started, sum(1 for o in outputs if o.outputs[0].token_ids)))
+            for out in outputs:
+                result, completion = results[out.request_id], out.outputs[0]
+                result.token_ids += completion.token_ids
+                # logprobs=0: only the sampled token's logprob at each new position
+                result.logprobs += [next(iter(lp.values())).logprob for lp in completion.logprobs or []]
+                result.versions += [version] * len(completion.token_ids)
+                result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens or 0)
+                stopped = bool(stop_ids) and _cut_at_stop(
+                    result, len(completion.token_ids), stop_ids,
+                    turn_before=_turn_tail(by_id[out.request_id], len(stop_ids)))
+                if stopped and not out.finished:
+                    engine.abort_request([out.request_id])  # what it decodes from here on is not the turn's
+                if out.finished or stopped:
+                    result.finish_reason = "stop" if stopped else completion.finish_reason
+                    unfinished.discard(out.request_id)
+                    if result.done(by_id[out.request_id]):
+                        left = groups_left[by_id[out.request_id].group]
+                        left.discard(out.request_id)
+                        num_complete += not left
+    with gate.work():
+        if unfinished:  # stopped mid-segment: they go on next pass, from where they are, under their next seed
+            engine.abort_request(sorted(unfinished))
+        if gate.updated_in_pass:
+            # rollout.update_in_pass=keep: the prefix cache holds blocks the old weights computed, which could not
+            # be reset while this pass's requests held them; now none does (engine/pass_gate.py)
+            llm.reset_prefix_cache()
     return [results[r.request_id] for r in requests], timeline
 
 
@@ -129,7 +155,8 @@ def _cut_at_stop(result: RequestResult, num_new: int, stop_ids: list[int], *, tu
     tokens, n, offset = [*turn_before, *result.token_ids], len(stop_ids), len(turn_before)
     for end in range(max(n, len(tokens) - num_new + 1), len(tokens) + 1):
         if tokens[end - n:end] == stop_ids:
-            del result.token_ids[end - offset:], result.logprobs[end - offset:]
+            cut = end - offset
+            del result.token_ids[cut:], result.logprobs[cut:], result.versions[cut:]
             return True
     return False
 

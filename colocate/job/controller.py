@@ -142,6 +142,7 @@ class Controller:
         self.rollout.before_sync(step)  # the engines' generation is over before the sync rewrites their weights
         with phase("sync", step):
             sync_stats = self.sync()
+        self.rollout.after_update(step, num_steps)  # async with rollout.update_in_pass: the parked pass goes on
         if self.checkpointer.due(step + 1, num_steps):
             with phase("checkpoint", step):
                 self.save_checkpoint(step)

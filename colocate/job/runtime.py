@@ -24,7 +24,7 @@ import ray
 
 from colocate.config import JobConfig
 from colocate.config.reward_model import reward_models_in
-from colocate.engine.actor import EngineActor, engine_env
+from colocate.engine.actor import CONCURRENCY_GROUPS, EngineActor, engine_env
 from colocate.engine.reward_engine import RewardEngineActor, reward_engine_config
 from colocate.host.shm import JOB_ENV, new_job_token
 from colocate.job.groups import EngineGroup, TrainerGroup
@@ -199,7 +199,7 @@ class Runtime:
     def _create_engines(self) -> None:
         """The engine actors, each preparing (vLLM's import) at once; _start_engines builds the engines."""
         cfg = self.cfg
-        actor = ray.remote(EngineActor)
+        actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(EngineActor)  # rollout.update_in_pass
         self.engines = EngineGroup(sleeps_with=self.engines.sleeps_with)
         self._engine_generation += 1
         for e in range(self.plan.num_engines):
@@ -225,7 +225,8 @@ class Runtime:
         env_vars = {**engine_env(engine_cfg, self.device, where.env), JOB_ENV: self.job}
         options = actor_options(self.group, where.bundle, cpu_share=where.cpu_share, env=env_vars,
                                 gpu_share=where.driver_share if self.device == "cuda" else 0.0)
-        actor = ray.remote(RewardEngineActor).options(name=self._reward_model_name(), **options).remote(
+        actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RewardEngineActor)  # EngineActor's methods
+        actor = actor.options(name=self._reward_model_name(), **options).remote(
             engine_cfg, path, kind=spec.kind, rm_cfg=cfg.reward_model, device=self.device,
             sleep_backend=self.resolved.sleep_backend, placement_env=where.env)
         self.reward_model = RewardModel(actor, kind=spec.kind)

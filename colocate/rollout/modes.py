@@ -5,7 +5,10 @@
     rollout.before_train(step, num_steps)    # one_step_off: step + 1's answers start generating
     ...                                      # score, train: the engines may still be generating
     rollout.before_sync(step)                # their generation is over (a watched "rollout_wait" when it waits)
-    ...                                      # sync, checkpoint, evaluation: the engines and the pool are idle
+    ...                                      # sync
+    rollout.after_update(step, num_steps)    # async with rollout.update_in_pass: the parked pass goes on
+    ...                                      # checkpoint, evaluation: the engines and the pool are idle (in-pass
+                                             # updates: the pass goes on, and an evaluation waits for it to end)
     rollout.after_sync(step, num_steps)      # async: the passes go on under the weights just synced
     state = rollout.state(); rollout.load_state(state)   # a checkpoint's part (JSON)
     rollout.close()
@@ -18,9 +21,15 @@ plan, when it keeps the engines busy during training, is job/preflight.py's); jo
   (rollout/overlap.py `Background`) while step k trains; the sync waits for them.
 - async: rollout passes run back to back in a thread (rollout/overlap.py `ContinuousRollout`); a step takes
   complete groups from it, and its sync waits only for the pass in flight (pause, sync, resume).
+- async with rollout.update_in_pass (`InPassRollout`): the sync does not wait for the pass; the engines park it
+  between two steps, and it goes on under the new weights (engine/pass_gate.py).
 """
 
 from __future__ import annotations
+
+import contextlib
+
+import ray
 
 from colocate.config import JobConfig
 from colocate.config.algo import OVERLAPPED_MODES
@@ -50,6 +59,9 @@ class RolloutMode:
         pass
 
     def before_sync(self, step: int) -> None:
+        pass
+
+    def after_update(self, step: int, num_steps: int) -> None:
         pass
 
     def after_sync(self, step: int, num_steps: int) -> None:
@@ -147,13 +159,67 @@ class AsyncRollout(RolloutMode):
             self._continuous = None
 
 
+class InPassRollout(AsyncRollout):
+    """algo.mode=async with rollout.update_in_pass: the update does not wait for the pass in flight. The engines
+    park it between two engine steps (engine/pass_gate.py), the sync writes the new weights, and the pass goes on
+    under them; its later tokens are tagged with the new version. The update's wait is about one decode step."""
+
+    def __init__(self, passes: Passes, trace, kv: str):
+        super().__init__(passes, trace)
+        self.kv = kv  # keep or recompute the KV cache of the answers in flight
+        self._holding: int | None = None  # the version the engines hold while parked for an update
+
+    def before_sync(self, step: int) -> None:
+        """No pass starts; the one in flight parks in every engine (each returns between two of its steps)."""
+        with self.trace.phase("rollout_wait", step):
+            self._continuous.hold()
+            self._holding = step
+            parked = ray.get([e.pause_pass.remote() for e in self.passes.engines])
+        self.trace.event("rollout.park" if any(parked) else "rollout.pause")
+
+    def after_update(self, step: int, num_steps: int) -> None:
+        """Right after the sync: the parked pass goes on under version step + 1, and the next passes are planned
+        under it. After the last step the pass in flight ends at its next step (its answers keep their tokens)."""
+        last = step + 1 >= num_steps
+        ray.get([e.resume_pass.remote(step + 1, self.kv, last) for e in self.passes.engines])
+        self._holding = None
+        self.trace.spans.extend(("rollout.pass", step, *span) for span in self._continuous.drain_pass_spans())
+        if last:
+            self._continuous.pause()  # the pass in flight ends at its next engine step; none starts after it
+            self.close()
+        else:
+            self._continuous.release(version=step + 1)
+            self.trace.event("rollout.resume")
+
+    def close(self) -> None:
+        """A step that failed between the park and the update leaves the pass parked: it ends (an engine's default
+        thread would otherwise wait on it, and its shutdown behind it)."""
+        if self._holding is not None:
+            version, self._holding = self._holding, None
+            with contextlib.suppress(Exception):  # an engine lost in the failure: its own error is the job's
+                ray.get([e.resume_pass.remote(version, self.kv, True) for e in self.passes.engines], timeout=30)
+        super().close()
+
+    def after_sync(self, step: int, num_steps: int) -> None:
+        pass  # the passes went on at after_update
+
+    def state(self) -> dict:
+        """Read as no pass's results change the pool: a pass may be in flight (its answers are saved as it found
+        them, and a resumed run continues them from there)."""
+        with self._continuous.locked() if self._continuous else contextlib.nullcontext():
+            return super().state()
+
+
 MODES: dict[str, type[RolloutMode]] = {"sync": RolloutMode, "one_step_off": OneStepOffRollout,
                                        "async": AsyncRollout}
 
 
 def make_rollout(cfg: JobConfig, passes: Passes, trace, switch) -> RolloutMode:
-    """The driver of cfg.algo.mode. `switch`: the runtime's switch plan; a mode that generates while the trainer
-    works (config.algo.OVERLAPPED_MODES, which the preflight gives a fixed plan) needs both sides where they are."""
+    """The driver of cfg.algo.mode (algo.mode=async with rollout.update_in_pass: InPassRollout). `switch`: the
+    runtime's switch plan; a mode that generates while the trainer works (config.algo.OVERLAPPED_MODES, which the
+    preflight gives a fixed plan) needs both sides where they are."""
     assert cfg.algo.mode not in OVERLAPPED_MODES or not (switch.engine_sleep_level or switch.trainer_offload), \
         f"algo.mode={cfg.algo.mode} with a switch plan that moves memory: {switch}"
+    if cfg.algo.mode == "async" and cfg.rollout.update_in_pass != "never":
+        return InPassRollout(passes, trace, cfg.rollout.update_in_pass)
     return MODES[cfg.algo.mode](passes, trace)

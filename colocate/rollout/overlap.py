@@ -21,6 +21,7 @@ Hazards, each why the class is written as it is:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -130,6 +131,26 @@ class ContinuousRollout:
             assert self._paused and not self._in_pass
             self._version, self._paused = version, False
             self._cond.notify_all()
+
+    def hold(self) -> None:
+        """rollout.update_in_pass: no new pass starts until `release`; the one in flight (if any) goes on, and the
+        caller parks it in its engines (EngineActor.pause_pass)."""
+        with self._cond:
+            self._paused = True
+            self._raise_if_failed()
+
+    def release(self, version: int) -> None:
+        """After an update inside the pass: the next passes are planned under policy `version`."""
+        with self._cond:
+            assert self._paused
+            self._version, self._paused = version, False
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def locked(self):
+        """The pool as no pass's results change it (a checkpoint's reading while a pass is in flight)."""
+        with self._cond:
+            yield
 
     def drain_pass_spans(self) -> list[tuple[float, float]]:
         """The (start, end) of the passes that ended since the last drain: when the engines were busy."""

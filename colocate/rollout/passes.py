@@ -142,8 +142,8 @@ class Passes:
         pool.top_up([(s, p, self.budgets(s, pool.rollout.num_samples)) for s, p in zip(samples, prompt_ids)])
 
     def run_pass(self, plan: Pass) -> list[dict]:
-        return ray.get([self.engines[e].run_pass.remote(plan.per_engine[e], self.sampling, plan.quotas[e])
-                        for e in plan.busy])
+        return ray.get([self.engines[e].run_pass.remote(plan.per_engine[e], self.sampling, plan.quotas[e],
+                                                        plan.version) for e in plan.busy])
 
     def finish_pass(self, plan: Pass, outs: list[dict], seconds: float) -> None:
         self._apply(plan, outs)

@@ -182,7 +182,7 @@ class RolloutPool:
             answer = group.answers[request.index]
             answer.token_ids += result.token_ids
             answer.logprobs += result.logprobs
-            answer.versions += [version] * len(result.token_ids)
+            answer.versions += result.versions or [version] * len(result.token_ids)  # an update in the pass
             answer.num_prefill_computed += len(request.prompt_ids) - result.num_cached_tokens
             answer.num_prefill_cached += result.num_cached_tokens
             if self.episodes is not None:
@@ -243,7 +243,7 @@ class RolloutPool:
             n = len(turn.observation)
             answer.token_ids += turn.observation
             answer.logprobs += [0.0] * n  # not sampled: masked out of the loss, never compared
-            answer.versions += [version] * n
+            answer.versions += [answer.versions[-1] if answer.versions else version] * n  # the turn's last
             answer.mask += [0] * n
             answer.turn_starts.append(len(answer.token_ids))
 

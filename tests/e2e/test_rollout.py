@@ -5,6 +5,8 @@ reproducible across them, the context guard, and prefix sharing counted by the e
 from __future__ import annotations
 
 import dataclasses
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -173,3 +175,84 @@ def test_dynamic_sampling_trains_exactly_the_informative_groups_asked_for(runtim
         controller.switch_to_sync()
         controller.sync()
         controller.switch_to_rollout()
+
+
+# ----------------------------------------------------------------- a weight update inside a pass (update_in_pass)
+
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "ignore_eos": True}
+
+
+def disk_and_perturbed_weights(runtime) -> tuple[dict, dict]:
+    """The model's weights as its files hold them, and a copy moved far from them (each tensor plus half its own
+    spread in seeded noise): two policies whose greedy answers and log-probs differ."""
+    import torch
+    from safetensors.torch import load_file
+
+    old = {}
+    for path in sorted(Path(runtime.model_path).glob("*.safetensors")):
+        old.update(load_file(path))
+    generator = torch.Generator().manual_seed(0)
+    new = {name: t + 0.5 * t.float().std().nan_to_num() * torch.randn(t.shape, generator=generator).to(t.dtype)
+           for name, t in old.items()}
+    return old, new
+
+
+def update_inside_a_pass(runtime, kv: str, old: dict, new: dict, *, max_tokens: int = 40):
+    """Two greedy answers under `old`, as policy version v (above any the engine held: versions only grow); once
+    their pass has run 6 engine steps it is parked, `new` is loaded (the naive sync, through the same control calls
+    as every sync), and the pass goes on under version v + 1."""
+    engine, prompt = runtime.engines[0], [5, 6, 7, 16]
+    v = (ray.get(engine.pass_progress.remote())["version"] or 0) + 1
+    ray.get(engine.load_state.remote(old))
+    requests = [EngineRequest(f"inpass-{kv}-{i}", i, 0, prompt, max_tokens, True, seed=i) for i in range(2)]
+    running = engine.run_pass.remote(requests, GREEDY, None, v)
+    deadline = time.monotonic() + 120
+    while not ((progress := ray.get(engine.pass_progress.remote()))["in_pass"] and progress["steps"] >= 6):
+        assert time.monotonic() < deadline, progress
+        time.sleep(0.002)
+    assert ray.get(engine.pause_pass.remote()), "the pass ended before the update could enter it"
+    ray.get(engine.load_state.remote(new))
+    ray.get(engine.resume_pass.remote(v + 1, kv))
+    out = ray.get(running)
+    results = out["results"]
+    k = results[0].versions.count(v)
+    for r in results:
+        assert len(r.token_ids) == max_tokens
+        assert r.versions == [v] * k + [v + 1] * (max_tokens - k), r.versions  # [k, ..., k, k + 1, ...]
+    assert 6 <= k < max_tokens and out["parked_s"] > 0
+    return prompt, results, k
+
+
+def continuation(runtime, prompt: list[int], head: list[int], num_tokens: int, tag: str):
+    """A fresh request over prompt + head under the engine's weights now: every KV computed by them."""
+    (result,) = run_pass(runtime, [EngineRequest(tag, 0, 0, prompt + head, num_tokens, True, seed=0)], GREEDY)
+    return result
+
+
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_tokens_after_an_update_inside_a_pass_are_the_new_weights(runtime, kv):
+    """rollout.update_in_pass on the real engine (TP=2, fp32, greedy): the tokens before the update are the old
+    weights' and are tagged with the pass's version, those after with the next, and are not the old weights' (the
+    update is not a silent no-op). recompute: the answers' KV is computed again, so their tokens after the update
+    are exactly what a fresh request over the same prefix gives under the new weights. keep: the first token after
+    the update is computed by the new weights over the old weights' KV, so its log-prob is neither policy's alone."""
+    old, new = disk_and_perturbed_weights(runtime)
+    try:
+        prompt, results, k = update_inside_a_pass(runtime, kv, old, new)
+        n = len(results[0].token_ids)
+        for i, r in enumerate(results):
+            under_new = continuation(runtime, prompt, r.token_ids[:k], n - k, f"new-{kv}-{i}")
+            if kv == "recompute":
+                assert under_new.token_ids == r.token_ids[k:]
+                np.testing.assert_allclose(r.logprobs[k:], under_new.logprobs, atol=1e-3)
+            else:
+                assert abs(r.logprobs[k] - under_new.logprobs[0]) > 1e-4  # the old KV is still read
+        ray.get(runtime.engines[0].load_state.remote(old))
+        for i, r in enumerate(results):
+            (whole_old,) = run_pass(runtime, [EngineRequest(f"old-{kv}-{i}", 0, 0, prompt, k, True, seed=i)], GREEDY)
+            assert whole_old.token_ids == r.token_ids[:k]  # before the update: the old weights' tokens
+            np.testing.assert_allclose(r.logprobs[:k], whole_old.logprobs, atol=1e-3)
+            under_old = continuation(runtime, prompt, r.token_ids[:k], n - k, f"old-cont-{kv}-{i}")
+            assert abs(r.logprobs[k] - under_old.logprobs[0]) > 1e-2, "the update inside the pass was a no-op"
+    finally:
+        ray.get(runtime.engines[0].load_state.remote(old))

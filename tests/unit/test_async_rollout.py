@@ -37,7 +37,7 @@ class SlowEngine(FakeGeneratingEngine):
         super().__init__(*args)
         self.updating, self.overlaps = updating, overlaps
 
-    def do_run_pass(self, requests, sampling, num_groups_wanted):
+    def do_run_pass(self, requests, sampling, num_groups_wanted, version=0):
         self.overlaps.append(self.updating.is_set())
         time.sleep(0.003)
         self.overlaps.append(self.updating.is_set())
@@ -102,7 +102,7 @@ class GatedEngine(FakeGeneratingEngine):
         super().__init__(*args)
         self.gate, self.num_passes = threading.Semaphore(0), 0
 
-    def do_run_pass(self, requests, sampling, num_groups_wanted):
+    def do_run_pass(self, requests, sampling, num_groups_wanted, version=0):
         self.gate.acquire()
         results = [RequestResult(r.request_id, [7] * r.max_tokens, [-0.5] * r.max_tokens,
                                  "length" if r.final else None, 0) for r in requests]

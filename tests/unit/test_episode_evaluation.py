@@ -25,7 +25,7 @@ class CopyingEngine(FakeActor):
 
     wrong_last = False
 
-    def do_run_pass(self, requests, sampling, num_groups_wanted):
+    def do_run_pass(self, requests, sampling, num_groups_wanted, version=0):
         assert sampling["temperature"] == 0.0  # greedy: eval.temperature=0
         results = []
         for r in requests:

@@ -56,6 +56,9 @@ HINTED = [
      validate(), None),
     (["algo.mode=one_step_off", "rollout.partial_tokens=4", "rollout.max_tokens=6"], validate(), None),
     (["algo.mode=async"], validate(), None),  # the default job: a quarter of 3 tokens needs more passes
+    (["algo.mode=sync", "rollout.update_in_pass=keep"], validate(), None),
+    (["algo.mode=async", "rollout.update_in_pass=keep", "rollout.partial_tokens=4", "rollout.max_tokens=8",
+      "rollout.max_lag=1"], validate(), None),
     (["algo.mode=async", "rollout.env=copy_turns", "rollout.max_turns=4", "rollout.max_tokens=12"], validate(), None),
     (["algo.mode=async", "rollout.partial_tokens=2", "algo.dynamic_sampling=true"], validate(), None),
     (["algo.mode=one_step_off", "engine.sleep_level=2"], validate(), None),

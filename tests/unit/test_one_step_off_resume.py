@@ -25,7 +25,7 @@ NUM_STEPS, STOP_AFTER = 6, 2
 
 
 class FakeGeneratingEngine(FakeEngine):
-    def do_run_pass(self, requests, sampling, num_groups_wanted):
+    def do_run_pass(self, requests, sampling, num_groups_wanted, version=0):
         """Run the requests of the first `num_groups_wanted` groups (by id) to the segment's end; abort the
         others after one token. An answer's tokens follow from its segment's seed, and so does whether it stops
         early (two in three: 1-3 tokens and EOS) or uses its whole segment (unfinished unless final: partial

@@ -254,7 +254,7 @@ def make_controller(plan: SwitchPlan, log: list, monkeypatch, tmp_path, *, check
     state = {"plan": plan, "trainers": dict.fromkeys(names, "resident"), "grads": dict.fromkeys(names, False),
              "engine": {"weights": True, "kv_cache": True}}
 
-    def get(refs):
+    def get(refs, **kwargs):  # kwargs: ray.get's timeout
         on_get()
         return [r.value for r in refs] if isinstance(refs, list) else refs.value
 

@@ -1,0 +1,130 @@
+"""A weight update inside a rollout pass: the engine's pass stops between two engine steps, the sync rewrites the
+weights, and the pass goes on under the new policy. Each token is tagged with the version of the weights that
+sampled it.
+
+    gate = PassGate()
+    run_pass(llm, requests, ..., gate=gate, version=k)   # the pass thread: every engine touch inside gate.work()
+    gate.pause()                                        # a control thread: returns between two engine steps
+    ... sync ...                                        # the engine is the control thread's until resume
+    gate.resume(k + 1)                                  # the pass samples its next tokens with version k + 1
+
+EngineActor.run_pass runs in the actor's default thread; pause, the sync's calls and resume in its "control"
+concurrency group (a thread of their own), which is why the engine's two users are kept apart here and not by
+Ray's one-call-at-a-time.
+
+vLLM has the same feature for its async front end (vLLM 0.32 `AsyncLLM.pause_generation(mode="keep",
+clear_cache=False)`, v1/engine/async_llm.py: requests frozen in the scheduler until `resume_generation`). colocate
+drives `LLMEngine.step` itself (engine/requests.py), so not calling it is the pause: no scheduler state changes,
+and the pause lands after whichever step is running, about one decode step later.
+
+What happens to the KV cache of the answers in flight (rollout.update_in_pass):
+- keep: their KV stays as the old weights computed it; the tokens after the update attend to it (PipelineRL's
+  and AReaL's in-flight updates do the same). The prefix cache cannot be reset while those requests hold blocks,
+  so the engine resets it when the pass ends: a later pass never reads a prefix the old weights computed.
+- recompute: vLLM preempts every running request and frees its blocks (`reset_prefix_cache(
+  reset_running_requests=True)`, v1/core/sched/scheduler.py), so each is prefilled again over its prompt and its
+  tokens so far with the new weights before it samples another. Exact, at the price of one prefill per answer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+WAIT_SLICE_S = 0.2  # a parked pass looks again this often (a closing engine must not leave it parked for good)
+
+
+class PassGate:
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._held = False  # an update wants the engine: the pass parks at its next boundary
+        self._busy = False  # the pass is inside work(): adding requests, stepping or aborting
+        self._in_pass = False
+        self.version: int | None = None  # the policy version of the weights the engine holds
+        self.updated_in_pass = False  # an update landed inside the pass in flight (keep: reset its cache after)
+        self.parked_s = 0.0  # the pass in flight's seconds parked for updates
+        self.ending = False  # the pass in flight must end at its next boundary (the rollout is closing)
+        self.steps = 0  # the pass in flight's engine steps so far
+
+    # ------------------------------------------------------------------------------------------ the pass
+
+    @contextmanager
+    def running(self, version: int):
+        """A pass planned under policy `version`. The engine may already hold a newer one: an update can land
+        between the pass's planning and its start here, and versions only grow."""
+        with self._cond:
+            assert not self._in_pass, "two passes at once on one engine"
+            self._in_pass, self.updated_in_pass, self.parked_s, self.ending = True, False, 0.0, False
+            self.steps = 0
+            self.version = version if self.version is None else max(self.version, version)
+        try:
+            yield self
+        finally:
+            with self._cond:
+                self._in_pass = False
+                self._cond.notify_all()
+
+    @contextmanager
+    def work(self):
+        """The pass touches the engine: waits while an update holds it."""
+        with self._cond:
+            if self._held:
+                parked = time.perf_counter()
+                while self._held:
+                    self._cond.wait(WAIT_SLICE_S)
+                self.parked_s += time.perf_counter() - parked
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    # ----------------------------------------------------------------------------------- the control thread
+
+    def pause(self) -> bool:
+        """Hold the engine for an update: returns once no pass touches it (a pass in flight is parked between two
+        engine steps, and no pass starts until resume). Returns whether a pass is in flight."""
+        with self._cond:
+            self._held = True
+            while self._busy:
+                self._cond.wait(WAIT_SLICE_S)
+            return self._in_pass
+
+    def resume(self, version: int, *, end: bool = False) -> None:
+        """The engine holds policy `version` now; a parked pass goes on with it. `end`: the pass in flight aborts
+        what is unfinished at its next boundary and returns (its results keep their tokens for a continuation)."""
+        with self._cond:
+            assert self._held, "resume without pause"
+            if self._in_pass:
+                self.updated_in_pass = True
+                self.ending = self.ending or end
+            self.version, self._held = version, False
+            self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self):
+        """The engine for a call of the control thread that is not an update (a memory reading, a sync outside
+        rollout.update_in_pass): a pass in flight parks for its length. Inside an update's hold it is that hold."""
+        with self._cond:
+            outer = self._held
+        if outer:
+            yield
+            return
+        self.pause()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held = False
+                self._cond.notify_all()
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    @property
+    def in_pass(self) -> bool:
+        return self._in_pass
