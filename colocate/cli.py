@@ -186,7 +186,7 @@ def cmd_bench(args) -> int:
         return 0
     # the bench's own arguments first: a bad one is named before the job's checks (and its memory preflight,
     # which depends on what the machine has free) can speak
-    only = _variants(args.variants) if args.which == "train" and args.variants else None
+    only = _variants(args.variants, args.which) if args.which in ("train", "async") and args.variants else None
     lengths = _lengths(args.lengths) if args.which in ("train", "train-memory") and args.lengths else None
     defaults = {"rollout": ROLLOUT_DEFAULTS, "async": ASYNC_DEFAULTS}.get(args.which, BENCH_DEFAULTS)
     cfg = load_config(paths, ([] if paths else defaults) + overrides)
@@ -233,7 +233,7 @@ def _run_bench(args, cfg: JobConfig, *, only: list[str] | None, lengths: list[in
     elif args.which == "async":
         from colocate.bench.overlap import run_async_bench
 
-        run_async_bench(cfg, num_steps=args.repeats, out_dir=args.out, name=args.name or "async")
+        run_async_bench(cfg, num_steps=args.repeats, out_dir=args.out, name=args.name or "async", variants=only)
     else:
         from colocate.bench.mismatch import run_mismatch_bench
 
@@ -241,13 +241,19 @@ def _run_bench(args, cfg: JobConfig, *, only: list[str] | None, lengths: list[in
                            max_tokens=args.max_tokens, out_dir=args.out, name=args.name or "mismatch")
 
 
-def _variants(text: str) -> list[str]:
-    from colocate.bench.train import variants
+def _variants(text: str, which: str) -> list[str]:
+    """bench train's variants (today among them) or bench async's (sync among them): each ratio is taken against
+    the first."""
+    if which == "async":
+        from colocate.bench.overlap import VARIANTS as known
+    else:
+        from colocate.bench.train import variants
 
-    known, asked = list(variants(bf16=True)), [v.strip() for v in text.split(",") if v.strip()]
-    if "today" not in asked or any(v not in known for v in asked):
+        known = list(variants(bf16=True))
+    base, asked = known[0], [v.strip() for v in text.split(",") if v.strip()]
+    if base not in asked or any(v not in known for v in asked):
         raise ConfigError(f"--variants {text!r} is invalid: expected a comma-separated subset of {', '.join(known)} "
-                          "that includes today (every ratio is taken against it)")
+                          f"that includes {base} (every ratio is taken against it)")
     return asked
 
 
@@ -389,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=int, default=120,
                        help="mismatch: longest sampled answer (default 120, as in the published measurement)")
     bench.add_argument("--variants", default="",
-                       help="train: the variants to run, a subset including today (default: every one)")
+                       help="train: the variants to run, a subset including today; async: of sync, one_step_off, "
+                       "async, sync_split, async_split, async_split_in_pass, including sync (default: every one)")
     bench.add_argument("--lengths", default="",
                        help="train: longest answer lengths, ascending (default 128,512,1024,2048,4096); "
                        "train-memory: sequence lengths in tokens, ascending (default 256,512,1024,2048)")

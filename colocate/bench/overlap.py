@@ -1,25 +1,27 @@
-"""`colocate bench async`: sync against one_step_off and async (algo.mode) on identical work, in one runtime,
-and async once more on a split placement (half the slots for the engines, the sync broadcast between them).
+"""`colocate bench async`: sync against one_step_off and async (algo.mode) on identical work, in one runtime, and
+sync and async again on a split placement (half the slots for the engines, the sync broadcast between them), async
+with its weight updates between passes and inside them (rollout.update_in_pass=keep).
 
-    colocate bench async                      # tiny model, long-tailed answers, 4 timed steps per mode
-    colocate bench async --repeats 8 rollout.max_tokens=240
+    colocate bench async                      # tiny model, long-tailed answers, 4 timed steps per variant
+    colocate bench async --repeats 8 --variants sync,async_split_in_pass rollout.max_tokens=240
 
 The work is bench rollout's: every answer gets a log-normal target length (median 40 tokens, a few 10x that) and
-the engine decodes exactly that many (`ignore_eos`), so rollout is long-tailed and at least half of a sync step.
-The modes run in one runtime with nothing moved (engine awake, trainer resident: one_step_off's plan), on the
-same prompt stream and the same lengths, so the only difference is the schedule. Async runs its passes in
-segments of a third of rollout.max_tokens (rollout.partial_tokens), with rollout.max_lag=2 so the longest answer
-fits in three passes. The split run (`async_split`) is a second runtime on the same slots: the first half
-hold the trainer ranks, the rest the engines (TP as large as fits), so each side has its own cores and the
-same total. Per mode: wall seconds per step, trained tokens per second, the seconds each side sits idle per
-step, and the staleness of the tokens trained.
+the engine decodes exactly that many (`ignore_eos`), so rollout is long-tailed: 32 prompts x 8 answers in one
+engine batch, rollout about two thirds of a sync step here. The modes run in one runtime with nothing moved (engine
+awake, trainer resident: one_step_off's plan), on the same prompt stream and the same lengths, so the only
+difference is the schedule. Async runs its passes in segments of a third of rollout.max_tokens
+(rollout.partial_tokens), with rollout.max_lag=2 so the longest answer fits in three passes (3 with updates inside
+a pass, each of which may add a version). The split variants run in a second runtime on the same slots: the
+first half hold the trainer ranks, the rest the engines (TP as large as fits), so each side has its own cores and
+the same total; sync_split is the baseline that tells the overlap's share of the split's gain from the layout's.
+Per variant: wall seconds per step, trained tokens per second, the seconds each side sits idle per step, the
+trainer's wait for the engines before a sync (rollout_wait), and the staleness of the tokens trained.
 
 Next to the measurement, labelled a model: the schedule's own prediction from the sync mode's measured phase
 times, one_step_off taking max(rollout, train) + the rest where sync takes rollout + train + the rest. It is the
 speed-up where the two sides do not contend (engines and trainers on devices of their own; not two processes
 on one GPU, which the GPU time-slices: docs/gpu.md); the measured ratio on this machine's 2 shared cores is the
-contended end. The PNG shows engine busy and
-trainer busy over time for each mode.
+contended end. The PNG shows engine busy and trainer busy over time for each variant.
 """
 
 from __future__ import annotations
@@ -37,44 +39,55 @@ from colocate.rollout.passes import Passes
 from colocate.rl.tasks import PromptStream, make_task
 
 # bench rollout's long tail, with one_step_off's plan for both modes (what moves would differ otherwise)
+# 32 prompts x 8 answers, all in one engine batch, at most 160 tokens: rollout is about 64% of a sync step on a
+# 2-core CPU (the rollout chapter's long tail: between half and two thirds), so an overlap has training to hide
 ASYNC_DEFAULTS = [d for d in ROLLOUT_DEFAULTS if not d.startswith(("engine.sleep_level", "trainer.offload"))] + \
-    ["engine.sleep_level=0", "trainer.offload=false", "rollout.max_tokens=240"]
+    ["engine.sleep_level=0", "trainer.offload=false", "rollout.max_tokens=160", "rollout.num_prompts=32",
+     "engine.max_num_seqs=256"]
 MODES = ("sync", "one_step_off", "async")
-SPLIT = "async_split"  # async on a split placement (placement.engine_slots): a runtime of its own
+SYNC_SPLIT = "sync_split"  # sync on a split placement (placement.engine_slots): a runtime of its own
+SPLIT = "async_split"  # async on it
+SPLIT_IN_PASS = "async_split_in_pass"  # and its weight updates inside the pass in flight (rollout.update_in_pass)
+SPLIT_VARIANTS = {SYNC_SPLIT: ("sync", "never"), SPLIT: ("async", "never"), SPLIT_IN_PASS: ("async", "keep")}
+VARIANTS = (*MODES, *SPLIT_VARIANTS)
 ENGINE_PHASES = ("rollout", "rollout.ahead", "rollout.pass", "eval")  # the spans in which the engines generate
 TRAINER_PHASES = ("train",)
 
 
-def run_async_bench(cfg: JobConfig, *, num_steps: int, out_dir: str, name: str) -> dict:
+def run_async_bench(cfg: JobConfig, *, num_steps: int, out_dir: str, name: str,
+                    variants: list[str] | None = None) -> dict:
+    """Every variant (VARIANTS, or those asked; sync always, every ratio is taken against it) on the same work."""
+    asked = ["sync", *[v for v in (variants or VARIANTS) if v != "sync"]]
     rows, timelines = {}, {}
     with Runtime(cfg) as rt:
-        for mode in MODES:
+        for mode in (m for m in MODES if m in asked):
             rows[mode], timelines[mode] = _run_mode(rt, cfg, mode, num_steps)
     # async again with the engines on devices of their own: half the slots, the sync broadcast across
     split = split_config(cfg)
-    with Runtime(split) as rt:
-        rows[SPLIT], timelines[SPLIT] = _run_mode(rt, split, "async", num_steps)
-    sync, off = rows["sync"], rows["one_step_off"]
-    measured = sync["step_s"] / off["step_s"]
-    measured_async = sync["step_s"] / rows["async"]["step_s"]
-    measured_split = sync["step_s"] / rows[SPLIT]["step_s"]
+    if set(SPLIT_VARIANTS) & set(asked):
+        with Runtime(split) as rt:
+            for variant, (mode, in_pass) in SPLIT_VARIANTS.items():
+                if variant in asked:
+                    rows[variant], timelines[variant] = _run_mode(rt, split, mode, num_steps, in_pass=in_pass)
+    sync = rows["sync"]
+    speedups = {f"{variant}_speedup_measured": sync["step_s"] / row["step_s"]
+                for variant, row in rows.items() if variant != "sync"}
     model = _schedule_model(sync)
     result = {"config": {"model": cfg.model.preset or cfg.model.path, "engine_tp": cfg.engine.tp,
                          "num_slots": cfg.placement.num_slots, "num_prompts": cfg.rollout.num_prompts,
                          "num_samples": cfg.rollout.num_samples, "lengths": f"log-normal, median {MEDIAN_TOKENS}, "
                          f"sigma {SIGMA}, at most {cfg.rollout.max_tokens}", "timed_steps_per_mode": num_steps - 1,
+                         "rollout_share_of_sync_step": sync["phase_s"].get("rollout", 0.0) / sync["step_s"],
                          SPLIT: {"engine_slots": split.placement.engine_slots, "engine_tp": split.engine.tp,
                                  "num_trainer_ranks": split.placement.num_trainer_ranks}},
               "modes": rows,
-              "one_step_off_speedup_measured": measured,
-              "async_speedup_measured": measured_async,
-              "async_split_speedup_measured": measured_split,
+              **speedups,
               "schedule_model": model}
     path = write_result(result, out_dir, name)
     _plot(timelines, Path(out_dir) / f"{name}.png")
-    print(f"one_step_off over sync: {measured:.2f}x measured here; {model['speedup']:.2f}x by the schedule model "
-          f"(no contention between the sides); async over sync: {measured_async:.2f}x, async on a split "
-          f"placement over sync: {measured_split:.2f}x, measured here")
+    print("over sync, measured here: " + ", ".join(f"{k.removesuffix('_speedup_measured')} {v:.2f}x"
+                                                   for k, v in speedups.items())
+          + f"; one_step_off by the schedule model (no contention between the sides): {model['speedup']:.2f}x")
     print(f"wrote {path}")
     return result
 
@@ -89,9 +102,13 @@ def split_config(cfg: JobConfig) -> JobConfig:
     return split
 
 
-def _run_mode(rt: Runtime, cfg: JobConfig, mode: str, num_steps: int) -> tuple[dict, list[tuple]]:
-    """`num_steps` timed steps of `mode` on the runtime's engines and trainers: the row and the phase spans."""
-    segments = {"partial_tokens": -(-cfg.rollout.max_tokens // 3), "max_lag": 2} if mode == "async" else {}
+def _run_mode(rt: Runtime, cfg: JobConfig, mode: str, num_steps: int,
+              in_pass: str = "never") -> tuple[dict, list[tuple]]:
+    """`num_steps` timed steps of `mode` on the runtime's engines and trainers: the row and the phase spans.
+    `in_pass`: async's rollout.update_in_pass; an update inside a pass adds a version to its tokens, so the lag
+    cap is one more for the same three segments."""
+    segments = {"partial_tokens": -(-cfg.rollout.max_tokens // 3), "max_lag": 2 if in_pass == "never" else 3,
+                "update_in_pass": in_pass} if mode == "async" else {}
     job = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, mode=mode),
                               rollout=dataclasses.replace(cfg.rollout, ignore_eos=True, **segments))
     job.check()
@@ -106,10 +123,11 @@ def _run_mode(rt: Runtime, cfg: JobConfig, mode: str, num_steps: int) -> tuple[d
         controller.close()
     spans = [s for s in controller.spans if s[1] is not None and 1 <= s[1] < total - 1]
     row = _row(records, spans)
-    label = SPLIT if job.placement.split else mode
-    print(f"{label:<13} {row['step_s']:.2f} s/step, {row['trained_tokens_per_s']:.0f} trained tokens/s, idle: "
+    label = next(v for v, m in SPLIT_VARIANTS.items() if m == (mode, in_pass)) if job.placement.split else mode
+    print(f"{label:<19} {row['step_s']:.2f} s/step, {row['trained_tokens_per_s']:.0f} trained tokens/s, idle: "
           f"engine {row['engine_idle_s']:.2f} s, trainer {row['trainer_idle_s']:.2f} s per step, max lag "
-          f"{row['max_lag']}, sync {row['phase_s'].get('sync', 0.0):.3f} s")
+          f"{row['max_lag']}, sync {row['phase_s'].get('sync', 0.0):.3f} s, rollout_wait "
+          f"{row['phase_s'].get('rollout_wait', 0.0):.3f} s")
     return row, spans
 
 
@@ -177,8 +195,10 @@ def _plot(timelines: dict, path: Path) -> None:
             bars = [(s[2] - origin, s[3] - s[2]) for s in spans if s[0] in names]
             ax.broken_barh(bars, (row - 0.4, 0.8), color=color)
         ax.set_yticks([0, 1], ["engine busy", "trainer busy"])
-        ax.set_title("algo.mode=async, split placement (engines on slots of their own)" if mode == SPLIT
-                     else f"algo.mode={mode}, co-located", fontsize=9)
+        ax.set_title({SYNC_SPLIT: "algo.mode=sync, split placement (engines on slots of their own)",
+                      SPLIT: "algo.mode=async, split placement",
+                      SPLIT_IN_PASS: "algo.mode=async, split placement, weight updates inside the pass"}.get(
+                          mode, f"algo.mode={mode}, co-located"), fontsize=9)
         ax.set_xlabel("seconds")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -31,6 +31,7 @@ actor's default thread (rollout.update_in_pass): pause_pass, the sync's, memory,
 from the pass is the engine's PassGate, not Ray's one call at a time. Create the actor with
 ray.remote(concurrency_groups=CONCURRENCY_GROUPS)."""
 CONCURRENCY_GROUPS = {CONTROL: 1}
+CPU_PREFILL_TOKENS = 4096  # a CPU engine step's token budget per TP worker, vLLM 0.32's CPU default (arg_utils.py)
 
 
 def engine_env(cfg, device: str, placement_env: dict[str, str] | None = None) -> dict[str, str]:
@@ -162,6 +163,18 @@ class EngineActor:
             # would cost a second import of torch and vLLM (about 16 CPU-s here) for nothing
             kwargs.update(distributed_executor_backend="mp" if self.cfg.tp > 1 else "uni",
                           kv_cache_memory_bytes=int(self.cfg.kv_cache_gib * (1 << 30)))
+            # Whole prefills only: a prefill split over two steps discards the first step's sample, and vLLM 0.32
+            # rewinds that request's seeded generator by set_offset (v1/worker/gpu_model_runner.py
+            # `_bookkeeping_sync`), which a CPU torch.Generator does not have ("CPU Generator does not use
+            # offset"): every answer here is seeded, and a pass of many long continuations (a recompute after an
+            # update inside the pass, a partial rollout's next segments) outgrows one step's token budget. The
+            # budget must then hold the longest prompt (vLLM's check), and engine.extra_args may still set both.
+            extra = engine_extra_args(self.cfg)
+            if "enable_chunked_prefill" not in extra:
+                kwargs["enable_chunked_prefill"] = False
+                kwargs["max_num_batched_tokens"] = extra.get("max_num_batched_tokens",
+                                                             max(self.cfg.max_model_len,
+                                                                 CPU_PREFILL_TOKENS * self.cfg.tp))
         else:
             kwargs.update(distributed_executor_backend="ray" if self.cfg.tp > 1 else None,
                           gpu_memory_utilization=self.cfg.gpu_memory_utilization,

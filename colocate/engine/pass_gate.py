@@ -41,7 +41,8 @@ class PassGate:
         self._held = False  # an update wants the engine: the pass parks at its next boundary
         self._busy = False  # the pass is inside work(): adding requests, stepping or aborting
         self._in_pass = False
-        self.version: int | None = None  # the policy version of the weights the engine holds
+        self.version: int | None = None  # the policy version of the weights the pass in flight samples with
+        self._pending: int | None = None  # an update that found no pass in flight: the next pass's, if newer
         self.updated_in_pass = False  # an update landed inside the pass in flight (keep: reset its cache after)
         self.parked_s = 0.0  # the pass in flight's seconds parked for updates
         self.ending = False  # the pass in flight must end at its next boundary (the rollout is closing)
@@ -51,13 +52,14 @@ class PassGate:
 
     @contextmanager
     def running(self, version: int):
-        """A pass planned under policy `version`. The engine may already hold a newer one: an update can land
-        between the pass's planning and its start here, and versions only grow."""
+        """A pass planned under policy `version`. The engine may hold a newer one already: an update can land
+        between the pass's planning (the driver's thread) and its start here, and is then this pass's."""
         with self._cond:
             assert not self._in_pass, "two passes at once on one engine"
             self._in_pass, self.updated_in_pass, self.parked_s, self.ending = True, False, 0.0, False
             self.steps = 0
-            self.version = version if self.version is None else max(self.version, version)
+            self.version = version if self._pending is None else max(version, self._pending)
+            self._pending = None
         try:
             yield self
         finally:
@@ -101,6 +103,8 @@ class PassGate:
             if self._in_pass:
                 self.updated_in_pass = True
                 self.ending = self.ending or end
+            elif not end:  # a pass planned before the update may start only now (an ending rollout plans none)
+                self._pending = version
             self.version, self._held = version, False
             self._cond.notify_all()
 

@@ -288,7 +288,8 @@ def run_calibrate(paths: list[str], overrides: list[str], *, out: Path, name: st
     elif against == "async":
         from colocate.bench.overlap import run_async_bench
 
-        measured = run_async_bench(cfg, num_steps=num_steps, out_dir=str(out), name=f"{name}_measured")["modes"]
+        measured = run_async_bench(cfg, num_steps=num_steps, out_dir=str(out), name=f"{name}_measured",
+                                   variants=list(predicted))["modes"]  # the modes the simulator predicts
         result["table"] = {mode: _compare(predicted[mode], measured[mode]) for mode in predicted}
     _print(predicted, result.get("table", {}))
     path = write_result(result, str(out), name)

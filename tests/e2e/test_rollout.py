@@ -256,3 +256,14 @@ def test_tokens_after_an_update_inside_a_pass_are_the_new_weights(runtime, kv):
             assert abs(r.logprobs[k] - under_old.logprobs[0]) > 1e-2, "the update inside the pass was a no-op"
     finally:
         ray.get(runtime.engines[0].load_state.remote(old))
+
+
+def test_a_pass_whose_prefills_outgrow_one_engine_step_runs_them_whole(runtime):
+    """240 seeded requests of 40 distinct prompt tokens each (9,600 tokens, beyond a step's 8,192 at TP=2): a
+    prefill split over two steps would make vLLM rewind a seeded CPU generator, which it cannot (the engine runs
+    whole prefills on the CPU: EngineActor._llm_kwargs). A recompute after an update inside a pass, or a partial
+    rollout's next segments, is such a pass."""
+    prompts = np.random.default_rng(0).integers(5, 45, size=(240, 40)).tolist()  # no prefix in common
+    requests = [EngineRequest(f"wide-{i}", i, 0, prompt, 2, True, seed=i) for i, prompt in enumerate(prompts)]
+    results = run_pass(runtime, requests, {"temperature": 1.0, "top_p": 1.0, "ignore_eos": True})
+    assert all(len(r.token_ids) == 2 and r.finish_reason == "length" for r in results)

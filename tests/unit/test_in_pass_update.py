@@ -158,3 +158,20 @@ def test_bad_in_pass_settings_are_one_line(overrides, needles):
         load_config(None, [*IN_PASS, *overrides])
     message = str(info.value)
     assert "\n" not in message and all(n in message for n in needles), message
+
+
+def test_a_pass_takes_the_update_that_landed_between_its_planning_and_its_start_and_no_other():
+    """The driver plans a pass under version 3, and its update to 4 reaches the engine before the pass does: the
+    pass samples with 4. A later pass, or one after a rollout that ended (another run on the same engines, a
+    bench's next mode), samples with the version it was planned under."""
+    gate = PassGate()
+    assert not gate.pause()  # no pass in flight
+    gate.resume(4)
+    with gate.running(3):
+        assert gate.version == 4
+    with gate.running(4):
+        assert gate.version == 4
+    gate.pause()
+    gate.resume(5, end=True)  # the last step's update: the rollout ends, no pass of it starts after
+    with gate.running(0):  # a new run on the same engines starts again from its own version
+        assert gate.version == 0
