@@ -768,10 +768,6 @@ class JobConfig:
                           f"two passes, and a pass is bounded only by partial rollout; valid with it: > 0, e.g. "
                           f"{overrides(fix)} (a quarter of rollout.max_tokens, or the least with which an answer "
                           "finishes within the lag cap)", fix=fix)
-            if self.algo.dynamic_sampling:
-                raise bad("algo.dynamic_sampling", True, "is not built for algo.mode=async yet (its refills roll "
-                          "out on the main thread); valid with it: false, or algo.mode=sync / one_step_off",
-                          fix={"algo.dynamic_sampling": False})
 
 
 def slot_layout_fix(*, num_slots: int, engine_slots: int, tp: int) -> dict[str, int]:

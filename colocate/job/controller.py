@@ -74,7 +74,7 @@ class Controller:
                                          prompts or make_prompt_source(cfg, runtime.tokenizer, self.task),
                                          env_workers=runtime.env_workers)
         self.rollout = make_rollout(cfg, self.passes, self.trace, runtime.switch)
-        self.sampling = make_sampling(cfg, self.passes, lambda groups: self.score(groups), self.trace)
+        self.sampling = make_sampling(cfg, self.rollout, lambda groups: self.score(groups), self.trace)
         self.evaluator = make_evaluator(cfg, runtime.engines, runtime.tokenizer, self.reward_fn, self.task)
         self.checkpointer = Checkpointer(cfg, runtime.model_path)
         self.resume_from = resume_from

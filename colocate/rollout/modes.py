@@ -55,6 +55,12 @@ class RolloutMode:
         self.passes.generate(version=step)
         return self.passes.take(step)
 
+    def take_more(self, step: int, num_groups: int) -> tuple[list[Group], dict]:
+        """Dynamic sampling's refill (rollout/refill.py): `num_groups` more complete groups for step `step`, their
+        stats counted on from the step's take (the pool's counters run on). Here a collect of their own: before
+        the step trains, the engines are the main thread's in sync and one_step_off alike."""
+        return self.passes.collect(version=step, num_groups=num_groups, refill=True)
+
     def before_train(self, step: int, num_steps: int) -> None:
         pass
 
@@ -129,11 +135,24 @@ class AsyncRollout(RolloutMode):
     def __init__(self, passes: Passes, trace):
         super().__init__(passes, trace)
         self._continuous: ContinuousRollout | None = None
+        self._counted: dict[str, int] = {}  # the pool's counters of the step's takes so far
 
     def _take(self, step: int) -> tuple[list[Group], dict]:
         if self._continuous is None:
             self._continuous = ContinuousRollout(self.passes, version=step)
-        return self._continuous.take(trained_version=step)
+        groups, stats = self._continuous.take(trained_version=step)
+        self._counted = _counters(stats)
+        return groups, stats
+
+    def take_more(self, step: int, num_groups: int) -> tuple[list[Group], dict]:
+        """The refill's groups come from the passes that run on the engines anyway, as a step's take does: never
+        a rollout of the main thread's beside them (the pool is theirs)."""
+        groups, more = self._continuous.take(trained_version=step, num_groups=num_groups)
+        # a take resets the pool's counters (each step counts the passes since the last): carried on here
+        for key, value in self._counted.items():
+            more[key] += value
+        self._counted = _counters(more)
+        return groups, more
 
     def before_sync(self, step: int) -> None:
         """The pass in flight ends, and no other starts until after_sync."""
@@ -208,6 +227,13 @@ class InPassRollout(AsyncRollout):
         them, and a resumed run continues them from there)."""
         with self._continuous.locked() if self._continuous else contextlib.nullcontext():
             return super().state()
+
+
+def _counters(stats: dict) -> dict[str, int]:
+    """The pool's counters in a take's stats (rollout/passes.py `_stats`), which dynamic sampling's refills add
+    to the step's."""
+    return {k: stats[k] for k in ("num_tokens_generated", "num_aborted", "num_lag_restarts", "num_dropped_groups",
+                                  "num_env_dropped") if k in stats}
 
 
 MODES: dict[str, type[RolloutMode]] = {"sync": RolloutMode, "one_step_off": OneStepOffRollout,

@@ -102,13 +102,13 @@ class ContinuousRollout:
 
     # ------------------------------------------------------------------------------------ the main thread
 
-    def take(self, trained_version: int) -> tuple[list[Group], dict]:
-        """rollout.num_prompts complete groups that policy `trained_version` may train (every token within
-        rollout.max_lag of it), and the stats of the passes since the last take."""
+    def take(self, trained_version: int, num_groups: int | None = None) -> tuple[list[Group], dict]:
+        """`num_groups` (default rollout.num_prompts) complete groups that policy `trained_version` may train
+        (every token within rollout.max_lag of it), and the stats of the passes since the last take."""
         with self._cond:
             while True:
                 self._raise_if_failed()
-                taken = self.rollouts.take_complete(trained_version)
+                taken = self.rollouts.take_complete(trained_version, num_groups)
                 # wakes the thread: the places of the groups taken are free for new prompts, or the take
                 # restarted too old answers of a full pool's complete groups
                 self._cond.notify_all()

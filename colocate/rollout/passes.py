@@ -150,15 +150,17 @@ class Passes:
         self.timelines.append([out["timeline"] for out in outs])
         self.seconds += seconds
 
-    def take_complete(self, trained_version: int) -> tuple[list[Group], dict] | None:
-        """Async: rollout.num_prompts complete groups whose every token policy `trained_version` may train, with
-        the stats of the passes since the last take; None while fewer are complete. A complete group with a
-        token too old has those answers restarted (the pass in flight holds no request of a complete group)."""
+    def take_complete(self, trained_version: int, num_groups: int | None = None) -> tuple[list[Group], dict] | None:
+        """Async: `num_groups` (default rollout.num_prompts; a dynamic sampling refill's) complete groups whose
+        every token policy `trained_version` may train, with the stats of the passes since the last take; None
+        while fewer are complete. A complete group with a token too old has those answers restarted (the pass in
+        flight holds no request of a complete group)."""
         pool = self.pool
+        wanted = pool.rollout.num_prompts if num_groups is None else num_groups
         pool.expire(trained_version, complete_only=True)
-        if pool.num_complete() < pool.rollout.num_prompts:
+        if pool.num_complete() < wanted:
             return None
-        taken = self.take(trained_version)
+        taken = self.take(trained_version, num_groups=wanted)
         self.timelines, self.seconds = [], 0.0
         pool.stats.reset()
         return taken

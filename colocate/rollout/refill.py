@@ -1,11 +1,13 @@
 """DAPO's dynamic sampling: while fewer than rollout.num_prompts of a step's groups have rewards that differ, roll out
 and score more. Without algo.dynamic_sampling every group scored trains (`KeepAll`).
 
-    sampling = make_sampling(cfg, passes, score, trace)    # score: groups -> scored groups (the controller's)
+    sampling = make_sampling(cfg, rollout, score, trace)   # score: groups -> scored groups (the controller's)
     scored, stats = sampling.refill(step, scored, stats)    # every group sampled; the step's rollout stats
 
-It is handed the passes, the score function and the trace, so its rollouts and scorings are timed as the step's
-"rollout" and "score" phases without reaching back into the controller.
+It is handed the mode's rollout driver (rollout/modes.py), the score function and the trace, so its rollouts and
+scorings are timed as the step's "rollout" and "score" phases without reaching back into the controller. The
+driver says where more groups come from (`take_more`): a collect on the main thread, or with algo.mode=async the
+passes already running on the engines, which the refill waits on like a step's take.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Callable
 from colocate.config import JobConfig
 from colocate.rl.samples import Group
 from colocate.rl.scoring import ScoredGroup, keep_informative
-from colocate.rollout.passes import Passes, staleness
+from colocate.rollout.passes import staleness
 
 ScoreFn = Callable[[list[Group]], list[ScoredGroup]]
 
@@ -29,9 +31,9 @@ class KeepAll:
 
 
 class DynamicSampling:
-    def __init__(self, cfg: JobConfig, passes: Passes, score: ScoreFn, trace):
+    def __init__(self, cfg: JobConfig, rollout, score: ScoreFn, trace):
         self.wanted, self.max_passes = cfg.rollout.num_prompts, cfg.rollout.max_refill_passes
-        self.passes, self.score, self.trace = passes, score, trace
+        self.rollout, self.score, self.trace = rollout, score, trace
 
     def refill(self, step: int, scored: list[ScoredGroup], rollout_stats: dict) -> tuple[list[ScoredGroup], dict]:
         """Each refill asks the pool for the missing groups over the fraction informative so far (the groups in
@@ -41,14 +43,14 @@ class DynamicSampling:
         stats: the refills' passes, seconds and pool counters added, `dynamic_sampling` saying how it went; the
         other figures (prefix sharing, the long tail) stay those of the step's first collect. A step still short
         after its refills trains what it has."""
-        stats, pool = dict(rollout_stats), self.passes.pool
+        stats, pool = dict(rollout_stats), self.rollout.passes.pool
         num_sampled, num_refills = len(scored), 0
         while (num_kept := sum(g.informative for g in scored)) < self.wanted and num_refills < self.max_passes:
             num_refills += 1
             rate = num_kept / num_sampled
             ask = min(pool.num_in_flight, math.ceil((self.wanted - num_kept) / rate) if rate else pool.num_in_flight)
             with self.trace.phase("rollout", step):
-                groups, more = self.passes.collect(version=step, num_groups=ask, refill=True)
+                groups, more = self.rollout.take_more(step, ask)
             with self.trace.phase("score", step):
                 scored = scored + self.score(groups)
             num_sampled = len(scored)
@@ -69,5 +71,6 @@ class DynamicSampling:
         return scored, stats
 
 
-def make_sampling(cfg: JobConfig, passes: Passes, score: ScoreFn, trace) -> KeepAll | DynamicSampling:
-    return DynamicSampling(cfg, passes, score, trace) if cfg.algo.dynamic_sampling else KeepAll()
+def make_sampling(cfg: JobConfig, rollout, score: ScoreFn, trace) -> KeepAll | DynamicSampling:
+    """`rollout`: the mode's driver (rollout/modes.py), whose `take_more` gives the refills' groups."""
+    return DynamicSampling(cfg, rollout, score, trace) if cfg.algo.dynamic_sampling else KeepAll()

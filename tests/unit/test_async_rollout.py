@@ -183,10 +183,9 @@ def test_a_failed_pass_is_raised_on_the_main_thread(monkeypatch, tmp_path):
 @pytest.mark.parametrize("overrides, needles", [
     (["rollout.partial_tokens=0"], ["rollout.partial_tokens=0 is invalid", "between two passes", "> 0"]),
     (["rollout.max_lag=0"], ["rollout.max_lag=0 is invalid", "algo.mode=async", ">= 1"]),
-    (["algo.dynamic_sampling=true"], ["algo.dynamic_sampling=True is invalid", "algo.mode=async"]),
     (["engine.sleep_level=2"], ["engine.sleep_level='2' is invalid", "never sleeps"]),
     (["trainer.offload=true"], ["trainer.offload='true' is invalid", "auto or false"]),
-], ids=["unbounded_passes", "no_lag_allowed", "dynamic_sampling", "sleeping_engine", "offloaded_trainer"])
+], ids=["unbounded_passes", "no_lag_allowed", "sleeping_engine", "offloaded_trainer"])
 def test_bad_async_settings_are_one_line(overrides, needles):
     with pytest.raises(ConfigError) as info:
         load_config(None, ["algo.mode=async", "rollout.partial_tokens=3", "rollout.max_tokens=3",

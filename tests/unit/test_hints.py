@@ -60,7 +60,6 @@ HINTED = [
     (["algo.mode=async", "rollout.update_in_pass=keep", "rollout.partial_tokens=4", "rollout.max_tokens=8",
       "rollout.max_lag=1"], validate(), None),
     (["algo.mode=async", "rollout.env=copy_turns", "rollout.max_turns=4", "rollout.max_tokens=12"], validate(), None),
-    (["algo.mode=async", "rollout.partial_tokens=2", "algo.dynamic_sampling=true"], validate(), None),
     (["algo.mode=one_step_off", "engine.sleep_level=2"], validate(), None),
     (["algo.mode=async", "rollout.partial_tokens=2", "trainer.offload=true"], validate(), None),
     (["algo.mode=one_step_off", "rollout.max_lag=0"], validate(), None),

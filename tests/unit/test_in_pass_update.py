@@ -67,8 +67,8 @@ class SteppedEngine(FakeGeneratingEngine):
         self.gate.resume(version, end=end)
 
 
-def in_pass_controller(monkeypatch, tmp_path, state=None):
-    controller = controller_with_rollouts(monkeypatch, tmp_path, IN_PASS, state=state)
+def in_pass_controller(monkeypatch, tmp_path, state=None, extra=()):
+    controller = controller_with_rollouts(monkeypatch, tmp_path, [*IN_PASS, *extra], state=state)
     updating = threading.Event()
     engine = controller.rt.engines[0] = SteppedEngine("engine 0", [], {}, updating=updating)
     controller.engine = engine
@@ -145,6 +145,39 @@ def test_resumed_from_a_checkpoint_taken_during_a_pass_loses_no_group_and_trains
     in_pool = {g.group_id for g in resumed.passes.pool.groups}
     drawn = set(range(resumed.passes.pool._next_group_id))
     assert drawn == set(trained) | in_pool and not set(trained) & in_pool  # none lost
+
+
+def test_dynamic_sampling_refills_from_the_running_passes(monkeypatch, tmp_path):
+    """algo.dynamic_sampling with async: a step short of informative groups takes more complete groups from the
+    passes that run on the engines (never a rollout of the main thread's beside them), and trains exactly
+    rollout.num_prompts informative groups, each drawn once. Here a group is informative when its prompt's
+    characters sum to an odd number (about half of them)."""
+    controller = in_pass_controller(monkeypatch, tmp_path / "run", extra=["algo.dynamic_sampling=true",
+                                                                        "rollout.max_refill_passes=8"])
+    scored_by_wrapper = controller.score
+
+    def score(groups):
+        scored = scored_by_wrapper(groups)
+        for g in scored:
+            g.rewards = [1.0, 0.0] if sum(map(ord, g.group.sample.prompt)) % 2 else [0.0, 0.0]
+            g.task_rewards = None
+        return scored
+
+    controller.score = score
+    monkeypatch.setattr(controller.passes, "collect", lambda *a, **k: pytest.fail("a rollout on the main thread"))
+    try:
+        records = controller.run_steps(NUM_STEPS)
+    finally:
+        controller.close()
+    assert not any(controller.engine.overlaps)
+    refills = [r["rollout"]["dynamic_sampling"]["num_refills"] for r in records]
+    assert sum(refills) > 0, "no step needed a refill"
+    for r in records:
+        sampling = r["rollout"]["dynamic_sampling"]
+        assert sampling["num_groups_kept"] == 4 and sampling["num_groups_short"] == 0, sampling
+        assert r["rollout"]["max_lag"] <= 2  # the lag cap
+    taken = controller.taken_ids
+    assert len(taken) == len(set(taken))  # every group drawn once, refills included
 
 
 @pytest.mark.parametrize("overrides, needles", [
