@@ -192,6 +192,10 @@ class Passes:
         peak = max(steps, default=0)
         return {
             "num_groups": len(groups),
+            # which groups: with num_groups_drawn, a run's record counts every group drawn (trained once, or still
+            # in flight in its last checkpoint's pool), across kills and resumes
+            "group_ids": [g.group_id for g in groups],
+            "num_groups_drawn": self.pool.num_drawn,
             "num_passes": len(self.timelines),
             **self.pool.carried(),
             "num_tokens_generated": self.pool.stats.num_tokens_generated,

@@ -247,6 +247,11 @@ class RolloutPool:
             answer.mask += [0] * n
             answer.turn_starts.append(len(answer.token_ids))
 
+    @property
+    def num_drawn(self) -> int:
+        """Groups drawn from the prompt stream so far (their ids are 0 .. num_drawn - 1)."""
+        return self._next_group_id
+
     def num_complete(self) -> int:
         return sum(g.complete for g in self.groups)
 

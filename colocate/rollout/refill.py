@@ -54,6 +54,7 @@ class DynamicSampling:
             with self.trace.phase("score", step):
                 scored = scored + self.score(groups)
             num_sampled = len(scored)
+            stats["group_ids"] = stats["group_ids"] + more["group_ids"]  # every group sampled, kept or not
             stats["num_passes"] += more["num_passes"]
             stats["seconds"] += more["seconds"]
             # the pool's counters run on over a step's collects; what is carried is as the last one left it

@@ -10,12 +10,23 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import assert_nothing_left, colocate_processes, launch, shm_segments
+from colocate.telemetry.metrics import read_records
+from tests.e2e.conftest import ROOT, assert_nothing_left, colocate_processes, launch, shm_segments
 
 pytestmark = pytest.mark.e2e
+
+
+def records(out: Path) -> list[dict]:
+    # as the product reads them: a run SIGKILLed mid-write leaves half a last line
+    return read_records(out / "metrics.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +70,44 @@ def test_split_sync_is_bit_exact_after_every_step(four_slots, tmp_path, num_slot
     assert placement["pairs"] == [None] * len(trainer_devices)
     steps = [r for r in records if "event" not in r]
     assert [r["step"] for r in steps] == [0, 1] and all(r["sync_method"] == "broadcast" for r in steps)
+
+
+def test_split_async_with_updates_inside_passes_killed_and_resumed_counts_every_group(four_slots, tmp_path):
+    """Split async with weight updates inside the passes (rollout.update_in_pass=keep), as a user runs it on a
+    cluster: the controller SIGKILLed after step 1's record, `colocate clean`, then resume=auto to step 5.
+    Counted from the steps' records (each step's last record: a step run again after the resume counts once)
+    and the last checkpoint's pool: every group drawn from the prompt stream was trained exactly once or is in
+    flight at the end; no group is lost or trained twice. Versions and lags after the resume are as before it:
+    every token within the lag cap, none newer than the policy that trains it."""
+    out = tmp_path / "out"
+    job = ["rollout.num_prompts=4", "rollout.num_samples=4", "rollout.max_tokens=4", "engine.kv_cache_gib=0.125",
+           f"logging.output_dir={out}", f"model.cache_dir={ROOT / '.cache' / 'models'}",
+           f"placement.ray_address={four_slots}", "placement.num_slots=3", "placement.engine_slots=1",
+           "engine.tp=1", "algo.mode=async", "rollout.update_in_pass=keep", "rollout.partial_tokens=2",
+           "rollout.max_lag=2", "rollout.oversample=1.5", "checkpoint.every_steps=1", "checkpoint.keep_last=0",
+           "logging.progress=false"]
+    cli = str(Path(sys.executable).parent / "colocate")
+    first = subprocess.Popen([cli, "launch", "configs/default.yaml", *job, "algo.num_steps=30"], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not ((out / "metrics.jsonl").is_file() and 1 in {r.get("step") for r in records(out)}):
+        assert first.poll() is None and time.monotonic() < deadline, "the job ended or never reached step 1"
+        time.sleep(0.2)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    cleaned = subprocess.run([cli, "clean", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert cleaned.returncode == 0, cleaned.stdout + cleaned.stderr
+    result = subprocess.run([cli, "launch", "configs/default.yaml", *job, "algo.num_steps=6", "resume=auto"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed_at = [r for r in records(out) if r.get("event") == "resume"][-1]["step"]
+    steps = {r["step"]: r for r in records(out) if "event" not in r}  # a step's last record
+    assert sorted(steps) == list(range(6)) and resumed_at >= 1
+    trained = [g for step in range(6) for g in steps[step]["rollout"]["group_ids"]]
+    assert len(trained) == 4 * 6 and len(set(trained)) == len(trained)  # none twice
+    pool = json.loads((out / "checkpoints" / "step_00000005" / "controller.json").read_text())["rollouts"]["pool"]
+    in_flight = {g["group_id"] for g in pool["groups"]}
+    assert set(trained) | in_flight == set(range(pool["next_group_id"])) and not set(trained) & in_flight
+    for step, record in steps.items():
+        lags = {int(lag) for lag in record["rollout"]["token_lags"]}
+        assert lags and min(lags) >= 0 and max(lags) <= 2, (step, lags)  # the lag cap, no token from the future
