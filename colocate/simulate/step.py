@@ -64,14 +64,19 @@ def candidates(cfg: JobConfig, gpus: int) -> list[tuple[str, dict[str, str]]]:
     for engines in sorted({e for e in (gpus // 4, gpus // 2, 3 * gpus // 4) if e >= tp and e % tp == 0}):
         split = {"placement.engine_slots": str(engines)}
         out += [(f"one_step_off, split {engines}+{gpus - engines}", {"algo.mode": "one_step_off", **split})]
-        if cap:
-            out += [(f"async, split {engines}+{gpus - engines}, partial {cap}",
-                     {"algo.mode": "async", **_partial(cap, max_tokens), **split})]
+        # async with its updates inside the passes, each cap: the update waits about one decode step, which the
+        # overlapped step below (the longer side) already assumes; a pass may hold one version more
+        out += [(f"async, split {engines}+{gpus - engines}, partial {c}, updates in passes",
+                 {"algo.mode": "async", **_partial(c, max_tokens, in_pass=True), **split,
+                  "rollout.update_in_pass": "keep"}) for c in caps]
     return out
 
 
-def _partial(cap: int, max_tokens: int) -> dict[str, str]:
-    return {"rollout.partial_tokens": str(cap), "rollout.max_lag": str(max(1, math.ceil(max_tokens / cap) - 1))}
+def _partial(cap: int, max_tokens: int, *, in_pass: bool = False) -> dict[str, str]:
+    """Partial rollout's cap with the smallest lag cap that lets the longest answer finish: ceil(max_tokens / cap)
+    passes, each a version (and with updates inside them one more: config.schema.a_version_more)."""
+    passes = math.ceil(max_tokens / cap)
+    return {"rollout.partial_tokens": str(cap), "rollout.max_lag": str(max(1, passes if in_pass else passes - 1))}
 
 
 def predict_modes(load: Callable[[dict[str, str]], JobConfig], gpu: Hardware, *, gpus: int,
