@@ -284,6 +284,13 @@ class RolloutConfig:
     """algo.mode=async: a weight update enters the pass in flight between two engine steps (never: it waits for the
     pass to end); the pass's later tokens are the new policy's (docs/async.md). keep: the answers in flight keep the
     KV cache the old weights computed; recompute: the engine computes it again with the new weights first."""
+    speculative: str = ""
+    """Speculative decoding in rollout (docs/rollout.md): ngram (vLLM's prompt lookup: drafts copied from the answer's
+    own context, no draft model to keep in sync with the policy); empty: none. CUDA only (vLLM's CPU build samples
+    off the policy's distribution with drafts); temperature and top_p 1, so the sampling log-probs are the
+    policy's."""
+    speculative_tokens: int = 4
+    """rollout.speculative: draft tokens proposed a step, each verified by the policy in the same forward pass."""
     env: str = ""
     """Multi-turn episodes (docs/environments.md): an environment, built-in (copy_turns) or `module:factory` returning
     an object with reset(sample) and step(action_text); each answer is an episode of turns, the engine's tokens and the
@@ -325,6 +332,8 @@ class RolloutConfig:
                        "must be >= 1 (a multiple of rollout.num_prompts groups in flight)")
         one_of(self, "rollout", "leftover", ["carry", "drop"])
         one_of(self, "rollout", "update_in_pass", ["never", "keep", "recompute"])
+        positive(self, "rollout", "speculative_tokens")
+        self._check_speculative()
         positive(self, "rollout", "max_turns")
         non_negative(self, "rollout", "env_timeout_s", "max_turn_tokens", "env_workers")
         if self.turn_stop and not self.env:
@@ -344,6 +353,23 @@ class RolloutConfig:
         if self.env:
             self._check_env()
 
+    def _check_speculative(self) -> None:
+        if not self.speculative:
+            return
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise bad("rollout.speculative", self.speculative, "valid: ngram (prompt lookup), or empty; a draft "
+                      "model or EAGLE head would have to be trained and synced beside the policy, which colocate "
+                      "does not do", fix={"rollout.speculative": ""})
+        if self.temperature != 1.0 or self.top_p != 1.0:
+            # vLLM 0.32's rejection sampler returns some accepted draft tokens' processed log-probs as 0.0 (seen
+            # on the CPU build: 17 of 1,024 at temperature 1, none with raw log-probs), so the engine asks for raw
+            # log-probs, which are the sampling distribution's only without temperature and top-p
+            key, value = ("rollout.temperature", self.temperature) if self.temperature != 1.0 else \
+                ("rollout.top_p", self.top_p)
+            raise bad(key, value, "rollout.speculative keeps the sampling log-probs the policy's only at "
+                      "temperature 1 and top_p 1 (vLLM's processed log-probs of accepted drafts are wrong); valid "
+                      "with it: 1.0, or rollout.speculative empty", fix={key: 1.0})
+
     def _check_env(self) -> None:
         for key in ("reward_fn", "rewards"):
             if getattr(self, key):
@@ -353,6 +379,9 @@ class RolloutConfig:
             raise bad("rollout.ignore_eos", True, "a turn of rollout.env ends at the model's EOS; valid with it: "
                       "false", fix={"rollout.ignore_eos": False})
         # partial rollout's passes against the lag cap: JobConfig._check_partial_rollout (it depends on the mode)
+
+
+SPECULATIVE_METHODS = ("ngram",)
 
 
 def partial_rollout_fix(rollout: RolloutConfig, *, mode: str, partial: int) -> dict[str, int]:

@@ -51,10 +51,21 @@ def engine_env(cfg, device: str, placement_env: dict[str, str] | None = None) ->
     return env
 
 
+def speculative_config(rollout) -> dict | None:
+    """vLLM's speculative_config for rollout.speculative: ngram prompt lookup proposes rollout.speculative_tokens
+    drafts a step from the longest match (4 tokens down to 2) of the request's last tokens in its own context."""
+    if not rollout.speculative:
+        return None
+    return {"method": rollout.speculative, "num_speculative_tokens": rollout.speculative_tokens,
+            "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
 class EngineActor:
     def __init__(self, cfg, model_path: str, *, device: str, sleep_backend: str, eos_token_id: int | None,
-                 placement_env: dict[str, str] | None = None):
+                 placement_env: dict[str, str] | None = None, speculative: dict | None = None):
+        """`speculative`: vLLM's speculative_config for rollout.speculative (speculative_config()), or None."""
         self.cfg = cfg
+        self.speculative = speculative
         self.placement_env = placement_env or {}
         self.model_path = model_path
         self.device = device
@@ -152,7 +163,11 @@ class EngineActor:
             worker_extension_cls=EXTENSION,
             # the logprobs of the distribution tokens were sampled from (after temperature and top-p), the
             # behaviour policy of the loss; raw logprobs would be those of the unscaled logits
-            logprobs_mode="processed_logprobs",
+            # With speculative decoding, raw: vLLM 0.32's rejection sampler returns some accepted drafts' processed
+            # log-probs as 0.0 (v1/sample/rejection_sampler.py `_get_logprobs_tensors`; none of its raw ones are),
+            # and the config allows it only at temperature 1 and top_p 1, where the two are the same distribution
+            logprobs_mode="raw_logprobs" if self.speculative else "processed_logprobs",
+            **({"speculative_config": self.speculative} if self.speculative else {}),
             **({"max_num_seqs": self.cfg.max_num_seqs} if self.cfg.max_num_seqs else {}),
             **(_lora_kwargs(self.cfg.max_lora_rank, self._adapter_shapes) if self.cfg.max_lora_rank else {}),
             **engine_extra_args(self.cfg),
@@ -242,7 +257,8 @@ class EngineActor:
                                      eos_token_id=self.eos_token_id, lora_request=self._adapter, version=version,
                                      gate=self._gate)
         return {"results": results, "timeline": timeline, "seconds": time.perf_counter() - started,
-                "parked_s": self._gate.parked_s}
+                "parked_s": self._gate.parked_s,
+                "decode": {"request_steps": self._gate.request_steps, "tokens": self._gate.tokens}}
 
     @ray.method(concurrency_group=CONTROL)
     def pause_pass(self) -> bool:

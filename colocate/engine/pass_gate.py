@@ -47,6 +47,8 @@ class PassGate:
         self.parked_s = 0.0  # the pass in flight's seconds parked for updates
         self.ending = False  # the pass in flight must end at its next boundary (the rollout is closing)
         self.steps = 0  # the pass in flight's engine steps so far
+        self.request_steps = self.tokens = 0  # its requests' steps that produced tokens, and those tokens: more
+        # tokens than steps when speculative decoding's drafts are accepted (rollout.speculative)
 
     # ------------------------------------------------------------------------------------------ the pass
 
@@ -57,7 +59,7 @@ class PassGate:
         with self._cond:
             assert not self._in_pass, "two passes at once on one engine"
             self._in_pass, self.updated_in_pass, self.parked_s, self.ending = True, False, 0.0, False
-            self.steps = 0
+            self.steps = self.request_steps = self.tokens = 0
             self.version = version if self._pending is None else max(version, self._pending)
             self._pending = None
         try:

@@ -119,6 +119,8 @@ def _run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_
                 # logprobs=0: only the sampled token's logprob at each new position
                 result.logprobs += [next(iter(lp.values())).logprob for lp in completion.logprobs or []]
                 result.versions += [version] * len(completion.token_ids)
+                if completion.token_ids:
+                    gate.request_steps, gate.tokens = gate.request_steps + 1, gate.tokens + len(completion.token_ids)
                 result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens or 0)
                 stopped = bool(stop_ids) and _cut_at_stop(
                     result, len(completion.token_ids), stop_ids,

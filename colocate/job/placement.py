@@ -153,6 +153,11 @@ def plan_slots(cfg: JobConfig, *, device: str, num_devices: int, where: str = "t
         if cfg.engine.sleep_backend == "vllm":
             raise ConfigError("engine.sleep_backend='vllm' is invalid on a CPU run: vLLM's sleep mode needs CUDA; "
                               "valid: auto, portable", fix={"engine.sleep_backend": "auto"})
+        if cfg.rollout.speculative:
+            raise ConfigError(f"rollout.speculative={cfg.rollout.speculative!r} is invalid on a CPU run: vLLM 0.32's "
+                              "CPU build, sampling at temperature > 0 with drafts, returns tokens its model gives "
+                              "almost no probability (scripts/probe_cpu_speculative.py; greedy is right), and RL "
+                              "samples; valid on the CPU: empty", fix={"rollout.speculative": ""})
         if cfg.trainer.mixed_precision and not cpu_bf16_features():
             raise ConfigError("trainer.mixed_precision=True is invalid on this CPU: it computes bf16 natively only "
                               "with AVX-512 BF16 or AMX (flags avx512_bf16, amx_bf16), which it lacks, and emulated "

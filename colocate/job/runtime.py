@@ -24,7 +24,7 @@ import ray
 
 from colocate.config import JobConfig
 from colocate.config.reward_model import reward_models_in
-from colocate.engine.actor import CONCURRENCY_GROUPS, EngineActor, engine_env
+from colocate.engine.actor import CONCURRENCY_GROUPS, EngineActor, engine_env, speculative_config
 from colocate.engine.reward_engine import RewardEngineActor, reward_engine_config
 from colocate.host.shm import JOB_ENV, new_job_token
 from colocate.job.groups import EngineGroup, TrainerGroup
@@ -209,7 +209,8 @@ class Runtime:
                                     gpu_share=where.driver_share if self.device == "cuda" else 0.0)
             self.engines.append(actor.options(name=self._engine_name(e), **options).remote(
                 cfg.engine, self.model_path, device=self.device, sleep_backend=self.resolved.sleep_backend,
-                eos_token_id=self.tokenizer.eos_token_id, placement_env=where.env))
+                eos_token_id=self.tokenizer.eos_token_id, placement_env=where.env,
+                speculative=speculative_config(cfg.rollout)))
         self._engines_prepared = [e.prepare.remote() for e in self.engines]
 
     def _create_reward_model(self) -> None:

@@ -58,6 +58,7 @@ class Passes:
                          "stop_ids": tokenizer(r.turn_stop, add_special_tokens=False).input_ids if r.turn_stop
                          else []}
         self.timelines: list[list[list[tuple[float, int]]]] = []  # last generate: per pass, per engine
+        self.decoded = [0, 0]  # since then: the requests' engine steps that produced tokens, and those tokens
         self.seconds = 0.0  # last generate's wall time
 
     def collect(self, version: int, *, num_groups: int | None = None,
@@ -81,7 +82,7 @@ class Passes:
         self._fill()
         if not refill:
             pool.expire(version if trained_version is None else trained_version)
-        self.timelines = []
+        self.timelines, self.decoded = [], [0, 0]
         started = time.perf_counter()
         while pool.num_complete() < wanted:
             self._fill()  # multi-turn: the places of groups dropped for their environment's failure
@@ -161,7 +162,7 @@ class Passes:
         if pool.num_complete() < wanted:
             return None
         taken = self.take(trained_version, num_groups=wanted)
-        self.timelines, self.seconds = [], 0.0
+        self.timelines, self.seconds, self.decoded = [], 0.0, [0, 0]
         pool.stats.reset()
         return taken
 
@@ -185,6 +186,10 @@ class Passes:
         across rollout.env_workers), not one batch per engine."""
         self.pool.apply([r for e in plan.busy for r in plan.per_engine[e]],
                         [result for out in outs for result in out["results"]], plan.version)
+        for out in outs:
+            decode = out.get("decode", {})
+            self.decoded[0] += decode.get("request_steps", 0)
+            self.decoded[1] += decode.get("tokens", 0)
 
     def _stats(self, groups: list[GroupInFlight], rollouts: list[Group], version: int, seconds: float) -> dict:
         answers = [a for g in groups for a in g.answers]
@@ -210,8 +215,19 @@ class Passes:
             # the long tail: engine steps decoding fewer than half the sequences of the busiest step
             "mean_running": statistics.fmean(steps) if steps else 0.0,
             "tail_step_fraction": sum(n < peak / 2 for n in steps) / max(len(steps), 1),
+            **_speculation_stats(self.pool.rollout, self.decoded),
             "seconds": seconds,
         }
+
+
+def _speculation_stats(rollout, decoded: list[int]) -> dict:
+    """Tokens an answer gains per engine step (1 without speculative decoding; 1 + the drafts accepted with it),
+    and with rollout.speculative the fraction of drafts accepted."""
+    per_step = decoded[1] / decoded[0] if decoded[0] else 1.0
+    stats = {"tokens_per_request_step": per_step}
+    if rollout.speculative:
+        stats["speculative_acceptance"] = (per_step - 1) / rollout.speculative_tokens
+    return stats
 
 
 def _episodes(cfg: JobConfig, tokenizer, env_workers: list):

@@ -57,6 +57,11 @@ HINTED = [
     (["algo.mode=one_step_off", "rollout.partial_tokens=4", "rollout.max_tokens=6"], validate(), None),
     (["algo.mode=async"], validate(), None),  # the default job: a quarter of 3 tokens needs more passes
     (["algo.mode=sync", "rollout.update_in_pass=keep"], validate(), None),
+    (["rollout.speculative=eagle"], validate(), None),
+    (["rollout.speculative=ngram"], validate(), None),  # on the CPU
+    # then refused on the CPU, by another check of the same key
+    (["rollout.speculative=ngram", "rollout.temperature=0.7"], validate(), "rollout.speculative"),
+    (["rollout.speculative=ngram", "rollout.top_p=0.9"], validate(), "rollout.speculative"),
     (["algo.mode=async", "rollout.update_in_pass=keep", "rollout.partial_tokens=4", "rollout.max_tokens=8",
       "rollout.max_lag=1"], validate(), None),
     (["algo.mode=async", "rollout.env=copy_turns", "rollout.max_turns=4", "rollout.max_tokens=12"], validate(), None),
