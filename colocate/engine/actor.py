@@ -30,7 +30,11 @@ CONTROL = "control"
 actor's default thread (rollout.update_in_pass): pause_pass, the sync's, memory, resume_pass. Their exclusion
 from the pass is the engine's PassGate, not Ray's one call at a time. Create the actor with
 ray.remote(concurrency_groups=CONCURRENCY_GROUPS)."""
-CONCURRENCY_GROUPS = {CONTROL: 1}
+PROBE = "probe"
+"""The watchdog's probes (pid, worker_pids, worker_deaths), which read this actor's Python state alone: answered
+at once, whatever the other two threads are doing (a pass parked for an update that failed would otherwise hold
+them until the job's close)."""
+CONCURRENCY_GROUPS = {CONTROL: 1, PROBE: 1}
 CPU_PREFILL_TOKENS = 4096  # a CPU engine step's token budget per TP worker, vLLM 0.32's CPU default (arg_utils.py)
 
 
@@ -62,10 +66,13 @@ def speculative_config(rollout) -> dict | None:
 
 class EngineActor:
     def __init__(self, cfg, model_path: str, *, device: str, sleep_backend: str, eos_token_id: int | None,
-                 placement_env: dict[str, str] | None = None, speculative: dict | None = None):
-        """`speculative`: vLLM's speculative_config for rollout.speculative (speculative_config()), or None."""
+                 placement_env: dict[str, str] | None = None, speculative: dict | None = None,
+                 update_in_pass: bool = False):
+        """`speculative`: vLLM's speculative_config for rollout.speculative (speculative_config()), or None.
+        `update_in_pass`: weight updates enter this engine's passes (rollout.update_in_pass)."""
         self.cfg = cfg
         self.speculative = speculative
+        self.update_in_pass = update_in_pass
         self.placement_env = placement_env or {}
         self.model_path = model_path
         self.device = device
@@ -200,6 +207,12 @@ class EngineActor:
                           # which swaps w13's halves (CUTLASS: [up | gate]) or re-blocks it (TRT-LLM): the sync
                           # and its verification write and read [gate | up] per expert. No effect on dense models.
                           moe_backend="triton")
+            if self.update_in_pass:
+                # One batch in flight at most: vLLM 0.32 schedules the next step while the last runs on CUDA at
+                # TP=1 (async scheduling, the uni executor's default), so a pause between two step() calls could
+                # leave a batch of the old weights to come out tagged with the new version. The CPU build and the
+                # Ray executor (TP > 1) schedule synchronously already.
+                kwargs["async_scheduling"] = False
         return kwargs
 
     def shutdown(self) -> None:
@@ -278,9 +291,15 @@ class EngineActor:
         KV of the answers in flight, or recompute it (vLLM preempts them; they prefill again with the new
         weights before their next token). `end` (the rollout closes): the pass aborts what is unfinished and
         returns at its next step."""
-        if kv == "recompute" and self._gate.in_pass:
-            self.llm.reset_prefix_cache(reset_running_requests=True)
-        self._gate.resume(version, end=end)
+        if not self._gate.held:
+            return  # resumed already: a close after a step whose update failed on another engine
+        try:
+            if kv == "recompute" and self._gate.holds_blocks:
+                self.llm.reset_prefix_cache(reset_running_requests=True)
+        except BaseException:
+            self._gate.resume(version, end=True)  # its answers go on next pass, prefilled again, or the job stops
+            raise
+        self._gate.resume(version, end=end, stale_cache=kv == "keep")
 
     # ----------------------------------------------------------------------------------------- weight sync
 
@@ -326,7 +345,8 @@ class EngineActor:
     @ray.method(concurrency_group=CONTROL)
     def seal_ring(self, key: str) -> None:
         """Everyone has mapped the rings: drop their names so no crash can leak a segment."""
-        self.sync_end.seal_ring(key)
+        with self._gate.exclusive():
+            self.sync_end.seal_ring(key)
 
     @ray.method(concurrency_group=CONTROL)
     def load_bucket(self, key: str, index: int, *per_rank_checksums) -> dict:
@@ -351,9 +371,9 @@ class EngineActor:
         # Hazard: cached prefixes were computed with the old weights. A parked pass's requests hold blocks, so
         # the reset waits for resume_pass (recompute) or for the pass's end (keep): engine/pass_gate.py.
         with self._gate.exclusive():
-            if self._gate.in_pass:
+            if self._gate.holds_blocks:
                 self._gate.updated_in_pass = True
-            else:
+            else:  # a pass parked before its requests were added holds none: its prefills see the new weights
                 self.llm.reset_prefix_cache()
         return time.perf_counter() - started
 
@@ -413,6 +433,7 @@ class EngineActor:
 
     # ----------------------------------------------------------------------------------------- liveness
 
+    @ray.method(concurrency_group=PROBE)
     def pid(self) -> int:
         return os.getpid()
 
@@ -424,10 +445,12 @@ class EngineActor:
         executor = getattr(self.llm.llm_engine, "model_executor", None) if self.llm is not None else None
         return list(getattr(executor, "workers", None) or [])
 
+    @ray.method(concurrency_group=PROBE)
     def worker_pids(self) -> list[tuple[int, int]]:
         """(TP rank, pid) of each worker process, for the controller's watchdog (colocate.job.faults)."""
         return [(h.rank, h.proc.pid) for h in self._workers()]
 
+    @ray.method(concurrency_group=PROBE)
     def worker_deaths(self) -> list[tuple[int, int, int | None]]:
         """(TP rank, pid, exit code) of each worker that exited, in the order they did; a negative code is the
         signal. The first is the cause: once one worker dies, vLLM's executor terminates the others (SIGTERM)."""

@@ -32,7 +32,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-WAIT_SLICE_S = 0.2  # a parked pass looks again this often (a closing engine must not leave it parked for good)
+WAIT_SLICE_S = 0.2  # how often a parked pass, or a pause waiting for a step, looks again
 
 
 class PassGate:
@@ -43,6 +43,8 @@ class PassGate:
         self._in_pass = False
         self.version: int | None = None  # the policy version of the weights the pass in flight samples with
         self._pending: int | None = None  # an update that found no pass in flight: the next pass's, if newer
+        self._end_next = False  # the rollout ended with no pass in flight: one that starts now ends at once
+        self.added = False  # the pass in flight has added its requests to the engine
         self.updated_in_pass = False  # an update landed inside the pass in flight (keep: reset its cache after)
         self.parked_s = 0.0  # the pass in flight's seconds parked for updates
         self.ending = False  # the pass in flight must end at its next boundary (the rollout is closing)
@@ -60,6 +62,7 @@ class PassGate:
             assert not self._in_pass, "two passes at once on one engine"
             self._in_pass, self.updated_in_pass, self.parked_s, self.ending = True, False, 0.0, False
             self.steps = self.request_steps = self.tokens = 0
+            self.added, self.ending, self._end_next = False, self._end_next, False
             self.version = version if self._pending is None else max(version, self._pending)
             self._pending = None
         try:
@@ -97,18 +100,29 @@ class PassGate:
                 self._cond.wait(WAIT_SLICE_S)
             return self._in_pass
 
-    def resume(self, version: int, *, end: bool = False) -> None:
+    def resume(self, version: int, *, end: bool = False, stale_cache: bool = True) -> None:
         """The engine holds policy `version` now; a parked pass goes on with it. `end`: the pass in flight aborts
-        what is unfinished at its next boundary and returns (its results keep their tokens for a continuation)."""
+        what is unfinished at its next boundary and returns (its results keep their tokens for a continuation); a
+        pass that starts only after it ends at once. `stale_cache`: the pass's requests hold KV blocks the old
+        weights computed (keep), so the prefix cache is reset when the pass ends; False after recompute's reset."""
         with self._cond:
             assert self._held, "resume without pause"
             if self._in_pass:
-                self.updated_in_pass = True
+                if self.added:  # its requests hold blocks (a pass parked before adding them holds none)
+                    self.updated_in_pass = stale_cache
                 self.ending = self.ending or end
-            elif not end:  # a pass planned before the update may start only now (an ending rollout plans none)
+            elif end:  # a pass planned before the rollout's end may reach the engine only now
+                self._end_next = True
+            else:  # a pass planned before the update may start only now: it is the update's
                 self._pending = version
             self.version, self._held = version, False
             self._cond.notify_all()
+
+    @property
+    def holds_blocks(self) -> bool:
+        """A pass is in flight and has added its requests: they hold KV blocks, so the prefix cache cannot be reset
+        until it ends."""
+        return self._in_pass and self.added
 
     @contextmanager
     def exclusive(self):

@@ -102,6 +102,7 @@ def _run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_
                 stop_token_ids=[eos_token_id] if eos_token_id is not None and not sampling.get("ignore_eos")
                 else None, output_kind=RequestOutputKind.DELTA)
             engine.add_request(r.request_id, prompt, params, lora_request=lora_request)
+        gate.added = True
 
     groups_left = {}  # group -> its requests not yet done
     for r in requests:

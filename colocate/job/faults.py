@@ -47,10 +47,10 @@ from colocate.host.procfs import process_state
 INTERRUPT_SIGNAL = signal.SIGUSR2
 PROBE_TIMEOUT_S = 5.0  # a member's pid() that does not return within this is silent: busy, or lost
 LOSS_WAIT_S = 60.0  # how long a silent member's fate is awaited (Ray's health check takes ~15-30 s by default)
-# How long a dead TP worker's engine actor is awaited for the exit it recorded. The actor runs one call at a time:
-# its worker_deaths() waits behind the rollout call its dead worker blocks, until vLLM's executor has noticed,
-# shut the other workers down and failed the pass (seconds; more than 10 with a second test file on 2 cores,
-# when the cause was given up for "its process is gone"). The record itself follows the death by milliseconds.
+# How long a dead TP worker's engine actor is awaited for the exit it recorded. Its worker_deaths() answers at once
+# (a concurrency group of its own, engine/actor.py PROBE) and is asked again until the record holds a death: the
+# record follows the death by milliseconds, once the actor's watcher reads the exit status; the bound is for a
+# loaded machine.
 DEATH_RECORD_WAIT_S = 60.0
 
 

@@ -210,7 +210,8 @@ class Runtime:
             self.engines.append(actor.options(name=self._engine_name(e), **options).remote(
                 cfg.engine, self.model_path, device=self.device, sleep_backend=self.resolved.sleep_backend,
                 eos_token_id=self.tokenizer.eos_token_id, placement_env=where.env,
-                speculative=speculative_config(cfg.rollout)))
+                speculative=speculative_config(cfg.rollout),
+                update_in_pass=cfg.algo.mode == "async" and cfg.rollout.update_in_pass != "never"))
         self._engines_prepared = [e.prepare.remote() for e in self.engines]
 
     def _create_reward_model(self) -> None:

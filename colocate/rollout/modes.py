@@ -200,11 +200,15 @@ class InPassRollout(AsyncRollout):
         """Right after the sync: the parked pass goes on under version step + 1, and the next passes are planned
         under it. After the last step the pass in flight ends at its next step (its answers keep their tokens)."""
         last = step + 1 >= num_steps
-        ray.get([e.resume_pass.remote(step + 1, self.kv, last) for e in self.passes.engines])
-        self._holding = None
+        # watched as rollout_wait (bounded by fault.rollout_timeout_s, a lost engine named): the resume, and after
+        # the last step the wait for the pass in flight to end
+        with self.trace.phase("rollout_wait", step):
+            ray.get([e.resume_pass.remote(step + 1, self.kv, last) for e in self.passes.engines])
+            self._holding = None
+            if last:
+                self._continuous.pause()  # the pass in flight ends at its next engine step; none starts after it
         self.trace.spans.extend(("rollout.pass", step, *span) for span in self._continuous.drain_pass_spans())
         if last:
-            self._continuous.pause()  # the pass in flight ends at its next engine step; none starts after it
             self.close()
         else:
             self._continuous.release(version=step + 1)
