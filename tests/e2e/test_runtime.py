@@ -258,7 +258,7 @@ def test_the_simulators_calibration_measures_this_runtime_and_leaves_it_as_it_fo
     assert all(s > 0 for _, _, s in cal.decode_step_s) and cal.prefill_s_per_token >= 0
     tokens = [t for t, _ in cal.train_step_s]
     assert tokens == sorted(tokens) and len(set(tokens)) == 3 and all(s > 0 for _, s in cal.train_step_s)
-    assert 0 < cal.overlap_gain < 4 and cal.sync_s > 0
+    assert 0 < cal.overlap_gain <= 2 and cal.sync_s > 0  # two sides at once, each at most its alone speed
     assert set(cal.switch_s) == {"to_train", "to_sync", "to_rollout", "seconds"}
     assert cal.prompt_tokens > 0 and cal.num_engines == 1
     # left as a job starts: a step runs its whole switching order from here, and the engines end synced
