@@ -60,9 +60,9 @@ class PassGate:
         between the pass's planning (the driver's thread) and its start here, and is then this pass's."""
         with self._cond:
             assert not self._in_pass, "two passes at once on one engine"
-            self._in_pass, self.updated_in_pass, self.parked_s, self.ending = True, False, 0.0, False
+            self._in_pass, self.updated_in_pass, self.parked_s, self.added = True, False, 0.0, False
             self.steps = self.request_steps = self.tokens = 0
-            self.added, self.ending, self._end_next = False, self._end_next, False
+            self.ending, self._end_next = self._end_next, False  # a rollout that ended before this pass started
             self.version = version if self._pending is None else max(version, self._pending)
             self._pending = None
         try:
