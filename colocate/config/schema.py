@@ -284,6 +284,12 @@ class RolloutConfig:
     """algo.mode=async: a weight update enters the pass in flight between two engine steps (never: it waits for the
     pass to end); the pass's later tokens are the new policy's (docs/async.md). keep: the answers in flight keep the
     KV cache the old weights computed; recompute: the engine computes it again with the new weights first."""
+    stream: bool = False
+    """algo.mode=async with rollout.update_in_pass: stream the rollout (docs/async.md). Each engine's pass takes new
+    requests while it runs (new prompts in the places of the groups a step took, an answer's next segment or turn),
+    and every answer's result comes back as it finishes: the trainer takes complete groups without waiting for a
+    pass to end, and the engines wait for the trainer only where the pool is full of complete groups (the lag cap
+    and rollout.oversample bound it)."""
     speculative: str = ""
     """Speculative decoding in rollout (docs/rollout.md): ngram (vLLM's prompt lookup: drafts copied from the answer's
     own context, no draft model to keep in sync with the policy); empty: none. CUDA only (vLLM's CPU build samples
@@ -530,24 +536,31 @@ class PlacementConfig:
     num_slots: int = 2
     """Device slots (GPUs, or logical CPU slots) the job holds. Co-located (engine_slots=0): each holds one trainer rank
     and one engine worker."""
-    engine_slots: int = 0
+    engine_slots: int | str = 0
     """0: co-located (trainers and engines take turns on every slot). N > 0: split placement: the last N slots hold only
     engines (N / engine.tp of them), the others only trainer ranks; nothing sleeps, and every sync is broadcast from the
-    trainers to the engines over a process group (gloo on the CPU, NCCL on GPUs)."""
+    trainers to the engines over a process group (gloo on the CPU, NCCL on GPUs). auto: the split predicted fastest,
+    decided once before any actor starts and printed with why (job/split.py): with algo.mode=one_step_off or async,
+    among the multiples of engine.tp that leave the trainers a slot, the one whose step the simulator predicts
+    shortest on a GPU it models (colocate simulate), else the even split; with algo.mode=sync, 0 (its phases run in
+    turn, so a split would idle each side while the other works)."""
     ray_address: str = ""
     """Existing Ray cluster to join ('auto', or host:port); empty starts a local Ray."""
 
     def check(self) -> None:
         positive(self, "placement", "num_slots")
-        non_negative(self, "placement", "engine_slots")
+        if self.engine_slots != AUTO:  # config/loading.py lets through an int or auto, nothing else
+            non_negative(self, "placement", "engine_slots")
         one_of(self, "placement", "device", ["auto", "cpu", "cuda"])
 
     @property
     def split(self) -> bool:
+        assert self.engine_slots != AUTO, "placement.engine_slots=auto is decided before it is read (job/split.py)"
         return self.engine_slots > 0
 
     @property
     def num_trainer_ranks(self) -> int:
+        assert self.engine_slots != AUTO, "placement.engine_slots=auto is decided before it is read (job/split.py)"
         return self.num_slots - self.engine_slots
 
 
@@ -740,6 +753,11 @@ class JobConfig:
             raise bad("rollout.update_in_pass", rollout.update_in_pass, f"lets a weight update into a pass in flight, "
                       f"and only algo.mode=async updates while the engines generate (algo.mode={algo.mode}); valid "
                       "with it: never, or algo.mode=async", fix={"rollout.update_in_pass": "never"})
+        if rollout.stream and (algo.mode != "async" or rollout.update_in_pass == "never"):
+            raise bad("rollout.stream", True, f"feeds the engines' passes without end, so it needs algo.mode=async "
+                      f"with updates inside a pass (algo.mode={algo.mode}, rollout.update_in_pass="
+                      f"{rollout.update_in_pass}); valid with it: algo.mode=async and rollout.update_in_pass=keep or "
+                      "recompute, or rollout.stream=false", fix={"rollout.stream": False})
         if algo.mode in OVERLAPPED_MODES:
             self._check_overlapped()
         if algo.overlong_buffer >= rollout.max_tokens:

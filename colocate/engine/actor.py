@@ -22,6 +22,7 @@ import ray
 
 from colocate.config import engine_extra_args
 from colocate.engine.pass_gate import PassGate
+from colocate.engine.stream import PassStream
 from colocate.errors import EngineStartError
 
 EXTENSION = "colocate.engine.extension.ColocateWorkerExtension"
@@ -34,7 +35,10 @@ PROBE = "probe"
 """The watchdog's probes (pid, worker_pids, worker_deaths), which read this actor's Python state alone: answered
 at once, whatever the other two threads are doing (a pass parked for an update that failed would otherwise hold
 them until the job's close)."""
-CONCURRENCY_GROUPS = {CONTROL: 1, PROBE: 1}
+STREAM = "stream"
+"""A streamed rollout's feed and drain (rollout.stream, engine/stream.py): they touch the stream's lists alone, so
+they go on while the pass runs or is parked for an update."""
+CONCURRENCY_GROUPS = {CONTROL: 1, PROBE: 1, STREAM: 1}
 CPU_PREFILL_TOKENS = 4096  # a CPU engine step's token budget per TP worker, vLLM 0.32's CPU default (arg_utils.py)
 
 
@@ -87,6 +91,7 @@ class EngineActor:
         self._adapter = None  # a LoRA job: the LoRARequest every generation carries (engine/lora.py)
         self._adapter_shapes: dict[str, tuple[int, ...]] = {}  # and the trainer's adapter tensors it holds
         self._gate = PassGate()  # a weight update inside a pass (rollout.update_in_pass)
+        self._stream = PassStream()  # rollout.stream: requests fed into the pass in flight, results out as they end
         self._sleep_level = 0  # of the last sleep: a level-2 wake discarded the adapter's buffers (wake)
         self._worker_entries: set[str] = set()  # vLLM's /dev/shm entries its TP workers map (start), for shutdown
 
@@ -258,20 +263,32 @@ class EngineActor:
         ]
 
     def run_pass(self, requests: list, sampling: dict, num_groups_wanted: int | None = None,
-                 version: int = 0) -> dict:
+                 version: int = 0, stream: bool = False) -> dict:
         """One rollout pass, step by step (engine.requests): stops once `num_groups_wanted` groups are complete
         and aborts the rest, keeping their tokens for a continuation. `version`: the policy it was planned under; a
-        weight update may enter it (pause_pass, resume_pass), its tokens then tagged with the new version."""
+        weight update may enter it (pause_pass, resume_pass), its tokens then tagged with the new version.
+        `stream` (rollout.stream): requests are fed into it (stream_feed) and results leave as they finish
+        (stream_drain); it returns the rest when it has nothing left to run."""
         from colocate.engine.requests import run_pass
 
         assert not self._asleep, f"run_pass() while the engine's {sorted(self._asleep)} sleep: wake them first"
         started = time.perf_counter()
         results, timeline = run_pass(self.llm, requests, sampling, num_groups_wanted=num_groups_wanted,
                                      eos_token_id=self.eos_token_id, lora_request=self._adapter, version=version,
-                                     gate=self._gate)
+                                     gate=self._gate, stream=self._stream if stream else None)
         return {"results": results, "timeline": timeline, "seconds": time.perf_counter() - started,
                 "parked_s": self._gate.parked_s,
                 "decode": {"request_steps": self._gate.request_steps, "tokens": self._gate.tokens}}
+
+    @ray.method(concurrency_group=STREAM)
+    def stream_feed(self, requests: list) -> bool:
+        """rollout.stream: more requests for the pass in flight; False when it has ended (they are the caller's)."""
+        return self._stream.feed(requests)
+
+    @ray.method(concurrency_group=STREAM)
+    def stream_drain(self, wait_s: float = 0.0) -> list:
+        """rollout.stream: the results finished since the last drain, waiting up to `wait_s` for one."""
+        return self._stream.drain(wait_s)
 
     @ray.method(concurrency_group=CONTROL)
     def pause_pass(self) -> bool:

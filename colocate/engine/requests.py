@@ -27,7 +27,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from colocate.engine.pass_gate import PassGate
+
+if TYPE_CHECKING:
+    from colocate.engine.stream import PassStream
 
 
 @dataclass
@@ -66,35 +71,51 @@ class RequestResult:
 
 def run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_wanted: int | None,
              eos_token_id: int | None, lora_request=None, version: int = 0,
-             gate: PassGate | None = None) -> tuple[list[RequestResult], list[tuple[float, int]]]:
+             gate: PassGate | None = None,
+             stream: PassStream | None = None) -> tuple[list[RequestResult], list[tuple[float, int]]]:
     """Run `requests` until each is finished, or until `num_groups_wanted` groups are complete (the rest are
     aborted). Returns the results in request order and the busy timeline: per engine step, (seconds since the
     start, sequences that produced a token in it). `lora_request`: the adapter every request runs with (a LoRA
     job's policy), or None. `version`: the policy the pass was planned under; `gate`: the engine's, through which
     a weight update enters the pass between two steps (engine/pass_gate.py), each token tagged with the version
-    that sampled it."""
+    that sampled it. `stream` (rollout.stream, engine/stream.py): more requests are added as they are fed, each
+    finished result leaves through it at once, and the pass returns only the rest (no `num_groups_wanted`)."""
+    assert stream is None or num_groups_wanted is None, "a streamed pass runs its requests to their ends"
     gate = gate or PassGate()  # a pass of its own: nothing enters it
     with gate.running(version):
-        return _run_pass(llm, requests, sampling, num_groups_wanted=num_groups_wanted, eos_token_id=eos_token_id,
-                         lora_request=lora_request, gate=gate)
+        if stream is not None:
+            stream.open()
+        try:
+            return _run_pass(llm, requests, sampling, num_groups_wanted=num_groups_wanted,
+                             eos_token_id=eos_token_id, lora_request=lora_request, gate=gate, stream=stream)
+        finally:
+            if stream is not None:
+                stream.close()
 
 
 def _run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_wanted: int | None,
-              eos_token_id: int | None, lora_request, gate: PassGate):
+              eos_token_id: int | None, lora_request, gate: PassGate, stream: PassStream | None):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
     stop_ids = sampling.get("stop_ids") or []  # rollout.turn_stop's tokens: a request ends right after them
-    by_id = {r.request_id: r for r in requests}
-    results = {r.request_id: RequestResult(r.request_id, [], [], None, 0) for r in requests}
-    # Rendered as LLM.generate renders them (vLLM 0.32: entrypoints/common/offline.py; a raw prompt passed to
-    # add_request is deprecated there): LLM's own offline path forces FINAL_ONLY outputs, which would lose the
-    # tokens of the requests this pass aborts.
-    with gate.work():
-        rendered = llm._preprocess_cmpl([TokensPrompt(prompt_token_ids=r.prompt_ids) for r in requests])
-        for r, prompt in zip(requests, rendered):
+    by_id: dict[str, EngineRequest] = {}
+    results: dict[str, RequestResult] = {}
+    groups_left: dict[int, set[str]] = {}  # group -> its requests not yet done
+    unfinished: set[str] = set()
+
+    def add(added: list[EngineRequest]) -> None:
+        """Into the engine, inside the gate's work. Rendered as LLM.generate renders them (vLLM 0.32: entrypoints/
+        common/offline.py; a raw prompt passed to add_request is deprecated there): LLM's own offline path forces
+        FINAL_ONLY outputs, which would lose the tokens of the requests this pass aborts. A streamed pass salts
+        each prompt's prefix-cache hashes with the weights' version (vLLM 0.32 v1/core/kv_cache_utils.py hashes
+        `cache_salt` into a request's first block, and the blocks after chain from it): a request fed after an
+        update inside the pass never reads a prefix the old weights computed, while the pass goes on for good."""
+        salt = {"cache_salt": f"v{gate.version}"} if stream is not None else {}
+        rendered = llm._preprocess_cmpl([TokensPrompt(prompt_token_ids=r.prompt_ids, **salt) for r in added])
+        for r, prompt in zip(added, rendered):
             params = SamplingParams(
                 n=1, temperature=sampling["temperature"], top_p=sampling["top_p"], max_tokens=r.max_tokens,
                 seed=r.seed, logprobs=0, detokenize=False, ignore_eos=sampling.get("ignore_eos", False),
@@ -102,15 +123,23 @@ def _run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_
                 stop_token_ids=[eos_token_id] if eos_token_id is not None and not sampling.get("ignore_eos")
                 else None, output_kind=RequestOutputKind.DELTA)
             engine.add_request(r.request_id, prompt, params, lora_request=lora_request)
+            by_id[r.request_id], results[r.request_id] = r, RequestResult(r.request_id, [], [], None, 0)
+            groups_left.setdefault(r.group, set()).add(r.request_id)
+            unfinished.add(r.request_id)
         gate.added = True
 
-    groups_left = {}  # group -> its requests not yet done
-    for r in requests:
-        groups_left.setdefault(r.group, set()).add(r.request_id)
-    num_complete, unfinished = 0, set(by_id)
+    with gate.work():
+        add(requests)
+    num_complete = 0
     timeline, started = [], time.perf_counter()
-    while unfinished and (num_groups_wanted is None or num_complete < num_groups_wanted) and not gate.ending:
+    while (num_groups_wanted is None or num_complete < num_groups_wanted) and not gate.ending:
         with gate.work():  # an update waits for this step and its aborts; the next step is the new weights'
+            if stream is not None and (fed := stream.take_inbox()):
+                add(fed)
+            if not unfinished and (stream is None or stream.close_if_idle()):
+                break
+            if not unfinished:
+                continue  # fed as the pass was about to end: added at the next look
             outputs, version = engine.step(), gate.version
             gate.steps += 1
             timeline.append((time.perf_counter() - started, sum(1 for o in outputs if o.outputs[0].token_ids)))
@@ -131,7 +160,9 @@ def _run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_
                 if out.finished or stopped:
                     result.finish_reason = "stop" if stopped else completion.finish_reason
                     unfinished.discard(out.request_id)
-                    if result.done(by_id[out.request_id]):
+                    if stream is not None:  # out at once, and not in the pass's return
+                        stream.finished(results.pop(out.request_id))
+                    elif result.done(by_id[out.request_id]):
                         left = groups_left[by_id[out.request_id].group]
                         left.discard(out.request_id)
                         num_complete += not left
@@ -142,6 +173,8 @@ def _run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_
             # rollout.update_in_pass=keep: the prefix cache holds blocks the old weights computed, which could not
             # be reset while this pass's requests held them; now none does (engine/pass_gate.py)
             llm.reset_prefix_cache()
+    if stream is not None:  # what did not leave through the stream: the aborted, in the order added
+        return list(results.values()), timeline
     return [results[r.request_id] for r in requests], timeline
 
 

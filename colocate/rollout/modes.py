@@ -22,7 +22,8 @@ plan, when it keeps the engines busy during training, is job/preflight.py's); jo
 - async: rollout passes run back to back in a thread (rollout/overlap.py `ContinuousRollout`); a step takes
   complete groups from it, and its sync waits only for the pass in flight (pause, sync, resume).
 - async with rollout.update_in_pass (`InPassRollout`): the sync does not wait for the pass; the engines park it
-  between two steps, and it goes on under the new weights (engine/pass_gate.py).
+  between two steps, and it goes on under the new weights (engine/pass_gate.py). With rollout.stream the passes
+  take new requests as they run and hand back each answer as it ends (rollout/streaming.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from colocate.config.algo import OVERLAPPED_MODES
 from colocate.rl.samples import Group
 from colocate.rollout.overlap import Background, ContinuousRollout
 from colocate.rollout.passes import Passes
+from colocate.rollout.streaming import StreamingRollout
 
 
 class RolloutMode:
@@ -132,6 +134,8 @@ class AsyncRollout(RolloutMode):
     """The passes run without pause in their own thread, started by the first take (of the run, or after a
     resume); a step takes complete groups that its policy may train (within rollout.max_lag)."""
 
+    continuous: type[ContinuousRollout] = ContinuousRollout  # what runs the passes
+
     def __init__(self, passes: Passes, trace):
         super().__init__(passes, trace)
         self._continuous: ContinuousRollout | None = None
@@ -139,7 +143,7 @@ class AsyncRollout(RolloutMode):
 
     def _take(self, step: int) -> tuple[list[Group], dict]:
         if self._continuous is None:
-            self._continuous = ContinuousRollout(self.passes, version=step)
+            self._continuous = self.continuous(self.passes, version=step)
         groups, stats = self._continuous.take(trained_version=step)
         self._counted = _counters(stats)
         return groups, stats
@@ -181,10 +185,14 @@ class AsyncRollout(RolloutMode):
 class InPassRollout(AsyncRollout):
     """algo.mode=async with rollout.update_in_pass: the update does not wait for the pass in flight. The engines
     park it between two engine steps (engine/pass_gate.py), the sync writes the new weights, and the pass goes on
-    under them; its later tokens are tagged with the new version. The update's wait is about one decode step."""
+    under them; its later tokens are tagged with the new version. The update's wait is about one decode step.
+    `stream` (rollout.stream): the passes take requests as they run and hand back each answer as it ends
+    (rollout/streaming.py), so a step takes its groups without waiting for a pass to end."""
 
-    def __init__(self, passes: Passes, trace, kv: str):
+    def __init__(self, passes: Passes, trace, kv: str, *, stream: bool = False):
         super().__init__(passes, trace)
+        if stream:
+            self.continuous = StreamingRollout
         self.kv = kv  # keep or recompute the KV cache of the answers in flight
         self._holding: int | None = None  # the version the engines hold while parked for an update
 
@@ -251,5 +259,5 @@ def make_rollout(cfg: JobConfig, passes: Passes, trace, switch) -> RolloutMode:
     assert cfg.algo.mode not in OVERLAPPED_MODES or not (switch.engine_sleep_level or switch.trainer_offload), \
         f"algo.mode={cfg.algo.mode} with a switch plan that moves memory: {switch}"
     if cfg.algo.mode == "async" and cfg.rollout.update_in_pass != "never":
-        return InPassRollout(passes, trace, cfg.rollout.update_in_pass)
+        return InPassRollout(passes, trace, cfg.rollout.update_in_pass, stream=cfg.rollout.stream)
     return MODES[cfg.algo.mode](passes, trace)

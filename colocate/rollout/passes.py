@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import ray
@@ -150,6 +150,37 @@ class Passes:
         self._apply(plan, outs)
         self.timelines.append([out["timeline"] for out in outs])
         self.seconds += seconds
+
+    # --------------------------------------------- rollout.stream: requests fed into passes that run on and on
+    # rollout/streaming.py's StreamingRollout calls these under its lock, from its thread.
+
+    def stream_requests(self, version: int, in_flight: Collection[tuple[int, int]]) -> list[list[EngineRequest]]:
+        """Each engine's new requests under policy `version`: top the pool up (the places of the groups a step
+        took), restart what the lag cap forbids among the answers with no request in flight, and the next segment
+        (or turn) of every unfinished answer with none; `in_flight`: their (group, answer)."""
+        self._fill()
+        self.pool.expire(version, skip=in_flight)
+        num_engines = len(self.engines)
+        per_engine: list[list[EngineRequest]] = [[] for _ in range(num_engines)]
+        for r in self.pool.requests(version):
+            if (r.group, r.index) not in in_flight:
+                per_engine[r.group % num_engines].append(r)
+        return per_engine
+
+    def stream_apply(self, requests: list[EngineRequest], results: list, version: int) -> None:
+        """Results as they came back: those of a group no longer in the pool (dropped, for its environment's
+        failure, while another of its answers ran) are dropped with it."""
+        kept = {g.group_id for g in self.pool.groups}
+        pairs = [(q, r) for q, r in zip(requests, results) if q.group in kept]
+        if pairs:
+            self.pool.apply([q for q, _ in pairs], [r for _, r in pairs], version)
+
+    def stream_ended(self, out: dict) -> None:
+        """An engine's streamed pass ended (its results applied): its busy timeline and decode counters."""
+        self.timelines.append([out["timeline"]])
+        decode = out.get("decode", {})
+        self.decoded[0] += decode.get("request_steps", 0)
+        self.decoded[1] += decode.get("tokens", 0)
 
     def take_complete(self, trained_version: int, num_groups: int | None = None) -> tuple[list[Group], dict] | None:
         """Async: `num_groups` (default rollout.num_prompts; a dynamic sampling refill's) complete groups whose

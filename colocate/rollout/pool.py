@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from colocate.config import RolloutConfig
@@ -127,16 +128,19 @@ class RolloutPool:
 
     # ------------------------------------------------------------------------------------------ a pass
 
-    def expire(self, version: int, *, complete_only: bool = False) -> None:
+    def expire(self, version: int, *, complete_only: bool = False, skip: Collection[tuple[int, int]] = ()) -> None:
         """At the start of a step under policy `version`: restart every answer whose oldest token is more than
         max_lag versions old, finished ones too (a group waiting on its longest answer, or a complete group
         carried over, must not train stale tokens). `complete_only`: only complete groups' (algo.mode=async
-        takes groups while a pass runs, whose unfinished answers must stay as its requests found them)."""
+        takes groups while a pass runs, whose unfinished answers must stay as its requests found them). `skip`:
+        the (group, answer) of requests in flight (rollout.stream), which must find their answers as they were."""
         failed = set()  # multi-turn, env_errors=drop: groups whose environment failed to start again
         for group in self.groups:
             if complete_only and not group.complete:
                 continue
             for i, answer in enumerate(group.answers):
+                if (group.group_id, i) in skip:
+                    continue
                 if answer.versions and version - answer.versions[0] > self.rollout.max_lag:
                     answer.restart()
                     self.stats.num_lag_restarts += 1

@@ -267,3 +267,54 @@ def test_a_pass_whose_prefills_outgrow_one_engine_step_runs_them_whole(runtime):
     requests = [EngineRequest(f"wide-{i}", i, 0, prompt, 2, True, seed=i) for i, prompt in enumerate(prompts)]
     results = run_pass(runtime, requests, {"temperature": 1.0, "top_p": 1.0, "ignore_eos": True})
     assert all(len(r.token_ids) == 2 and r.finish_reason == "length" for r in results)
+
+
+# ------------------------------------------------------------------------------- a streamed pass (rollout.stream)
+
+def test_a_streamed_pass_hands_back_each_answer_as_it_ends_and_takes_requests_while_it_runs(runtime):
+    """rollout.stream on the real engine: a one-token answer leaves through the stream while the 40-token one of the
+    same pass still runs; a request fed into the running pass runs in it, as it would alone; every result leaves
+    once (drained, or in the pass's return); and a pass that has ended refuses what is fed to it."""
+    engine, prompt = runtime.engines[0], [5, 6, 7, 16]
+    v = ray.get(engine.pass_progress.remote())["version"] or 0
+    running = engine.run_pass.remote([EngineRequest("st-long", 0, 0, prompt, 40, True, seed=1),
+                                      EngineRequest("st-short", 1, 0, prompt, 1, True, seed=2)], IGNORE_EOS, None, v,
+                                     True)
+    deadline = time.monotonic() + 120
+    while not ((progress := ray.get(engine.pass_progress.remote()))["in_pass"] and progress["steps"] >= 3):
+        assert time.monotonic() < deadline, progress
+        time.sleep(0.002)
+    assert ray.get(engine.pause_pass.remote()), "the pass ended before it could be held"  # now it cannot end
+    drained = ray.get(engine.stream_drain.remote(0.0))
+    assert [r.request_id for r in drained] == ["st-short"] and len(drained[0].token_ids) == 1
+    fed = EngineRequest("st-fed", 2, 0, [9, 8, 7], 3, True, seed=3)
+    assert ray.get(engine.stream_feed.remote([fed]))
+    ray.get(engine.resume_pass.remote(v, "keep"))
+    out = ray.get(running)
+    drained += ray.get(engine.stream_drain.remote(0.0))
+    assert out["results"] == []  # every request ran to its end: all left through the stream
+    by_id = {r.request_id: r for r in drained}
+    assert sorted(by_id) == ["st-fed", "st-long", "st-short"] and len(drained) == 3
+    assert [len(by_id[i].token_ids) for i in ("st-long", "st-fed")] == [40, 3]
+    (alone,) = run_pass(runtime, [dataclasses.replace(fed, request_id="st-fed-alone")])
+    assert alone.token_ids == by_id["st-fed"].token_ids
+    np.testing.assert_allclose(alone.logprobs, by_id["st-fed"].logprobs, atol=1e-4)
+    assert not ray.get(engine.stream_feed.remote([dataclasses.replace(fed, request_id="st-late")]))
+
+
+def test_a_streamed_pass_reads_no_prefix_cached_under_other_weights(runtime):
+    """A streamed pass salts each request's prefix-cache hashes with the weights' version: a 40-token prompt (one
+    full 32-token block) is served from the cache to a later pass of the same version, never to one of the next
+    (whose pass may have been fed after an update inside it, the prefix computed by the old weights)."""
+    engine, prompt = runtime.engines[0], [5 + i % 11 for i in range(40)]
+    v = ray.get(engine.pass_progress.remote())["version"] or 0
+
+    def streamed(tag: str, version: int):
+        out = ray.get(engine.run_pass.remote([EngineRequest(tag, 0, 0, prompt, 1, True, seed=0)], IGNORE_EOS,
+                                             None, version, True))
+        (result,) = ray.get(engine.stream_drain.remote(0.0)) + out["results"]
+        return result
+
+    streamed("salt-a", v)
+    assert streamed("salt-b", v).num_cached_tokens == 32
+    assert streamed("salt-c", v + 1).num_cached_tokens == 0

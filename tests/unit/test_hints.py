@@ -57,6 +57,7 @@ HINTED = [
     (["algo.mode=one_step_off", "rollout.partial_tokens=4", "rollout.max_tokens=6"], validate(), None),
     (["algo.mode=async"], validate(), None),  # the default job: a quarter of 3 tokens needs more passes
     (["algo.mode=sync", "rollout.update_in_pass=keep"], validate(), None),
+    (["rollout.stream=true"], validate(), None),
     (["rollout.speculative=eagle"], validate(), None),
     (["rollout.speculative=ngram"], validate(), None),  # on the CPU
     # then refused on the CPU, by another check of the same key

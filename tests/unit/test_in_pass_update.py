@@ -185,7 +185,9 @@ def test_dynamic_sampling_refills_from_the_running_passes(monkeypatch, tmp_path)
     (["rollout.update_in_pass=later"], ["rollout.update_in_pass='later' is invalid", "never, keep, recompute"]),
     (["rollout.max_lag=1"], ["rollout.partial_tokens=4 is invalid", "inside each pass", "rollout.max_lag = 1",
                              "rollout.partial_tokens >= 8"]),
-], ids=["not_async", "unknown_policy", "lag_cap_cannot_hold_the_passes"])
+    (["rollout.update_in_pass=never", "rollout.stream=true"], ["rollout.stream=True is invalid", "without end",
+                                                               "rollout.update_in_pass=keep or recompute"]),
+], ids=["not_async", "unknown_policy", "lag_cap_cannot_hold_the_passes", "stream_without_updates_in_pass"])
 def test_bad_in_pass_settings_are_one_line(overrides, needles):
     with pytest.raises(ConfigError) as info:
         load_config(None, [*IN_PASS, *overrides])
