@@ -48,9 +48,13 @@ MODES = ("sync", "one_step_off", "async")
 SYNC_SPLIT = "sync_split"  # sync on a split placement (placement.engine_slots): a runtime of its own
 SPLIT = "async_split"  # async on it
 SPLIT_IN_PASS = "async_split_in_pass"  # and its weight updates inside the pass in flight (rollout.update_in_pass)
-SPLIT_VARIANTS = {SYNC_SPLIT: ("sync", "never"), SPLIT: ("async", "never"), SPLIT_IN_PASS: ("async", "keep")}
+SPLIT_STREAM = "async_split_stream"  # and its rollout streamed: groups taken as they complete (rollout.stream)
+SPLIT_VARIANTS = {SYNC_SPLIT: ("sync", "never", False), SPLIT: ("async", "never", False),
+                  SPLIT_IN_PASS: ("async", "keep", False), SPLIT_STREAM: ("async", "keep", True)}
 VARIANTS = (*MODES, *SPLIT_VARIANTS)
 ENGINE_PHASES = ("rollout", "rollout.ahead", "rollout.pass", "eval")  # the spans in which the engines generate
+BACKGROUND = ("rollout.ahead", "rollout.pass")  # theirs alone, beside the main thread's steps: labelled with the step
+# that collected them, which may have started steps before (a streamed pass runs until its engine runs dry)
 TRAINER_PHASES = ("train",)
 
 
@@ -66,9 +70,10 @@ def run_async_bench(cfg: JobConfig, *, num_steps: int, out_dir: str, name: str,
     split = split_config(cfg)
     if set(SPLIT_VARIANTS) & set(asked):
         with Runtime(split) as rt:
-            for variant, (mode, in_pass) in SPLIT_VARIANTS.items():
+            for variant, (mode, in_pass, stream) in SPLIT_VARIANTS.items():
                 if variant in asked:
-                    rows[variant], timelines[variant] = _run_mode(rt, split, mode, num_steps, in_pass=in_pass)
+                    rows[variant], timelines[variant] = _run_mode(rt, split, mode, num_steps, in_pass=in_pass,
+                                                                  stream=stream, label=variant)
     sync = rows["sync"]
     speedups = {f"{variant}_speedup_measured": sync["step_s"] / row["step_s"]
                 for variant, row in rows.items() if variant != "sync"}
@@ -102,13 +107,15 @@ def split_config(cfg: JobConfig) -> JobConfig:
     return split
 
 
-def _run_mode(rt: Runtime, cfg: JobConfig, mode: str, num_steps: int,
-              in_pass: str = "never") -> tuple[dict, list[tuple]]:
+def _run_mode(rt: Runtime, cfg: JobConfig, mode: str, num_steps: int, in_pass: str = "never", stream: bool = False,
+              label: str | None = None) -> tuple[dict, list[tuple]]:
     """`num_steps` timed steps of `mode` on the runtime's engines and trainers: the row and the phase spans.
     `in_pass`: async's rollout.update_in_pass; an update inside a pass adds a version to its tokens, so the lag
-    cap is one more for the same three segments."""
-    segments = {"partial_tokens": -(-cfg.rollout.max_tokens // 3), "max_lag": 2 if in_pass == "never" else 3,
-                "update_in_pass": in_pass} if mode == "async" else {}
+    cap is one more for the same three segments. `stream`: async's rollout.stream (with in_pass), whole answers:
+    a streamed pass feeds new prompts as groups are taken, so it needs no segments to keep its batch full."""
+    segments = {"partial_tokens": 0 if stream else -(-cfg.rollout.max_tokens // 3),
+                "max_lag": 2 if in_pass == "never" else 3, "update_in_pass": in_pass,
+                "stream": stream} if mode == "async" else {}
     job = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, mode=mode),
                               rollout=dataclasses.replace(cfg.rollout, ignore_eos=True, **segments))
     job.check()
@@ -121,28 +128,27 @@ def _run_mode(rt: Runtime, cfg: JobConfig, mode: str, num_steps: int,
         records = [controller.step(step, num_steps=total) for step in range(total)][1:-1]
     finally:
         controller.close()
-    spans = [s for s in controller.spans if s[1] is not None and 1 <= s[1] < total - 1]
-    row = _row(records, spans)
-    label = next(v for v, m in SPLIT_VARIANTS.items() if m == (mode, in_pass)) if job.placement.split else mode
+    spans = [s for s in controller.spans if s[1] is not None]
+    row = _row(records, spans, steps=range(1, total - 1))
+    label = label or mode
     print(f"{label:<19} {row['step_s']:.2f} s/step, {row['trained_tokens_per_s']:.0f} trained tokens/s, idle: "
           f"engine {row['engine_idle_s']:.2f} s, trainer {row['trainer_idle_s']:.2f} s per step, max lag "
-          f"{row['max_lag']}, sync {row['phase_s'].get('sync', 0.0):.3f} s, rollout_wait "
-          f"{row['phase_s'].get('rollout_wait', 0.0):.3f} s")
+          f"{row['max_lag']}, batch {row['mean_running']:.0f}, sync {row['phase_s'].get('sync', 0.0):.3f} s, "
+          f"rollout_wait {row['phase_s'].get('rollout_wait', 0.0):.3f} s")
     return row, spans
 
 
-def _row(records: list[dict], spans: list[tuple]) -> dict:
-    """Per step: the wall time from the first phase's start to the last's end, each side's busy time (the union
-    of its spans) and the rest, idle."""
-    steps = sorted({s[1] for s in spans})
+def _row(records: list[dict], spans: list[tuple], steps: range) -> dict:
+    """Per timed step: the wall time from the first of its main thread's phases to the end of its last, each
+    side's busy time within it (the union of its spans, whichever step collected them) and the rest, idle."""
     step_s, engine_busy, trainer_busy = [], [], []
     for step in steps:
-        mine = [s for s in spans if s[1] == step]
+        mine = [s for s in spans if s[1] == step and s[0] not in BACKGROUND]
         start, end = min(s[2] for s in mine), max(s[3] for s in mine)
         step_s.append(end - start)
-        # the ahead rollout of step k runs during step k's wall time
-        engine_busy.append(_union([(s[2], s[3]) for s in mine if s[0] in ENGINE_PHASES]))
-        trainer_busy.append(_union([(s[2], s[3]) for s in mine if s[0] in TRAINER_PHASES]))
+        for busy, names in ((engine_busy, ENGINE_PHASES), (trainer_busy, TRAINER_PHASES)):
+            busy.append(_union([(max(s[2], start), min(s[3], end)) for s in spans
+                                if s[0] in names and s[2] < end and s[3] > start]))
     wall = statistics.fmean(step_s)
     lags: dict[str, int] = {}
     for r in records:
@@ -156,6 +162,8 @@ def _row(records: list[dict], spans: list[tuple]) -> dict:
             "engine_busy_s": statistics.fmean(engine_busy), "engine_idle_s": wall - statistics.fmean(engine_busy),
             "trainer_busy_s": statistics.fmean(trainer_busy), "trainer_idle_s": wall - statistics.fmean(trainer_busy),
             "rollout_generate_s": statistics.fmean(r["rollout"]["seconds"] for r in records),
+            # the engines' batch: sequences decoding per engine step (the long tail lowers it)
+            "mean_running": statistics.fmean(r["rollout"]["mean_running"] for r in records),
             "phase_s": phases, "token_lags": lags, "max_lag": max(r["rollout"]["max_lag"] for r in records),
             "stale_token_fraction": statistics.fmean(r["rollout"]["stale_token_fraction"] for r in records)}
 
@@ -197,7 +205,8 @@ def _plot(timelines: dict, path: Path) -> None:
         ax.set_yticks([0, 1], ["engine busy", "trainer busy"])
         ax.set_title({SYNC_SPLIT: "algo.mode=sync, split placement (engines on slots of their own)",
                       SPLIT: "algo.mode=async, split placement",
-                      SPLIT_IN_PASS: "algo.mode=async, split placement, weight updates inside the pass"}.get(
+                      SPLIT_IN_PASS: "algo.mode=async, split placement, weight updates inside the pass",
+                      SPLIT_STREAM: "algo.mode=async, split placement, updates inside the pass, rollout streamed"}.get(
                           mode, f"algo.mode={mode}, co-located"), fontsize=9)
         ax.set_xlabel("seconds")
     fig.tight_layout()

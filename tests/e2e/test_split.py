@@ -72,8 +72,10 @@ def test_split_sync_is_bit_exact_after_every_step(four_slots, tmp_path, num_slot
     assert [r["step"] for r in steps] == [0, 1] and all(r["sync_method"] == "broadcast" for r in steps)
 
 
-def test_split_async_with_updates_inside_passes_killed_and_resumed_counts_every_group(four_slots, tmp_path):
-    """Split async with weight updates inside the passes (rollout.update_in_pass=keep), as a user runs it on a
+@pytest.mark.parametrize("stream", [False, True], ids=["passes", "streamed"])
+def test_split_async_with_updates_inside_passes_killed_and_resumed_counts_every_group(four_slots, tmp_path, stream):
+    """Split async with weight updates inside the passes (rollout.update_in_pass=keep), its rollout in passes or
+    streamed (rollout.stream: groups taken as they complete, requests fed into the passes), as a user runs it on a
     cluster: the controller SIGKILLed after step 1's record, `colocate clean`, then resume=auto to step 5.
     Counted from the steps' records (each step's last record: a step run again after the resume counts once)
     and the last checkpoint's pool: every group drawn from the prompt stream was trained exactly once or is in
@@ -85,7 +87,7 @@ def test_split_async_with_updates_inside_passes_killed_and_resumed_counts_every_
            f"placement.ray_address={four_slots}", "placement.num_slots=3", "placement.engine_slots=1",
            "engine.tp=1", "algo.mode=async", "rollout.update_in_pass=keep", "rollout.partial_tokens=2",
            "rollout.max_lag=2", "rollout.oversample=1.5", "checkpoint.every_steps=1", "checkpoint.keep_last=0",
-           "logging.progress=false"]
+           "logging.progress=false", f"rollout.stream={str(stream).lower()}"]
     cli = str(Path(sys.executable).parent / "colocate")
     first = subprocess.Popen([cli, "launch", "configs/default.yaml", *job, "algo.num_steps=30"], cwd=ROOT,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,5 +1,6 @@
-"""`bench async`'s arithmetic on hand-made spans: each side's busy time is the union of its spans within a step,
-idle is the rest of the step's wall time, and the schedule model hides the shorter of rollout and train."""
+"""`bench async`'s arithmetic on hand-made spans: each side's busy time is the union of its spans within a step's
+wall time (its main thread's phases), idle is the rest, and the schedule model hides the shorter of rollout and
+train."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ def test_a_one_step_off_step_the_engine_and_trainer_busy_at_once():
     spans = [("rollout", 1, 0.0, 0.1), ("score", 1, 0.1, 0.15), ("rollout.ahead", 1, 0.15, 3.15),
              ("train", 1, 0.2, 2.2), ("rollout_wait", 1, 2.2, 3.15), ("sync", 1, 3.15, 3.5)]
     record = {"num_response_tokens": 700, "times": {"rollout": 0.1, "train": 2.0, "sync": 0.35},
-              "rollout": {"token_lags": {"1": 700}, "max_lag": 1, "stale_token_fraction": 1.0, "seconds": 3.0}}
-    row = _row([record], spans)
+              "rollout": {"token_lags": {"1": 700}, "max_lag": 1, "stale_token_fraction": 1.0, "seconds": 3.0,
+                          "mean_running": 40.0}}
+    row = _row([record], spans, steps=range(1, 2))
     assert row["step_s"] == pytest.approx(3.5) and row["trained_tokens_per_s"] == pytest.approx(200)
     assert row["engine_busy_s"] == pytest.approx(3.1)  # the take (0.1) and the generation (3.0)
     assert row["trainer_idle_s"] == pytest.approx(1.5) and row["engine_idle_s"] == pytest.approx(0.4)
@@ -39,8 +41,21 @@ def test_an_async_step_counts_its_passes_as_engine_busy():
              ("rollout_wait", 1, 2.1, 2.3), ("sync", 1, 2.3, 2.5)]
     record = {"num_response_tokens": 500, "times": {"rollout": 0.05, "train": 2.0, "rollout_wait": 0.2, "sync": 0.2},
               "rollout": {"token_lags": {"0": 100, "1": 400}, "max_lag": 1, "stale_token_fraction": 0.8,
-                          "seconds": 2.2}}
-    row = _row([record], spans)
+                          "seconds": 2.2, "mean_running": 30.0}}
+    row = _row([record], spans, steps=range(1, 2))
     assert row["step_s"] == pytest.approx(2.5) and row["trained_tokens_per_s"] == pytest.approx(200)
     assert row["engine_busy_s"] == pytest.approx(0.05 + 2.2)  # the take, and the three passes end to end
     assert row["trainer_idle_s"] == pytest.approx(0.5) and row["engine_idle_s"] == pytest.approx(0.25)
+
+
+def test_a_streamed_pass_across_steps_is_busy_within_each_step_and_the_steps_wall_is_the_main_threads():
+    # one engine pass 0.0..5.0 (streamed: it ran through steps 1 and 2, and step 2 collected it); step 1 runs
+    # 1.0..3.0, step 2 3.0..4.5: each is busy its whole wall on the engine side, and no step is 5 s long
+    spans = [("rollout", 1, 1.0, 1.1), ("train", 1, 1.1, 2.8), ("sync", 1, 2.8, 3.0),
+             ("rollout", 2, 3.0, 3.2), ("train", 2, 3.2, 4.3), ("sync", 2, 4.3, 4.5), ("rollout.pass", 2, 0.0, 5.0)]
+    record = {"num_response_tokens": 300, "times": {"rollout": 0.15, "train": 1.4, "sync": 0.2},
+              "rollout": {"token_lags": {"1": 300}, "max_lag": 1, "stale_token_fraction": 1.0, "seconds": 1.75,
+                          "mean_running": 90.0}}
+    row = _row([record, record], spans, steps=range(1, 3))
+    assert row["step_s"] == pytest.approx((2.0 + 1.5) / 2) and row["engine_idle_s"] == pytest.approx(0.0)
+    assert row["trainer_busy_s"] == pytest.approx((1.7 + 1.1) / 2) and row["mean_running"] == 90.0
