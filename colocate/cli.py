@@ -20,10 +20,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from colocate.config import JobConfig, config_docs_markdown, load_config, to_dict
 from colocate.errors import EXIT_INTERRUPTED, ColocateError, ConfigError
 from colocate.host.signals import Terminated, catch_stop_signals, stop_outcome, take_ctrl_c
+
+if TYPE_CHECKING:  # imported where used: `colocate --help` loads neither
+    from colocate.job.checks import GpuNode
+    from colocate.job.split import SplitPredictor
 
 
 def _split(items: list[str]) -> tuple[list[str], list[str]]:
@@ -58,14 +63,18 @@ def cmd_validate(args) -> int:
 
     cfg = job_config(args)
     node = None if args.gpus is None else GpuNode(args.gpus, args.gpu_memory_gib)
-    checked = check_job(cfg, node=node)  # what launch checks and decides, in the same functions
+    # what launch checks and decides, in the same functions
+    checked = check_job(cfg, node=node, predictor=_split_predictor(cfg, node=node, gpu_name=args.gpu))
     plan, prediction, resolved = checked.slots, checked.prediction, checked.resolved
     print(OmegaConf.to_yaml(to_dict(cfg)).rstrip())
+    cfg = checked.config  # placement.engine_slots=auto decided; the user's config is printed as given
     print("# placement")
     if plan is None:
         print(f"# {cfg.placement.num_slots} slot(s) on the Ray cluster at {cfg.placement.ray_address}, "
-              f"{cfg.num_engines} engine(s) x TP={cfg.engine.tp} (devices are checked, and every auto decided, "
-              "when the job connects)")
+              f"{cfg.num_engines} engine(s) x TP={cfg.engine.tp} (devices are checked, and every other auto "
+              "decided, when the job connects)")
+        for decision in checked.placed:
+            print(f"# {decision.key}: {decision.value} ({decision.why})")
         return 0
     num_experts = checked.dims.num_experts if checked.dims and cfg.engine.expert_parallel else 0
     for line in plan.describe(num_experts=num_experts):
@@ -101,10 +110,21 @@ def cmd_launch(args) -> int:
     from colocate.job.setup import check_job
 
     cfg = job_config(args)
-    checked = check_job(cfg)  # before anything is written or started; the same as validate's
+    # before anything is written or started; the same as validate's
+    checked = check_job(cfg, predictor=_split_predictor(cfg))
     from colocate.job.run import run_job
 
     return run_job(cfg, checked)
+
+
+def _split_predictor(cfg: JobConfig, *, node: GpuNode | None = None, gpu_name: str = "") -> SplitPredictor | None:
+    """For placement.engine_slots=auto: each split's step, colocate simulate's (on `node`, the GPU node validate
+    --gpus describes, else this machine's GPU), which job/ cannot import; None where nothing predicts it."""
+    from colocate.simulate.split import split_predictor
+
+    if node is None:
+        return split_predictor(cfg)
+    return split_predictor(cfg, gpu_name=gpu_name, memory_gib=node.gpu_memory_gib)
 
 
 def cmd_submit(args) -> int:
@@ -180,8 +200,7 @@ def cmd_bench(args) -> int:
     if args.which == "soak":  # the default job (or CONFIG) with the full switch forced, with or without CONFIG
         from colocate.bench.soak import SOAK_DEFAULTS, run_soak_bench
 
-        cfg = load_config(paths, SOAK_DEFAULTS + overrides)
-        check_job(cfg)
+        cfg = check_job(load_config(paths, SOAK_DEFAULTS + overrides)).config
         run_soak_bench(cfg, out_dir=args.out, name=args.name or "soak")
         return 0
     # the bench's own arguments first: a bad one is named before the job's checks (and its memory preflight,
@@ -189,8 +208,7 @@ def cmd_bench(args) -> int:
     only = _variants(args.variants, args.which) if args.which in ("train", "async") and args.variants else None
     lengths = _lengths(args.lengths) if args.which in ("train", "train-memory") and args.lengths else None
     defaults = {"rollout": ROLLOUT_DEFAULTS, "async": ASYNC_DEFAULTS}.get(args.which, BENCH_DEFAULTS)
-    cfg = load_config(paths, ([] if paths else defaults) + overrides)
-    check_job(cfg)
+    cfg = check_job(load_config(paths, ([] if paths else defaults) + overrides)).config
     # SIGTERM unwinds as Ctrl-C does: a bench's runtime closes, and the processes that measure (bench train and
     # train-memory run each variant in a daemon process) go with it. Python's default for SIGTERM ends the
     # process on the spot, and a measuring process would run on alone, taking the memory and cores it measures.
@@ -339,8 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--address", help="the Ray cluster the job will run on")
     validate.add_argument("--gpus", type=int, help="predict for a GPU node that need not be this machine: its "
                           "number of GPUs (with --gpu-memory-gib; placement.num_slots still says how many are used)")
-    validate.add_argument("--gpu", default="h100", help="with --gpus: the GPU kind the step's time is predicted "
-                          "for (h100, h200, a100, b200, l20; default h100)")
+    validate.add_argument("--gpu", default="h100", help="with --gpus: the GPU kind the step's time, and "
+                          "placement.engine_slots=auto's split, are predicted for (h100, h200, a100, b200, l20; "
+                          "default h100)")
     validate.add_argument("--gpu-memory-gib", type=float, help="that node's memory per GPU in GiB (e.g. 79.6 for "
                           "an 80 GB H100)")
     validate.set_defaults(func=cmd_validate)

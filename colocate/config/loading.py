@@ -100,6 +100,10 @@ def _coerce(key: str, value, hint):
     if type(None) in args:  # `int | None`: null (YAML, or key=null) is None
         (inner,) = [a for a in args if a is not type(None)]
         return None if value is None else _coerce(key, value, inner)
+    if set(args) == {int, str}:  # `int | str`: an integer, or auto decided later (placement.engine_slots)
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        raise bad(key, value, "expected an integer, or auto")
     if key in _JSON_KEYS and isinstance(value, (dict, list)):
         import json
 

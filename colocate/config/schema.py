@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from colocate.config.algo import GREEDY_TEMPERATURE, GROUP_ADVANTAGES, OVERLAPPED_MODES, AlgoConfig
 from colocate.config.fields import bad, non_negative, one_of, overrides, positive
 from colocate.config.reward_model import RewardModelConfig, reward_model_spec, reward_models_in
+from colocate.errors import ConfigError
 
 
 @dataclass
@@ -529,6 +530,9 @@ class FaultConfig:
                       "max_restarts")
 
 
+AUTO = "auto"  # placement.engine_slots=auto: decided once, before anything reads the slots (job/split.py)
+
+
 @dataclass
 class PlacementConfig:
     device: str = "auto"
@@ -541,16 +545,17 @@ class PlacementConfig:
     engines (N / engine.tp of them), the others only trainer ranks; nothing sleeps, and every sync is broadcast from the
     trainers to the engines over a process group (gloo on the CPU, NCCL on GPUs). auto: the split predicted fastest,
     decided once before any actor starts and printed with why (job/split.py): with algo.mode=one_step_off or async,
-    among the multiples of engine.tp that leave the trainers a slot, the one whose step the simulator predicts
-    shortest on a GPU it models (colocate simulate), else the even split; with algo.mode=sync, 0 (its phases run in
-    turn, so a split would idle each side while the other works)."""
+    among the multiples of engine.tp that leave the trainers a slot, the one colocate simulate predicts fastest on
+    the job's GPUs (a kind it models), else the most even split; with algo.mode=sync, 0 (its phases run in turn, so
+    a split would idle each side while the other works)."""
     ray_address: str = ""
     """Existing Ray cluster to join ('auto', or host:port); empty starts a local Ray."""
 
     def check(self) -> None:
         positive(self, "placement", "num_slots")
-        if self.engine_slots != AUTO:  # config/loading.py lets through an int or auto, nothing else
-            non_negative(self, "placement", "engine_slots")
+        if self.engine_slots != AUTO and self.engine_slots < 0:  # config/loading.py: an int or auto, nothing else
+            raise bad("placement.engine_slots", self.engine_slots, "must be >= 0 (0: co-located, N: the engines' "
+                      "slots of a split), or auto (the split predicted fastest)")
         one_of(self, "placement", "device", ["auto", "cpu", "cuda"])
 
     @property
@@ -608,7 +613,7 @@ class JobConfig:
 
     @property
     def num_engines(self) -> int:
-        return (self.placement.engine_slots or self.placement.num_slots) // self.engine.tp
+        return (self.placement.engine_slots if self.placement.split else self.placement.num_slots) // self.engine.tp
 
     @property
     def longest_sequence_tokens(self) -> int:
@@ -630,6 +635,9 @@ class JobConfig:
         for section in dataclasses.fields(self):
             if hasattr(getattr(self, section.name), "check"):
                 getattr(self, section.name).check()
+        if self.placement.engine_slots == AUTO:  # the job with each value auto may take, checked as a whole
+            split_choices(self)
+            return
         self._check_partial_rollout()
         if self.placement.split:
             self._check_split()
@@ -832,6 +840,40 @@ def slot_layout_fix(*, num_slots: int, engine_slots: int, tp: int) -> dict[str, 
         slots = tp
     fix = {"placement.engine_slots": slots} if slots != engine_slots else {}
     return fix if slots % tp == 0 else {**fix, "engine.tp": math.gcd(slots, tp)}
+
+
+def split_choices(cfg: JobConfig) -> dict[int, JobConfig]:
+    """The values placement.engine_slots=auto may take, each with the job it makes, checked as a whole (the split's
+    own checks among them): with algo.mode=one_step_off or async, every multiple of engine.tp that leaves the
+    trainers a slot; with algo.mode=sync, 0 alone (its phases run in turn: on a split the engines would idle while
+    the trainers train, and the trainers while the engines generate). When none passes, raises the refusal of the
+    largest (a key no split allows, as sync.method=gather), or one naming auto when no split can be formed."""
+    tp, num_slots = cfg.engine.tp, cfg.placement.num_slots
+    values = list(range(tp, num_slots, tp)) if cfg.algo.mode in OVERLAPPED_MODES else [0]
+    if not values:
+        # a smaller engine.tp must divide the old one, so that it still divides the model's heads
+        smaller = max((t for t in range(1, tp) if tp % t == 0 and t < num_slots), default=0)
+        if smaller:
+            fix = {"engine.tp": smaller}
+            valid = f"engine.tp={smaller} with it, placement.num_slots >= {tp + 1}, or 0 (co-located)"
+        else:  # one slot: nothing to split
+            fix = {"placement.engine_slots": 0, **slot_layout_fix(num_slots=num_slots, engine_slots=0, tp=tp)}
+            valid = f"{overrides(fix)} (co-located), or more slots"
+        raise bad("placement.engine_slots", AUTO, f"picks a split of placement.num_slots={num_slots} into whole "
+                  f"engines of engine.tp={tp} workers and at least one trainer slot, and there is none; valid: "
+                  f"{valid}", fix=fix)
+    choices, refused = {}, None
+    for slots in values:
+        job = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, engine_slots=slots))
+        try:
+            job.check()
+        except ConfigError as e:
+            refused = e
+            continue
+        choices[slots] = job
+    if not choices:
+        raise refused
+    return choices
 
 
 # vLLM engine arguments colocate sets itself (from the key named), so a pass-through must not

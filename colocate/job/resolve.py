@@ -3,11 +3,14 @@ actor receives. No actor decides a setting; `colocate validate` prints these sam
 
     resolved = resolve_job(cfg, switch=prediction.plan)   # the preflight's plan (job/setup.py check_job)
     resolved = resolve_job(cfg, multi_node=True)          # a Ray cluster's nodes, once connected
+    cfg, placed = place_engines(cfg, device="cpu")        # placement.engine_slots=auto, before the slots are read
     resolved.config.engine.sleep_level                    # "0", "1" or "2", never "auto"
     resolved.describe()                                   # what validate prints: each decision and why
 
 Each key's rule lives beside what it concerns (placement: the device, the sync method, the sleep backend;
-preflight: the switch plan; offload: the trainer's backend); this module calls each once and records why.
+preflight: the switch plan; offload: the trainer's backend; split: the engines' slots); this module calls each once
+and records why. `placement.engine_slots=auto` is decided first and apart (`place_engines`): the slot plan and
+the memory preflight read the slots, and check_job runs both before the other decisions.
 The checkpoint to resume from (`checkpoint.resume=auto`) is decided with the job's inputs (job/checks.py
 `read_inputs`): it needs the model's signature. A job's decisions are made once (job/setup.py `check_job`), and on
 a Ray cluster once more by the runtime, when it knows the nodes.
@@ -19,9 +22,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from colocate.config import JobConfig
-from colocate.config.schema import engine_lora_rank
+from colocate.config.schema import AUTO, engine_lora_rank
 from colocate.job.placement import resolve_device, sleep_backend, sync_method
 from colocate.job.preflight import SwitchPlan, plan_switch
+from colocate.job.split import SplitPredictor, choose_engine_slots
 from colocate.models.dims import model_dims
 
 
@@ -52,11 +56,25 @@ class ResolvedJob:
         return self.config.engine.sleep_backend
 
 
+def place_engines(cfg: JobConfig, *, device: str | None,
+                  predictor: SplitPredictor | None = None) -> tuple[JobConfig, tuple[Decision, ...]]:
+    """`cfg` with placement.engine_slots=auto decided into an int (job/split.py), and that decision; `cfg` and ()
+    when it is not auto. `device`: the job's ("cpu", "cuda"; None: a Ray cluster's, not known yet). `predictor`:
+    each split's step (simulate/split.py), else the most even split."""
+    if cfg.placement.engine_slots != AUTO:
+        return cfg, ()
+    slots, why = choose_engine_slots(cfg, device=device, predictor=predictor)
+    placed = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, engine_slots=slots))
+    return placed, (Decision("placement.engine_slots", str(slots), why),)
+
+
 def resolve_job(cfg: JobConfig, *, switch: SwitchPlan | None = None, device: str | None = None,
-                multi_node: bool = False) -> ResolvedJob:
+                multi_node: bool = False, placed: tuple[Decision, ...] = ()) -> ResolvedJob:
     """Decide every "auto" of `cfg`. `switch`: the plan the preflight already made (check_devices), else made
     here for this machine. `device`: the job's device when it is not this machine's (`validate --gpus`).
-    `multi_node`: the job's slots span several nodes (known once connected to a cluster)."""
+    `multi_node`: the job's slots span several nodes (known once connected to a cluster). `placed`: the decision
+    place_engines made before `cfg` was checked against the devices (placement.engine_slots=auto still in `cfg`
+    is decided here, by the rule)."""
     decisions: list[Decision] = []
     described = device is not None  # a node the user described (validate --gpus), not this machine
 
@@ -68,6 +86,8 @@ def resolve_job(cfg: JobConfig, *, switch: SwitchPlan | None = None, device: str
 
     device = decide("placement.device", device or resolve_device(cfg.placement.device),
                     "CUDA is available" if (device or resolve_device("auto")) == "cuda" else "no CUDA device")
+    cfg, engine_slots = place_engines(cfg, device=device)  # (), when check_job placed them first (`placed`)
+    decisions += placed + engine_slots
     switch = switch or plan_switch(cfg, model_dims(cfg), device=device)
     engine_why, _, trainer_why = switch.reason.partition("; ")  # plan_switch's two notes, when it made them
     level = decide("engine.sleep_level", str(switch.engine_sleep_level), engine_why)

@@ -36,6 +36,7 @@ def run_job(cfg: JobConfig, checked: CheckedJob | None = None) -> int:
 
     if checked is None:
         checked = check_job(cfg)
+    cfg = checked.config  # placement.engine_slots=auto decided: the runtime, controller and checkpoints read an int
     logging.basicConfig(level=cfg.logging.level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     out = Path(cfg.logging.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,6 +122,7 @@ def _restarted(cfg: JobConfig, fired: set[str]) -> JobConfig:
 
 def _restarted_setup(setup: JobSetup, fired: set[str]) -> JobSetup:
     """The same set-up, its decided config restarted as the user's is (_restarted: sections no decision reads)."""
+    setup = dataclasses.replace(setup, config=_restarted(setup.config, fired))
     if setup.resolved is None:  # a Ray cluster's: the runtime decides once connected, from the restarted config
         return setup
     resolved = dataclasses.replace(setup.resolved, config=_restarted(setup.resolved.config, fired))

@@ -100,6 +100,7 @@ class Runtime:
         self.footprint.begin()  # before anything that could leave something behind
         if self.setup is None:  # decided before Ray takes its share of the memory the switch plan measures
             self.setup = bare_setup(cfg)
+            self.cfg = cfg = self.setup.config  # placement.engine_slots=auto decided there
         setup = self.setup
         self.model_path, self.tokenizer = setup.model_path, setup.tokenizer
         if not cfg.placement.ray_address:

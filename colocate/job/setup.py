@@ -4,6 +4,7 @@ on this machine and its tokenizer (`set_up_job`). The checks, run_job, the runti
 parts; none builds its own.
 
     checked = check_job(cfg)              # validate, launch: every check, before anything is written (exit 2)
+    cfg = checked.config                  # placement.engine_slots=auto decided: what every later step reads
     setup = set_up_job(cfg, checked)      # run_job: the preset built or the hub id fetched, the tokenizer loaded
     with Runtime(cfg, setup) as rt:       # rt.setup is setup; on a Ray cluster the runtime plans the slots and
         Controller(cfg, rt)               #   decides the autos itself, once it knows the nodes
@@ -24,7 +25,8 @@ from colocate.config import JobConfig
 from colocate.job.checks import GpuNode, check_devices, check_experts, check_lora, check_sources
 from colocate.job.placement import SlotPlan, local_device_count, plan_slots, resolve_device
 from colocate.job.preflight import Prediction, plan_switch
-from colocate.job.resolve import ResolvedJob, resolve_job
+from colocate.job.resolve import Decision, ResolvedJob, place_engines, resolve_job
+from colocate.job.split import SplitPredictor
 from colocate.models.dims import ModelDims, model_dims
 from colocate.models.sources import ensure_model, load_tokenizer
 from colocate.rl.tasks import Task, make_task
@@ -33,11 +35,13 @@ from colocate.rl.tasks import Task, make_task
 @dataclass(frozen=True)
 class CheckedJob:
     """What the checks built and found; `colocate validate` stops here."""
+    config: JobConfig  # the user's with placement.engine_slots decided (an int): what every later step reads
     task: Task  # rollout.task: the checks import it, the controller's prompts and rewards use it
     dims: ModelDims | None  # None: a hub id not on this machine yet (set_up_job reads them once it is)
     slots: SlotPlan | None  # None, with prediction and resolved: a Ray cluster's devices, known once connected
     prediction: Prediction | None  # each phase's memory under the switch plan
     resolved: ResolvedJob | None  # the config with every "auto" decided, from the prediction's switch plan
+    placed: tuple[Decision, ...]  # placement.engine_slots=auto's decision (also in resolved's), or ()
 
 
 @dataclass(frozen=True)
@@ -47,14 +51,20 @@ class JobSetup(CheckedJob):
     tokenizer: Any  # the model's (a transformers tokenizer), loaded once for every start of the job
 
 
-def check_job(cfg: JobConfig, *, node: GpuNode | None = None) -> CheckedJob:
+def check_job(cfg: JobConfig, *, node: GpuNode | None = None,
+              predictor: SplitPredictor | None = None) -> CheckedJob:
     """Every check before anything is written or started, validate's and launch's, keeping what they build.
-    `node`: a GPU node the user describes (`validate --gpus N --gpu-memory-gib G`), not this machine."""
+    `node`: a GPU node the user describes (`validate --gpus N --gpu-memory-gib G`), not this machine.
+    `predictor`: each split's step, for placement.engine_slots=auto (the CLI's, from simulate/split.py)."""
     task, dims = check_sources(cfg)
+    # the engines' slots first: the slot plan and the memory preflight check the split the job will run
+    device = "cuda" if node is not None else None if cfg.placement.ray_address else \
+        resolve_device(cfg.placement.device)
+    cfg, placed = place_engines(cfg, device=device, predictor=predictor)
     slots, prediction = check_devices(cfg, dims, node=node)
     resolved = None if prediction is None else \
-        resolve_job(cfg, switch=prediction.plan, device="cuda" if node is not None else None)
-    return CheckedJob(task, dims, slots, prediction, resolved)
+        resolve_job(cfg, switch=prediction.plan, device="cuda" if node is not None else None, placed=placed)
+    return CheckedJob(cfg, task, dims, slots, prediction, resolved, placed)
 
 
 def set_up_job(cfg: JobConfig, checked: CheckedJob) -> JobSetup:
@@ -78,11 +88,13 @@ def bare_setup(cfg: JobConfig) -> JobSetup:
     """The same parts without the checks, for a runtime started on its own (`Runtime(cfg)`: tests, benchmarks):
     no preflight refuses it, and its switch plan is decided for this machine as it is now. On a Ray cluster the
     runtime plans the slots and decides once connected."""
-    setup = set_up_job(cfg, CheckedJob(make_task(cfg.rollout.task, length=cfg.rollout.task_length),
-                                       model_dims(cfg), None, None, None))
-    if cfg.placement.ray_address:
+    device = None if cfg.placement.ray_address else resolve_device(cfg.placement.device)
+    cfg, placed = place_engines(cfg, device=device)
+    setup = set_up_job(cfg, CheckedJob(cfg, make_task(cfg.rollout.task, length=cfg.rollout.task_length),
+                                       model_dims(cfg), None, None, None, placed))
+    if device is None:
         return setup
-    device = resolve_device(cfg.placement.device)
     # after the model is built: the switch plan measures the memory this machine has available now
     return dataclasses.replace(setup, slots=plan_slots(cfg, device=device, num_devices=local_device_count(device)),
-                               resolved=resolve_job(cfg, switch=plan_switch(cfg, setup.dims, device=device)))
+                               resolved=resolve_job(cfg, switch=plan_switch(cfg, setup.dims, device=device),
+                                                    placed=placed))

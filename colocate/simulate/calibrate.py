@@ -258,8 +258,7 @@ def run_calibrate(paths: list[str], overrides: list[str], *, out: Path, name: st
     from colocate.job.setup import check_job
 
     defaults = ASYNC_DEFAULTS if against == "async" else ROLLOUT_DEFAULTS
-    cfg = load_config(paths, ([] if paths else defaults) + overrides)
-    check_job(cfg)
+    cfg = check_job(load_config(paths, ([] if paths else defaults) + overrides)).config
     items = paths + ([] if paths else defaults) + overrides
 
     def measured_or_loaded(job: JobConfig, path: Path | None, suffix: str) -> tuple[Calibration, Path]:

@@ -13,11 +13,14 @@ import json
 from pathlib import Path
 
 from colocate.config import JobConfig, load_config
+from colocate.config.schema import AUTO
 from colocate.errors import ConfigError
+from colocate.job.resolve import place_engines
 from colocate.models.dims import model_dims
 from colocate.simulate.hardware import hardware
 from colocate.simulate.lengths import LengthDistribution
 from colocate.simulate.rollout import Speculative
+from colocate.simulate.split import gpu_split_predictor, job_lengths
 from colocate.simulate.step import Prediction, best_choice, predict, predict_modes
 
 
@@ -39,10 +42,18 @@ def run_simulate(paths: list[str], overrides: list[str], *, gpus: int, gpu_name:
     fixed = [f"placement.num_slots={gpus}", "placement.device=cuda", f"rollout.max_tokens={lengths.longest}",
              f"engine.max_model_len={prompt_tokens + lengths.longest}", f"data.max_prompt_tokens={prompt_tokens}"]
 
+    decided: list[str] = []  # placement.engine_slots=auto, decided as launch decides it: the job as configured
+
     def load(keys: dict[str, str]) -> JobConfig:
-        return load_config(paths, fixed + overrides + [f"{k}={v}" for k, v in keys.items()])
+        return load_config(paths, fixed + overrides + decided + [f"{k}={v}" for k, v in keys.items()])
 
     check_request(load({}), gpus)
+    if load({}).placement.engine_slots == AUTO:
+        predictor = gpu_split_predictor(gpu, num_gpus=gpus, lengths=lengths, prompt_tokens=prompt_tokens,
+                                        note=f"a model: answers {lengths_spec}")
+        placed, (decision,) = place_engines(load({}), device="cuda", predictor=predictor)
+        print(f"{decision.key}: {decision.value} ({decision.why})")
+        decided.append(f"placement.engine_slots={placed.placement.engine_slots}")
     predictions = predict_modes(load, gpu, gpus=gpus, lengths=lengths, prompt_tokens=prompt_tokens,
                                 speculative=spec)
     best = best_choice(predictions)
@@ -119,8 +130,7 @@ def predicted_step_line(cfg: JobConfig, *, gpus: int, gpu_name: str) -> str:
     log-normal around a quarter of rollout.max_tokens (`colocate simulate --lengths` for others)."""
     gpu = hardware(gpu_name)
     longest = cfg.rollout.max_tokens
-    lengths = LengthDistribution.parse(f"lognormal:{max(1, longest // 4)},0.9,1,{longest}")
-    prompt = cfg.data.max_prompt_tokens or max(1, cfg.engine.max_model_len - longest)
+    lengths, prompt = job_lengths(cfg)
     p = predict(lambda keys: cfg, {}, "as configured", gpu, gpus=gpus, lengths=lengths, prompt_tokens=prompt)
     if not p.fits:
         return f"predicted step: none ({p.refused})"

@@ -76,6 +76,8 @@ HINTED = [
     (["placement.engine_slots=1", "engine.tp=1", "sync.method=in_place"], validate(), None),
     (["placement.engine_slots=1", "engine.tp=1", "engine.sleep_level=2"], validate(), None),
     (["placement.engine_slots=1", "engine.tp=1", "trainer.offload=true"], validate(), None),
+    (["algo.mode=one_step_off", "placement.engine_slots=auto"], validate(), None),  # engine.tp=2 takes both slots
+    (["algo.mode=one_step_off", "placement.engine_slots=auto", "placement.num_slots=1"], validate(), None),
     (["engine.tp=3"], validate(), None),
     (["sync.method=broadcast"], validate(), None),
     (["trainer.max_tokens_per_micro_batch=64"], validate(), None),
