@@ -57,10 +57,12 @@ def candidates(cfg: JobConfig, gpus: int) -> list[tuple[str, dict[str, str]]]:
     # each cap with the smallest lag cap that lets the longest answer finish (max_tokens / cap passes)
     out += [(f"sync, partial rollout {c}", {"algo.mode": "sync", **_partial(c, max_tokens)}) for c in caps]
     out += [("sync, over-sampling 1.25", {"algo.mode": "sync", "rollout.oversample": "1.25"})]
-    out += [("one_step_off, co-located", {"algo.mode": "one_step_off"})]
+    # co-located as labelled, whatever the user's placement.engine_slots (a split, or auto's)
+    out += [("one_step_off, co-located", {"algo.mode": "one_step_off", "placement.engine_slots": "0"})]
     cap = caps[-1] if caps else 0
     if cap:
-        out += [(f"async, co-located, partial {cap}", {"algo.mode": "async", **_partial(cap, max_tokens)})]
+        out += [(f"async, co-located, partial {cap}", {"algo.mode": "async", **_partial(cap, max_tokens),
+                                                       "placement.engine_slots": "0"})]
     for engines in sorted({e for e in (gpus // 4, gpus // 2, 3 * gpus // 4) if e >= tp and e % tp == 0}):
         split = {"placement.engine_slots": str(engines)}
         out += [(f"one_step_off, split {engines}+{gpus - engines}", {"algo.mode": "one_step_off", **split})]
