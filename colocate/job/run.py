@@ -101,6 +101,7 @@ def _attempt(cfg: JobConfig, setup: JobSetup, metrics: MetricsWriter, prompts, r
         metrics.write({"event": "startup", "trainers": runtime.trainer_info, "engines": runtime.engine_info,
                        "sync_mode": runtime.sync.plan.mode, "sync_method": runtime.sync.method,
                        "sync_bytes": runtime.sync.plan.num_bytes, "placement": runtime.placement_report,
+                       **({"sync_hosts": runtime.sync.hosts} if runtime.sync.hosts else {}),
                        "switch": {"engine_sleep_level": runtime.switch.engine_sleep_level,
                                   "trainer_offload": runtime.switch.trainer_offload,
                                   "reason": runtime.switch.reason},

@@ -85,6 +85,7 @@ class WeightSync:
         self.method = "ring" if method == "in_place" and not sliced else method
         self.pairs = pairs
         self.loopback = loopback
+        self.hosts: list[str] = []  # broadcast: the addresses its members reach the feeders' stores at
         self.timeout_s = timeout_s or DEFAULT_BROADCAST_TIMEOUT_S
         self.key = uuid.uuid4().hex[:8]
         self.plan: SyncPlan | None = None
@@ -160,6 +161,7 @@ class WeightSync:
                                for t in self.trainers]):
             addresses.update(stores)
         assert sorted(addresses) == list(range(tp)), addresses
+        self.hosts = sorted({a.host for a in addresses.values()})
         broadcast = {"addresses": addresses, "num_members": members, "timeout_s": self.timeout_s}
         # every member joins at once: each join blocks until its whole group has joined
         ray.get([t.attach_broadcast.remote(self.key, self.plan, groups, num_members=members,

@@ -151,6 +151,36 @@ def test_a_cluster_of_the_wrong_shape_is_refused_before_any_actor(two_nodes, tmp
     assert "largest node has 1 CPU cores" in lines[0]
 
 
+def test_a_split_job_across_two_nodes_broadcasts_on_the_node_address_with_updates_inside_streamed_passes(
+        two_nodes, tmp_path):
+    """Split placement across the nodes, as a GPU cluster runs it: the trainer rank on one node, the engine on the
+    other, every sync broadcast over a gloo group whose store the trainer opens on its node's address (not
+    loopback: the engine's process is on another raylet), while the engine's streamed passes run on
+    (algo.mode=async, rollout.update_in_pass=keep, rollout.stream). sync.verify=full compares every engine tensor
+    with the trainer's after each sync: three steps done are three exact broadcasts across the nodes."""
+    import ray
+
+    out = tmp_path / "out"
+    env = {**two_nodes["env"], "RAY_ADDRESS": two_nodes["gcs"]}
+    done = subprocess.run([str(BIN / "colocate"), "launch", "--address", two_nodes["gcs"], *SMALL,
+                           "placement.engine_slots=1", "algo.mode=async", "rollout.update_in_pass=keep",
+                           "rollout.stream=true", "rollout.partial_tokens=2", "rollout.max_lag=2",
+                           "algo.num_steps=3", "checkpoint.at_end=false", f"logging.output_dir={out}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = records(out / "metrics.jsonl")
+    assert [r["step"] for r in lines if "event" not in r] == [0, 1, 2]
+    startup = next(r for r in lines if r.get("event") == "startup")
+    placement = startup["placement"]
+    assert len(set(placement["trainer_nodes"] + placement["engine_nodes"])) == 2
+    assert set(placement["trainer_nodes"]).isdisjoint(placement["engine_nodes"])
+    assert startup["sync_method"] == "broadcast"
+    assert startup["sync_hosts"] == [ray.util.get_node_ip_address()] != ["127.0.0.1"]  # the nodes' address
+    for r in lines:
+        if "event" not in r:
+            assert r["rollout"]["max_lag"] <= 2 and r["rollout"]["num_groups"] == 4
+
+
 def test_a_lost_worker_node_ends_the_job_naming_it(two_nodes, tmp_path):
     """Last in the module: it takes the second node away. The job, joined from this (head) node, loses the
     trainer rank and the engine on the other node; it stops naming one of them and that node, within Ray's own
