@@ -415,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="mismatch: longest sampled answer (default 120, as in the published measurement)")
     bench.add_argument("--variants", default="",
                        help="train: the variants to run, a subset including today; async: of sync, one_step_off, "
-                       "async, sync_split, async_split, async_split_in_pass, including sync (default: every one)")
+                       "async, sync_split, async_split, async_split_in_pass, async_split_stream, including sync "
+                       "(default: every one)")
     bench.add_argument("--lengths", default="",
                        help="train: longest answer lengths, ascending (default 128,512,1024,2048,4096); "
                        "train-memory: sequence lengths in tokens, ascending (default 256,512,1024,2048)")

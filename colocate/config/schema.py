@@ -815,7 +815,9 @@ class JobConfig:
             raise bad("rollout.max_lag", rollout.max_lag, f"algo.mode={mode} trains tokens sampled one policy "
                       "version before; valid with it: >= 1", fix={"rollout.max_lag": 1})
         if mode == "async":
-            if not rollout.partial_tokens:
+            # rollout.stream (updates inside its passes) needs no bound: an update never waits for a pass, and new
+            # prompts are fed as groups are taken (an answer spanning too many updates is restarted at its take)
+            if not rollout.partial_tokens and not rollout.stream:
                 quarter = -(-rollout.max_tokens // 4)  # bounds the update's wait to a quarter of an answer
                 fix = {"rollout.partial_tokens": quarter,
                        **partial_rollout_fix(rollout, mode=mode, partial=quarter)}

@@ -27,15 +27,16 @@ from __future__ import annotations
 
 import threading
 
-from colocate.engine.requests import EngineRequest, RequestResult
-
 
 class PassStream:
+    """Its inbox holds engine/requests.py EngineRequests, its outbox RequestResults (not imported: requests.py's
+    run_pass takes a PassStream, and the modules must not import each other)."""
+
     def __init__(self):
         self._cond = threading.Condition()
         self._open = False
-        self._inbox: list[EngineRequest] = []
-        self._outbox: list[RequestResult] = []
+        self._inbox: list = []
+        self._outbox: list = []
 
     # ------------------------------------------------------------------------------------------ the pass
 
@@ -44,13 +45,13 @@ class PassStream:
             assert not self._open, "two streamed passes at once on one engine"
             self._open, self._inbox = True, []
 
-    def take_inbox(self) -> list[EngineRequest]:
+    def take_inbox(self) -> list:
         """The requests fed since the last look, for the pass to add before its next step."""
         with self._cond:
             fed, self._inbox = self._inbox, []
             return fed
 
-    def finished(self, result: RequestResult) -> None:
+    def finished(self, result) -> None:
         with self._cond:
             self._outbox.append(result)
             self._cond.notify_all()
@@ -70,7 +71,7 @@ class PassStream:
 
     # ---------------------------------------------------------------------------------------- the driver
 
-    def feed(self, requests: list[EngineRequest]) -> bool:
+    def feed(self, requests: list) -> bool:
         """Into the pass in flight; False when none is open (the requests are the driver's again)."""
         with self._cond:
             if not self._open:
@@ -78,7 +79,7 @@ class PassStream:
             self._inbox += requests
             return True
 
-    def drain(self, wait_s: float = 0.0) -> list[RequestResult]:
+    def drain(self, wait_s: float = 0.0) -> list:
         """The results finished since the last drain; waits up to `wait_s` for a first one."""
         with self._cond:
             if not self._outbox and wait_s > 0:

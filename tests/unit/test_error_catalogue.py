@@ -387,7 +387,7 @@ def test_bench_async_variants_are_checked(variants, capsys):
     code = main(["bench", "async", "--variants", variants])
     line = one_error_line(capsys, code)
     assert f"--variants {variants!r} is invalid: expected a comma-separated subset of sync, one_step_off, async, " \
-           "sync_split, async_split, async_split_in_pass that includes sync" in line
+           "sync_split, async_split, async_split_in_pass, async_split_stream that includes sync" in line
 
 
 # --------------------------------------------------------------------------------- the catalogue's own checks

@@ -210,3 +210,12 @@ def test_a_pass_takes_the_update_that_landed_between_its_planning_and_its_start_
     gate.resume(5, end=True)  # the last step's update: the rollout ends, no pass of it starts after
     with gate.running(0):  # a new run on the same engines starts again from its own version
         assert gate.version == 0
+
+
+def test_a_streamed_async_job_needs_no_segments():
+    """rollout.stream: an update never waits for a pass, and new prompts are fed as groups are taken, so whole
+    answers (rollout.partial_tokens=0) are valid where async without it needs segments to bound the update's wait."""
+    cfg = load_config(None, [*IN_PASS, "rollout.partial_tokens=0", "rollout.stream=true"])
+    assert cfg.rollout.stream and cfg.rollout.partial_tokens == 0
+    with pytest.raises(ConfigError, match="rollout.partial_tokens=0 is invalid"):
+        load_config(None, [*IN_PASS, "rollout.partial_tokens=0"])
