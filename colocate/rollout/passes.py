@@ -162,9 +162,8 @@ class Passes:
         self.pool.expire(version, skip=in_flight)
         num_engines = len(self.engines)
         per_engine: list[list[EngineRequest]] = [[] for _ in range(num_engines)]
-        for r in self.pool.requests(version):
-            if (r.group, r.index) not in in_flight:
-                per_engine[r.group % num_engines].append(r)
+        for r in self.pool.requests(version, skip=in_flight):
+            per_engine[r.group % num_engines].append(r)
         return per_engine
 
     def stream_apply(self, requests: list[EngineRequest], results: list, version: int) -> None:

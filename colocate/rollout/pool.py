@@ -152,12 +152,13 @@ class RolloutPool:
                             failed.add(group.group_id)
         self._drop_failed(failed)
 
-    def requests(self, version: int) -> list[EngineRequest]:
-        """The next segment of every unfinished answer, under policy `version`."""
+    def requests(self, version: int, skip: Collection[tuple[int, int]] = ()) -> list[EngineRequest]:
+        """The next segment of every unfinished answer, under policy `version`; `skip`: the (group, answer) of
+        requests in flight (rollout.stream)."""
         out = []
         for group in self.groups:
             for i, answer in enumerate(group.answers):
-                if answer.done:
+                if answer.done or (group.group_id, i) in skip:
                     continue
                 left = answer.max_tokens - len(answer.token_ids)
                 assert left > 0, "an answer with no budget left must have been finished"

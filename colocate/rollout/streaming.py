@@ -38,6 +38,8 @@ class StreamingRollout(ContinuousRollout):
     def _run(self) -> None:
         live: dict[int, tuple[ray.ObjectRef, float]] = {}  # engine -> (its pass in flight, when it started)
         sent: dict[str, EngineRequest] = {}  # request id -> request: fed or in a pass, its result not back yet
+        self._planned_at: tuple | None = None  # what the pool looked like at the last plan
+        self._num_applied = 0  # results applied so far
         last = time.perf_counter()
         try:
             while True:
@@ -63,7 +65,13 @@ class StreamingRollout(ContinuousRollout):
                 if self._closed and not live:
                     return None, self._version
                 plan: list[list[EngineRequest]] = []
-                if not (self._paused or self._closed):
+                # planned again only when something could have changed it (a result, a take, a release, a pass's
+                # end): not every poll, whose plan over every answer in the pool would cost the cores the
+                # engines and the trainer share
+                looks = (self._version, len(self.rollouts.pool.groups), self.rollouts.pool.num_drawn,
+                         self._num_applied, len(sent), tuple(sorted(live)))
+                if not (self._paused or self._closed) and looks != self._planned_at:
+                    self._planned_at = looks
                     plan = self.rollouts.stream_requests(self._version, {(r.group, r.index) for r in sent.values()})
                 if live or any(plan):
                     # set with the decision, under the lock: a pause that follows waits for these passes
@@ -99,6 +107,7 @@ class StreamingRollout(ContinuousRollout):
         results = [r for batch in drained for r in batch] + [r for out in finals.values() for r in out["results"]]
         with self._cond:
             self.rollouts.stream_apply([sent.pop(r.request_id) for r in results], results, self._version)
+            self._num_applied += len(results)
             num_engines = len(engines)
             for e, out in finals.items():
                 started = live.pop(e)[1]
