@@ -113,7 +113,7 @@ def _run_mode(rt: Runtime, cfg: JobConfig, mode: str, num_steps: int, in_pass: s
     `in_pass`: async's rollout.update_in_pass; an update inside a pass adds a version to its tokens, so the lag
     cap is one more for the same three segments. `stream`: async's rollout.stream (with in_pass), whole answers:
     a streamed pass feeds new prompts as groups are taken, so it needs no segments to keep its batch full."""
-    segments = {"partial_tokens": 0 if stream else -(-cfg.rollout.max_tokens // 3),
+    segments = {"partial_tokens": -(-cfg.rollout.max_tokens // 3),
                 "max_lag": 2 if in_pass == "never" else 3, "update_in_pass": in_pass,
                 "stream": stream} if mode == "async" else {}
     job = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, mode=mode),
@@ -133,7 +133,8 @@ def _run_mode(rt: Runtime, cfg: JobConfig, mode: str, num_steps: int, in_pass: s
     label = label or mode
     print(f"{label:<19} {row['step_s']:.2f} s/step, {row['trained_tokens_per_s']:.0f} trained tokens/s, idle: "
           f"engine {row['engine_idle_s']:.2f} s, trainer {row['trainer_idle_s']:.2f} s per step, max lag "
-          f"{row['max_lag']}, batch {row['mean_running']:.0f}, sync {row['phase_s'].get('sync', 0.0):.3f} s, "
+          f"{row['max_lag']}, batch {row['mean_running']:.0f}, generated/trained {row['generated_per_trained']:.2f}, "
+          f"prefill/group {row['prefill_computed_per_group']:.0f}, sync {row['phase_s'].get('sync', 0.0):.3f} s, "
           f"rollout_wait {row['phase_s'].get('rollout_wait', 0.0):.3f} s")
     return row, spans
 
@@ -164,6 +165,13 @@ def _row(records: list[dict], spans: list[tuple], steps: range) -> dict:
             "rollout_generate_s": statistics.fmean(r["rollout"]["seconds"] for r in records),
             # the engines' batch: sequences decoding per engine step (the long tail lowers it)
             "mean_running": statistics.fmean(r["rollout"]["mean_running"] for r in records),
+            # the engines' work per token trained: above 1 where answers restarted by the lag cap were thrown away
+            "generated_per_trained": sum(r["rollout"]["num_tokens_generated"] for r in records)
+            / max(sum(r["num_response_tokens"] for r in records), 1),
+            "num_lag_restarts": sum(r["rollout"]["num_lag_restarts"] for r in records),
+            # prompt tokens the engines computed (not served by the prefix cache) per group trained
+            "prefill_computed_per_group": statistics.fmean(r["rollout"].get("prefill_computed_per_group", 0.0)
+                                                           for r in records),
             "phase_s": phases, "token_lags": lags, "max_lag": max(r["rollout"]["max_lag"] for r in records),
             "stale_token_fraction": statistics.fmean(r["rollout"]["stale_token_fraction"] for r in records)}
 

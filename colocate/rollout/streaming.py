@@ -31,16 +31,15 @@ import ray
 from colocate.engine.requests import EngineRequest
 from colocate.rollout.overlap import JOIN_SLICE_S, ContinuousRollout
 
-POLL_S = 0.05  # how long a drain waits for a first result: a finished group reaches the pool within about this
+POLL_S = 0.05  # how often the engines are looked at: a finished group reaches the pool, and an answer's next
+# segment its engine, within about this (a continuation waits that long undecoded: docs/async.md's measurement)
 
 
 class StreamingRollout(ContinuousRollout):
     def _run(self) -> None:
         live: dict[int, tuple[ray.ObjectRef, float]] = {}  # engine -> (its pass in flight, when it started)
         sent: dict[str, EngineRequest] = {}  # request id -> request: fed or in a pass, its result not back yet
-        self._planned_at: tuple | None = None  # what the pool looked like at the last plan
-        self._num_applied = 0  # results applied so far
-        last = time.perf_counter()
+        last = self._last_look = time.perf_counter()
         try:
             while True:
                 plan, version = self._plan(live, sent)
@@ -65,13 +64,10 @@ class StreamingRollout(ContinuousRollout):
                 if self._closed and not live:
                     return None, self._version
                 plan: list[list[EngineRequest]] = []
-                # planned again only when something could have changed it (a result, a take, a release, a pass's
-                # end): not every poll, whose plan over every answer in the pool would cost the cores the
-                # engines and the trainer share
-                looks = (self._version, len(self.rollouts.pool.groups), self.rollouts.pool.num_drawn,
-                         self._num_applied, len(sent), tuple(sorted(live)))
-                if not (self._paused or self._closed) and looks != self._planned_at:
-                    self._planned_at = looks
+                # planned only when it has something to send (a place free for a new group, an answer with no
+                # request in flight): a plan builds a request for every such answer, on the cores the engines
+                # and the trainer share
+                if not (self._paused or self._closed) and self._has_work(sent):
                     plan = self.rollouts.stream_requests(self._version, {(r.group, r.index) for r in sent.values()})
                 if live or any(plan):
                     # set with the decision, under the lock: a pause that follows waits for these passes
@@ -80,6 +76,14 @@ class StreamingRollout(ContinuousRollout):
                 self._in_pass = False
                 self._cond.notify_all()
                 self._cond.wait(JOIN_SLICE_S)
+
+    def _has_work(self, sent: dict) -> bool:
+        pool = self.rollouts.pool
+        if pool.num_missing:
+            return True
+        in_flight = {(r.group, r.index) for r in sent.values()}
+        return any(not answer.done and (group.group_id, i) not in in_flight
+                   for group in pool.groups for i, answer in enumerate(group.answers))
 
     def _send(self, plan: list[list[EngineRequest]], version: int, live: dict, sent: dict) -> None:
         """Into each engine's pass in flight, or a new pass where it has none. An engine whose pass was ending
@@ -99,15 +103,18 @@ class StreamingRollout(ContinuousRollout):
     def _collect(self, live: dict, sent: dict) -> None:
         """The results finished since the last look, and the passes that ended, into the pool."""
         engines = self.rollouts.engines
+        # at most one look per POLL_S: a drain that returned at its first result would look again at every engine
+        # step, and each look is a call into the engine's process beside its pass
+        time.sleep(max(0.0, self._last_look + POLL_S - time.perf_counter()))
+        self._last_look = time.perf_counter()
         refs = [ref for ref, _ in live.values()]
         ended, _ = ray.wait(refs, num_returns=len(refs), timeout=0)  # before the drains: see the module's hazards
         ended = set(ended)
-        drained = ray.get([engines[e].stream_drain.remote(POLL_S) for e in live])
+        drained = ray.get([engines[e].stream_drain.remote(0.0) for e in live])
         finals = {e: ray.get(ref) for e, (ref, _) in live.items() if ref in ended}
         results = [r for batch in drained for r in batch] + [r for out in finals.values() for r in out["results"]]
         with self._cond:
             self.rollouts.stream_apply([sent.pop(r.request_id) for r in results], results, self._version)
-            self._num_applied += len(results)
             num_engines = len(engines)
             for e, out in finals.items():
                 started = live.pop(e)[1]

@@ -20,7 +20,8 @@ def test_a_one_step_off_step_the_engine_and_trainer_busy_at_once():
              ("train", 1, 0.2, 2.2), ("rollout_wait", 1, 2.2, 3.15), ("sync", 1, 3.15, 3.5)]
     record = {"num_response_tokens": 700, "times": {"rollout": 0.1, "train": 2.0, "sync": 0.35},
               "rollout": {"token_lags": {"1": 700}, "max_lag": 1, "stale_token_fraction": 1.0, "seconds": 3.0,
-                          "mean_running": 40.0}}
+                          "mean_running": 40.0,
+                          "num_tokens_generated": 700, "num_lag_restarts": 0}}
     row = _row([record], spans, steps=range(1, 2))
     assert row["step_s"] == pytest.approx(3.5) and row["trained_tokens_per_s"] == pytest.approx(200)
     assert row["engine_busy_s"] == pytest.approx(3.1)  # the take (0.1) and the generation (3.0)
@@ -41,10 +42,12 @@ def test_an_async_step_counts_its_passes_as_engine_busy():
              ("rollout_wait", 1, 2.1, 2.3), ("sync", 1, 2.3, 2.5)]
     record = {"num_response_tokens": 500, "times": {"rollout": 0.05, "train": 2.0, "rollout_wait": 0.2, "sync": 0.2},
               "rollout": {"token_lags": {"0": 100, "1": 400}, "max_lag": 1, "stale_token_fraction": 0.8,
-                          "seconds": 2.2, "mean_running": 30.0}}
+                          "seconds": 2.2, "mean_running": 30.0,
+                          "num_tokens_generated": 600, "num_lag_restarts": 1}}
     row = _row([record], spans, steps=range(1, 2))
     assert row["step_s"] == pytest.approx(2.5) and row["trained_tokens_per_s"] == pytest.approx(200)
     assert row["engine_busy_s"] == pytest.approx(0.05 + 2.2)  # the take, and the three passes end to end
+    assert row["generated_per_trained"] == pytest.approx(1.2) and row["num_lag_restarts"] == 1
     assert row["trainer_idle_s"] == pytest.approx(0.5) and row["engine_idle_s"] == pytest.approx(0.25)
 
 
@@ -55,7 +58,8 @@ def test_a_streamed_pass_across_steps_is_busy_within_each_step_and_the_steps_wal
              ("rollout", 2, 3.0, 3.2), ("train", 2, 3.2, 4.3), ("sync", 2, 4.3, 4.5), ("rollout.pass", 2, 0.0, 5.0)]
     record = {"num_response_tokens": 300, "times": {"rollout": 0.15, "train": 1.4, "sync": 0.2},
               "rollout": {"token_lags": {"1": 300}, "max_lag": 1, "stale_token_fraction": 1.0, "seconds": 1.75,
-                          "mean_running": 90.0}}
+                          "mean_running": 90.0,
+                          "num_tokens_generated": 300, "num_lag_restarts": 0}}
     row = _row([record, record], spans, steps=range(1, 3))
     assert row["step_s"] == pytest.approx((2.0 + 1.5) / 2) and row["engine_idle_s"] == pytest.approx(0.0)
     assert row["trainer_busy_s"] == pytest.approx((1.7 + 1.1) / 2) and row["mean_running"] == 90.0
