@@ -65,7 +65,13 @@ def two_nodes(tmp_path_factory):
             # a choice and the bind, as one chosen free here could be. Cluster.add_node does so for the second node.
             "dashboard_agent_listen_port": None})
         write_ray_address(cluster.address, str(temp_dir))
-        cluster.add_node(num_cpus=1)  # in the head's temp dir (Ray's default for a node joining)
+        # In the head's temp dir (Ray's default for a node joining), so in the head's session directory: its own
+        # runtime_env directory, or the two raylets' agents would unpack a submitted job's working_dir into one
+        # place, and Ray 2.60 unpacks with overwrite (runtime_env/working_dir.py create -> packaging.py
+        # download_and_unpack_package: shutil.rmtree of the package): the second node's first actor would delete
+        # and unzip again the package the head's driver imports from, and an import in that window fails
+        # (seen once: ModuleNotFoundError: colocate.rollout.env_workers). On a real cluster each node has its own.
+        cluster.add_node(num_cpus=1, runtime_env_dir_name="runtime_resources_node2")
         cluster.wait_for_nodes()
         yield {"gcs": cluster.address, "job_server": f"http://127.0.0.1:{dashboard_port}", "env": dict(os.environ),
                "cluster": cluster}
