@@ -59,7 +59,7 @@ class FakeRuntime:
         self.trainer_info = self.engine_info = []
         self.placement_report, self.reward_model_info = {}, None
         self.sync = SimpleNamespace(plan=SimpleNamespace(mode="sliced", num_bytes=0), transport="in_place",
-                                    method="in_place")
+                                    method="in_place", hosts=[])
 
     def __enter__(self):
         FakeRuntime.started.append(self)
