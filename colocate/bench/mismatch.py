@@ -1,13 +1,18 @@
-"""`colocate bench mismatch`: how far the engine's sampling logprobs are from the trainer's, per engine dtype.
+"""`colocate bench mismatch`: how far the engine's sampling logprobs are from the trainer's, per engine dtype and
+trainer dtype.
 
-    colocate bench mismatch                         # bench preset, fp32 and bf16 engines, 120-token answers
+    colocate bench mismatch                         # bench preset, 120-token answers, every pair in RUNS
     colocate bench mismatch configs/default.yaml
 
-For each engine dtype (a runtime of its own: the same checkpoint, so engine and trainer hold the same weights)
-the engine samples answers to the same prompts with the same seed and returns each sampled token's logprob
-(processed: the distribution it sampled from); the fp32 trainer recomputes every one of those tokens in one
-pass. Per token, log w = logp_trainer - logp_engine; the table gives mean and max |log w|, the range and
-quantiles of the ratio w = p_trainer / p_engine, and the fraction of tokens and sequences outside [1/1.1, 1.1].
+For each pair of engine dtype and trainer compute dtype in RUNS (a runtime of its own: the same checkpoint, so
+engine and trainer hold the same weights; a bf16 trainer is FSDP2 mixed precision, trainer.mixed_precision) the
+engine samples answers to the same prompts with the same seed and returns each sampled token's logprob
+(processed: the distribution it sampled from); the trainer recomputes every one of those tokens in one pass, and
+its dtype is the one the trainer reports it ran (TrainerActor.setup's compute_dtype), never assumed. This is the
+rollout chapter's experiment (token-by-token sampling with a KV cache against one forward pass over the whole
+sequence) run with colocate's own engine and trainer. Per token, log w = logp_trainer - logp_engine; the table
+gives mean and max |log w|, the range and quantiles of the ratio w = p_trainer / p_engine, and the fraction of
+tokens and sequences outside [1/1.1, 1.1].
 A bf16 engine is also measured at temperature 0.7 and top-p 0.9, where both sides must score the processed
 distribution (raw logprobs there would differ by the temperature alone). Writes JSON and a PNG of the ratio's
 distribution per row.
@@ -24,12 +29,14 @@ import torch
 
 from colocate.bench.common import write_result
 from colocate.config import JobConfig
+from colocate.errors import ConfigError
 from colocate.job.runtime import Runtime
 from colocate.rl.corrections import mismatch_stats
 from colocate.rl.samples import Sequence
 from colocate.rl.tasks import PromptStream, make_task
 
-ROWS = (("float32", 1.0, 1.0), ("bfloat16", 1.0, 1.0), ("bfloat16", 0.7, 0.9))
+RUNS = (("float32", False), ("bfloat16", False), ("bfloat16", True))  # (engine dtype, trainer mixed precision)
+SAMPLING = {"float32": ((1.0, 1.0),), "bfloat16": ((1.0, 1.0), (0.7, 0.9))}  # (temperature, top_p) per engine dtype
 BAND = 1.1
 
 
@@ -37,22 +44,30 @@ def run_mismatch_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int, ma
                        name: str) -> dict:
     task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
     samples = PromptStream(task, seed=cfg.rollout.seed).next_batch(num_prompts)
-    rows, ratios = [], {}
-    for dtype in dict.fromkeys(d for d, _, _ in ROWS):
-        job = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, dtype=dtype))
-        with Runtime(job) as rt:
+    rows, ratios, skipped = [], {}, []
+    for dtype, mixed in RUNS:
+        job = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, dtype=dtype),
+                                  trainer=dataclasses.replace(cfg.trainer, mixed_precision=mixed))
+        try:
+            runtime = Runtime(job)
+        except ConfigError as e:  # a bf16 trainer on a CPU without native bf16: the placement's one line
+            skipped.append({"engine_dtype": dtype, "trainer_mixed_precision": mixed, "why": str(e)})
+            print(f"skipped: {dtype} engine with trainer.mixed_precision={mixed}: {e}")
+            continue
+        with runtime as rt:
+            trainer_dtype = rt.trainer_info[0]["compute_dtype"]
             prompts = [rt.tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples]
             budget = min(max_tokens, job.engine.max_model_len - max(map(len, prompts)) - 1)
-            for _, temperature, top_p in (r for r in ROWS if r[0] == dtype):
-                label = f"{dtype} engine, T={temperature:g}, top_p={top_p:g}"
+            for temperature, top_p in SAMPLING[dtype]:
+                label = f"{dtype} engine, {trainer_dtype} trainer, T={temperature:g}, top_p={top_p:g}"
                 log_w, seq_log_w = _measure(rt, prompts, num_samples, budget, temperature, top_p, cfg.engine.seed)
                 ratios[label] = np.exp(log_w.numpy())
-                rows.append({"engine_dtype": dtype, "temperature": temperature, "top_p": top_p,
-                             "max_tokens": budget, **mismatch_stats(log_w, seq_log_w, band=BAND)})
+                rows.append({"engine_dtype": dtype, "trainer_dtype": trainer_dtype, "temperature": temperature,
+                             "top_p": top_p, "max_tokens": budget, **mismatch_stats(log_w, seq_log_w, band=BAND)})
     result = {"config": {"model": cfg.model.preset or cfg.model.path, "engine_tp": cfg.engine.tp,
-                         "num_prompts": num_prompts, "num_samples": num_samples, "trainer_dtype": "float32",
+                         "num_prompts": num_prompts, "num_samples": num_samples,
                          "logprobs_mode": "processed_logprobs", "enforce_eager": cfg.engine.enforce_eager},
-              "rows": rows}
+              "rows": rows, **({"skipped": skipped} if skipped else {})}
     path = write_result(result, out_dir, name)
     _plot(ratios, Path(out_dir) / f"{name}.png")
     _print(rows, path)
@@ -101,7 +116,7 @@ def _plot(ratios: dict[str, np.ndarray], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("p_trainer / p_engine per sampled token (dotted: the monitor's band)")
     ax.set_ylabel("tokens")
-    ax.set_title("training/inference mismatch: fp32 trainer vs engine, same prompts and seed")
+    ax.set_title("training/inference mismatch: trainer vs engine, same prompts and seed")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -109,11 +124,12 @@ def _plot(ratios: dict[str, np.ndarray], path: Path) -> None:
 
 
 def _print(rows: list[dict], path: Path) -> None:
-    print(f"{'engine':<34} {'tokens':>7} {'mean |dlogp|':>13} {'max |dlogp|':>12} {'ratio range':>17} "
+    print(f"{'engine, trainer':<52} {'tokens':>7} {'mean |dlogp|':>13} {'max |dlogp|':>12} {'ratio range':>17} "
           f"{'outside x1.1':>13}")
     for r in rows:
         t = r["token"]
-        label = f"{r['engine_dtype']}, T={r['temperature']:g}, top_p={r['top_p']:g}"
-        print(f"{label:<34} {t['count']:>7} {t['mean_abs_log_ratio']:>13.2e} {t['max_abs_log_ratio']:>12.2e} "
+        label = (f"{r['engine_dtype']} engine, {r['trainer_dtype']} trainer, T={r['temperature']:g}, "
+                 f"top_p={r['top_p']:g}")
+        print(f"{label:<52} {t['count']:>7} {t['mean_abs_log_ratio']:>13.2e} {t['max_abs_log_ratio']:>12.2e} "
               f"[{t['ratio_min']:.3f}, {t['ratio_max']:.3f}] {t['fraction_outside_band']:>12.2%}")
     print(f"results: {path} (+ .png)")
