@@ -761,6 +761,10 @@ class JobConfig:
             raise bad("rollout.update_in_pass", rollout.update_in_pass, f"lets a weight update into a pass in flight, "
                       f"and only algo.mode=async updates while the engines generate (algo.mode={algo.mode}); valid "
                       "with it: never, or algo.mode=async", fix={"rollout.update_in_pass": "never"})
+        if rollout.stream and rollout.leftover == "drop":
+            raise bad("rollout.leftover", "drop", "drops the unfinished groups at every take, and a streamed rollout "
+                      "(rollout.stream) has their answers decoding in the engines, which would run on for nothing; "
+                      "valid with it: carry", fix={"rollout.leftover": "carry"})
         if rollout.stream and (algo.mode != "async" or rollout.update_in_pass == "never"):
             raise bad("rollout.stream", True, f"feeds the engines' passes without end, so it needs algo.mode=async "
                       f"with updates inside a pass (algo.mode={algo.mode}, rollout.update_in_pass="

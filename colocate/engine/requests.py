@@ -124,7 +124,8 @@ def _run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_
                 else None, output_kind=RequestOutputKind.DELTA)
             engine.add_request(r.request_id, prompt, params, lora_request=lora_request)
             by_id[r.request_id], results[r.request_id] = r, RequestResult(r.request_id, [], [], None, 0)
-            groups_left.setdefault(r.group, set()).add(r.request_id)
+            if stream is None:  # a streamed pass counts no groups (it runs its requests to their ends)
+                groups_left.setdefault(r.group, set()).add(r.request_id)
             unfinished.add(r.request_id)
         gate.added = True
 
@@ -160,8 +161,10 @@ def _run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_
                 if out.finished or stopped:
                     result.finish_reason = "stop" if stopped else completion.finish_reason
                     unfinished.discard(out.request_id)
-                    if stream is not None:  # out at once, and not in the pass's return
+                    if stream is not None:  # out at once, and not in the pass's return; a streamed pass may run
+                        # for many steps, so it keeps nothing of a finished request (its prompt least of all)
                         stream.finished(results.pop(out.request_id))
+                        del by_id[out.request_id]
                     elif result.done(by_id[out.request_id]):
                         left = groups_left[by_id[out.request_id].group]
                         left.discard(out.request_id)

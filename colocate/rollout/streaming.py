@@ -48,7 +48,8 @@ class StreamingRollout(ContinuousRollout):
                 self._send(plan, version, live, sent)
                 now = time.perf_counter()
                 if live:
-                    self.rollouts.seconds += now - last  # the rollout's wall time: while any engine generates
+                    with self._cond:  # a take resets it
+                        self.rollouts.seconds += now - last  # the rollout's wall time: while any engine generates
                     self._collect(live, sent)
                 last = now
         except BaseException as e:  # raised on the main thread by its next take or pause

@@ -58,6 +58,8 @@ HINTED = [
     (["algo.mode=async"], validate(), None),  # the default job: a quarter of 3 tokens needs more passes
     (["algo.mode=sync", "rollout.update_in_pass=keep"], validate(), None),
     (["rollout.stream=true"], validate(), None),
+    (["algo.mode=async", "rollout.update_in_pass=keep", "rollout.stream=true", "rollout.leftover=drop"], validate(),
+     None),
     (["rollout.speculative=eagle"], validate(), None),
     (["rollout.speculative=ngram"], validate(), None),  # on the CPU
     # then refused on the CPU, by another check of the same key

@@ -187,7 +187,10 @@ def test_dynamic_sampling_refills_from_the_running_passes(monkeypatch, tmp_path)
                              "rollout.partial_tokens >= 8"]),
     (["rollout.update_in_pass=never", "rollout.stream=true"], ["rollout.stream=True is invalid", "without end",
                                                                "rollout.update_in_pass=keep or recompute"]),
-], ids=["not_async", "unknown_policy", "lag_cap_cannot_hold_the_passes", "stream_without_updates_in_pass"])
+    (["rollout.stream=true", "rollout.partial_tokens=0", "rollout.leftover=drop"],
+     ["rollout.leftover='drop' is invalid", "rollout.stream", "valid with it: carry"]),
+], ids=["not_async", "unknown_policy", "lag_cap_cannot_hold_the_passes", "stream_without_updates_in_pass",
+        "stream_dropping_what_it_decodes"])
 def test_bad_in_pass_settings_are_one_line(overrides, needles):
     with pytest.raises(ConfigError) as info:
         load_config(None, [*IN_PASS, *overrides])
