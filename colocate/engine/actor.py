@@ -286,9 +286,13 @@ class EngineActor:
         return self._stream.feed(requests)
 
     @ray.method(concurrency_group=STREAM)
-    def stream_drain(self, wait_s: float = 0.0) -> list:
-        """rollout.stream: the results finished since the last drain, waiting up to `wait_s` for one."""
-        return self._stream.drain(wait_s)
+    def stream_drain(self, wait_s: float = 0.0) -> dict:
+        """rollout.stream: the results finished since the last drain (waiting up to `wait_s` for one), and the
+        engine steps run since then: their busy timeline and decode counters (the pass's own return has
+        neither)."""
+        results = self._stream.drain(wait_s)
+        steps, (request_steps, tokens) = self._stream.progress()
+        return {"results": results, "timeline": steps, "decode": {"request_steps": request_steps, "tokens": tokens}}
 
     @ray.method(concurrency_group=CONTROL)
     def pause_pass(self) -> bool:

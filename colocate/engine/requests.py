@@ -143,7 +143,11 @@ def _run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_
                 continue  # fed as the pass was about to end: added at the next look
             outputs, version = engine.step(), gate.version
             gate.steps += 1
-            timeline.append((time.perf_counter() - started, sum(1 for o in outputs if o.outputs[0].token_ids)))
+            busy = (time.perf_counter() - started, sum(1 for o in outputs if o.outputs[0].token_ids))
+            if stream is not None:  # out with the step's results: a streamed pass may outlive many steps
+                stream.stepped(busy, *_decoded(outputs))
+            else:
+                timeline.append(busy)
             for out in outputs:
                 result, completion = results[out.request_id], out.outputs[0]
                 result.token_ids += completion.token_ids
@@ -179,6 +183,13 @@ def _run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_
     if stream is not None:  # what did not leave through the stream: the aborted, in the order added
         return list(results.values()), timeline
     return [results[r.request_id] for r in requests], timeline
+
+
+def _decoded(outputs) -> tuple[int, int]:
+    """An engine step's requests that produced tokens, and those tokens (more than one a request where
+    speculative decoding's drafts were accepted)."""
+    counts = [len(o.outputs[0].token_ids) for o in outputs if o.outputs[0].token_ids]
+    return len(counts), sum(counts)
 
 
 def _turn_tail(request: EngineRequest, num_stop: int) -> list[int]:

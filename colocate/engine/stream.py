@@ -37,6 +37,8 @@ class PassStream:
         self._open = False
         self._inbox: list = []
         self._outbox: list = []
+        self._steps: list[tuple[float, int]] = []  # the engine steps since the last look: (seconds, sequences)
+        self._decoded = [0, 0]  # and their requests that produced tokens, and those tokens
 
     # ------------------------------------------------------------------------------------------ the pass
 
@@ -55,6 +57,13 @@ class PassStream:
         with self._cond:
             self._outbox.append(result)
             self._cond.notify_all()
+
+    def stepped(self, busy: tuple[float, int], request_steps: int, tokens: int) -> None:
+        """An engine step ran: (seconds since the pass started, sequences that produced a token in it)."""
+        with self._cond:
+            self._steps.append(busy)
+            self._decoded[0] += request_steps
+            self._decoded[1] += tokens
 
     def close_if_idle(self) -> bool:
         """The pass has nothing running: it ends unless something was fed meanwhile (then it must add that)."""
@@ -86,6 +95,14 @@ class PassStream:
                 self._cond.wait(wait_s)
             out, self._outbox = self._outbox, []
             return out
+
+    def progress(self) -> tuple[list[tuple[float, int]], list[int]]:
+        """The engine steps since the last look (the busy timeline a pass returns, in pieces) and their decode
+        counters; each step is reported once."""
+        with self._cond:
+            steps, self._steps = self._steps, []
+            decoded, self._decoded = self._decoded, [0, 0]
+            return steps, decoded
 
     @property
     def is_open(self) -> bool:

@@ -59,6 +59,9 @@ class Passes:
                          else []}
         self.timelines: list[list[list[tuple[float, int]]]] = []  # last generate: per pass, per engine
         self.decoded = [0, 0]  # since then: the requests' engine steps that produced tokens, and those tokens
+        # rollout.stream: the engines' steps in pieces, as looked at, and the streamed passes that ended
+        self.stream_steps: list[list[tuple[float, int]]] = []
+        self.num_stream_passes = 0
         self.seconds = 0.0  # last generate's wall time
 
     def collect(self, version: int, *, num_groups: int | None = None,
@@ -174,12 +177,13 @@ class Passes:
         if pairs:
             self.pool.apply([q for q, _ in pairs], [r for _, r in pairs], version)
 
-    def stream_ended(self, out: dict) -> None:
-        """An engine's streamed pass ended (its results applied): its busy timeline and decode counters."""
-        self.timelines.append([out["timeline"]])
-        decode = out.get("decode", {})
-        self.decoded[0] += decode.get("request_steps", 0)
-        self.decoded[1] += decode.get("tokens", 0)
+    def stream_progress(self, drained: dict) -> None:
+        """An engine's steps since the last look (EngineActor.stream_drain): the step that takes groups next
+        counts them, as a pass's are counted by the step that takes its groups."""
+        if drained["timeline"]:
+            self.stream_steps.append(drained["timeline"])
+        self.decoded[0] += drained["decode"]["request_steps"]
+        self.decoded[1] += drained["decode"]["tokens"]
 
     def take_complete(self, trained_version: int, num_groups: int | None = None) -> tuple[list[Group], dict] | None:
         """Async: `num_groups` (default rollout.num_prompts; a dynamic sampling refill's) complete groups whose
@@ -193,6 +197,7 @@ class Passes:
             return None
         taken = self.take(trained_version, num_groups=wanted)
         self.timelines, self.seconds, self.decoded = [], 0.0, [0, 0]
+        self.stream_steps, self.num_stream_passes = [], 0
         pool.stats.reset()
         return taken
 
@@ -223,7 +228,7 @@ class Passes:
 
     def _stats(self, groups: list[GroupInFlight], rollouts: list[Group], version: int, seconds: float) -> dict:
         answers = [a for g in groups for a in g.answers]
-        steps = [n for passes in self.timelines for timeline in passes for _, n in timeline]
+        steps = [n for passes in [*self.timelines, self.stream_steps] for timeline in passes for _, n in timeline]
         peak = max(steps, default=0)
         return {
             "num_groups": len(groups),
@@ -231,7 +236,7 @@ class Passes:
             # in flight in its last checkpoint's pool), across kills and resumes
             "group_ids": [g.group_id for g in groups],
             "num_groups_drawn": self.pool.num_drawn,
-            "num_passes": len(self.timelines),
+            "num_passes": len(self.timelines) + self.num_stream_passes,
             **self.pool.carried(),
             "num_tokens_generated": self.pool.stats.num_tokens_generated,
             "num_aborted": self.pool.stats.num_aborted,

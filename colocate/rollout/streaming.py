@@ -113,13 +113,15 @@ class StreamingRollout(ContinuousRollout):
         ended = set(ended)
         drained = ray.get([engines[e].stream_drain.remote(0.0) for e in live])
         finals = {e: ray.get(ref) for e, (ref, _) in live.items() if ref in ended}
-        results = [r for batch in drained for r in batch] + [r for out in finals.values() for r in out["results"]]
+        results = [r for out in [*drained, *finals.values()] for r in out["results"]]
         with self._cond:
             self.rollouts.stream_apply([sent.pop(r.request_id) for r in results], results, self._version)
+            for out in drained:
+                self.rollouts.stream_progress(out)
             num_engines = len(engines)
             for e, out in finals.items():
                 started = live.pop(e)[1]
-                self.rollouts.stream_ended(out)
+                self.rollouts.num_stream_passes += 1
                 self._pass_spans.append((started, time.perf_counter()))
                 for request_id in [i for i, r in sent.items() if r.group % num_engines == e]:
                     del sent[request_id]  # fed as the pass ended, never added: planned again

@@ -277,6 +277,7 @@ def test_a_streamed_pass_hands_back_each_answer_as_it_ends_and_takes_requests_wh
     once (drained, or in the pass's return); and a pass that has ended refuses what is fed to it."""
     engine, prompt = runtime.engines[0], [5, 6, 7, 16]
     v = ray.get(engine.pass_progress.remote())["version"] or 0
+    ray.get(engine.stream_drain.remote(0.0))  # nothing left from an earlier streamed pass
     running = engine.run_pass.remote([EngineRequest("st-long", 0, 0, prompt, 40, True, seed=1),
                                       EngineRequest("st-short", 1, 0, prompt, 1, True, seed=2)], IGNORE_EOS, None, v,
                                      True)
@@ -285,14 +286,19 @@ def test_a_streamed_pass_hands_back_each_answer_as_it_ends_and_takes_requests_wh
         assert time.monotonic() < deadline, progress
         time.sleep(0.002)
     assert ray.get(engine.pause_pass.remote()), "the pass ended before it could be held"  # now it cannot end
-    drained = ray.get(engine.stream_drain.remote(0.0))
+    looks = [ray.get(engine.stream_drain.remote(0.0))]
+    drained = looks[0]["results"]
     assert [r.request_id for r in drained] == ["st-short"] and len(drained[0].token_ids) == 1
     fed = EngineRequest("st-fed", 2, 0, [9, 8, 7], 3, True, seed=3)
     assert ray.get(engine.stream_feed.remote([fed]))
     ray.get(engine.resume_pass.remote(v, "keep"))
     out = ray.get(running)
-    drained += ray.get(engine.stream_drain.remote(0.0))
-    assert out["results"] == []  # every request ran to its end: all left through the stream
+    looks.append(ray.get(engine.stream_drain.remote(0.0)))
+    drained += looks[-1]["results"]
+    assert out["results"] == [] and out["timeline"] == []  # all left through the stream, the steps too
+    # every engine step reported once, in the looks: 44 tokens, one a request and step (no speculation)
+    assert sum(len(look["timeline"]) for look in looks) == ray.get(engine.pass_progress.remote())["steps"]
+    assert [sum(look["decode"][k] for look in looks) for k in ("request_steps", "tokens")] == [44, 44]
     by_id = {r.request_id: r for r in drained}
     assert sorted(by_id) == ["st-fed", "st-long", "st-short"] and len(drained) == 3
     assert [len(by_id[i].token_ids) for i in ("st-long", "st-fed")] == [40, 3]
@@ -312,7 +318,7 @@ def test_a_streamed_pass_reads_no_prefix_cached_under_other_weights(runtime):
     def streamed(tag: str, version: int):
         out = ray.get(engine.run_pass.remote([EngineRequest(tag, 0, 0, prompt, 1, True, seed=0)], IGNORE_EOS,
                                              None, version, True))
-        (result,) = ray.get(engine.stream_drain.remote(0.0)) + out["results"]
+        (result,) = ray.get(engine.stream_drain.remote(0.0))["results"] + out["results"]
         return result
 
     streamed("salt-a", v)

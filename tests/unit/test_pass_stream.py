@@ -50,3 +50,16 @@ def test_results_leave_once_in_order_and_a_drain_waits_for_the_first():
     assert [r.request_id for r in stream.drain()] == ["r1", "r2"] and stream.drain() == []  # kept past the end
     stream.open()  # the next pass starts with nothing in either list
     assert stream.take_inbox() == [] and stream.drain() == []
+
+
+def test_the_steps_are_reported_once_across_looks_and_passes():
+    stream = PassStream()
+    stream.open()
+    stream.stepped((0.01, 3), 3, 3)
+    stream.stepped((0.02, 2), 2, 5)  # speculative decoding: more tokens than request steps
+    assert stream.progress() == ([(0.01, 3), (0.02, 2)], [5, 8])
+    assert stream.progress() == ([], [0, 0])
+    stream.stepped((0.03, 1), 1, 1)
+    stream.close()
+    stream.open()  # a step of the last pass not yet looked at is reported by the next look
+    assert stream.progress() == ([(0.03, 1)], [1, 1])
