@@ -143,9 +143,11 @@ def _run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_
                 continue  # fed as the pass was about to end: added at the next look
             outputs, version = engine.step(), gate.version
             gate.steps += 1
-            busy = (time.perf_counter() - started, sum(1 for o in outputs if o.outputs[0].token_ids))
+            request_steps, tokens = _decoded(outputs)
+            gate.request_steps, gate.tokens = gate.request_steps + request_steps, gate.tokens + tokens
+            busy = (time.perf_counter() - started, request_steps)  # the sequences that produced a token
             if stream is not None:  # out with the step's results: a streamed pass may outlive many steps
-                stream.stepped(busy, *_decoded(outputs))
+                stream.stepped(busy, request_steps, tokens)
             else:
                 timeline.append(busy)
             for out in outputs:
@@ -154,8 +156,6 @@ def _run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_
                 # logprobs=0: only the sampled token's logprob at each new position
                 result.logprobs += [next(iter(lp.values())).logprob for lp in completion.logprobs or []]
                 result.versions += [version] * len(completion.token_ids)
-                if completion.token_ids:
-                    gate.request_steps, gate.tokens = gate.request_steps + 1, gate.tokens + len(completion.token_ids)
                 result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens or 0)
                 stopped = bool(stop_ids) and _cut_at_stop(
                     result, len(completion.token_ids), stop_ids,

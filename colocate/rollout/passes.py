@@ -25,7 +25,7 @@ import ray
 from colocate.config import JobConfig
 from colocate.engine.requests import EngineRequest
 from colocate.errors import EnvError
-from colocate.rollout.pool import GroupInFlight, RolloutPool
+from colocate.rollout.pool import GroupInFlight, RolloutPool, engine_of
 from colocate.rl.samples import Group
 from colocate.rl.tasks import PromptStream, Sample
 
@@ -166,7 +166,7 @@ class Passes:
         num_engines = len(self.engines)
         per_engine: list[list[EngineRequest]] = [[] for _ in range(num_engines)]
         for r in self.pool.requests(version, skip=in_flight):
-            per_engine[r.group % num_engines].append(r)
+            per_engine[engine_of(r.group, num_engines)].append(r)
         return per_engine
 
     def stream_apply(self, requests: list[EngineRequest], results: list, version: int) -> None:
@@ -205,7 +205,7 @@ class Passes:
         num_engines = len(self.engines)
         requests = self.pool.requests(version)
         quotas = self.pool.quotas(num_engines, num_groups)
-        per_engine = [[r for r in requests if r.group % num_engines == e] for e in range(num_engines)]
+        per_engine = [[r for r in requests if engine_of(r.group, num_engines) == e] for e in range(num_engines)]
         busy = [e for e in range(num_engines) if quotas[e] and per_engine[e]]
         assert busy, "a pass with nothing to do: the pool cannot complete the groups the step lacks"
         return Pass(version, per_engine, quotas, busy)

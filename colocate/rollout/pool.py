@@ -39,6 +39,12 @@ from colocate.rl.samples import Answer
 from colocate.rl.tasks import Sample
 
 
+def engine_of(group_id: int, num_engines: int) -> int:
+    """The engine that runs every request of a group, in every pass: a continuation finds its engine's prefix
+    cache."""
+    return group_id % num_engines
+
+
 @dataclass
 class GroupInFlight:
     group_id: int
@@ -156,21 +162,29 @@ class RolloutPool:
         """The next segment of every unfinished answer, under policy `version`; `skip`: the (group, answer) of
         requests in flight (rollout.stream)."""
         out = []
+        for group, i, answer in self._waiting(skip):
+            left = answer.max_tokens - len(answer.token_ids)
+            assert left > 0, "an answer with no budget left must have been finished"
+            # the turn's end (multi-turn, rollout.max_turn_tokens) ends a request as the budget's end does
+            turn_left = min(left, self._turn_tokens_left(answer))
+            segment = min(turn_left, self.rollout.partial_tokens or left)
+            out.append(EngineRequest(
+                request_id=f"g{group.group_id}-a{i}-v{version}-t{len(answer.token_ids)}", group=group.group_id,
+                index=i, prompt_ids=group.prompt_ids + answer.token_ids, max_tokens=segment,
+                final=segment == turn_left, seed=segment_seed(answer.seed, len(answer.token_ids)),
+                num_turn_tokens=answer.num_turn_tokens() if self.episodes is not None else 0))
+        return out
+
+    def has_waiting(self, skip: Collection[tuple[int, int]] = ()) -> bool:
+        """Whether an unfinished answer has no request in flight (`skip`: the (group, answer) of those that do)."""
+        return next(self._waiting(skip), None) is not None
+
+    def _waiting(self, skip: Collection[tuple[int, int]]):
+        """(group, answer index, answer) of every unfinished answer not in `skip`, in the pool's order."""
         for group in self.groups:
             for i, answer in enumerate(group.answers):
-                if answer.done or (group.group_id, i) in skip:
-                    continue
-                left = answer.max_tokens - len(answer.token_ids)
-                assert left > 0, "an answer with no budget left must have been finished"
-                # the turn's end (multi-turn, rollout.max_turn_tokens) ends a request as the budget's end does
-                turn_left = min(left, self._turn_tokens_left(answer))
-                segment = min(turn_left, self.rollout.partial_tokens or left)
-                out.append(EngineRequest(
-                    request_id=f"g{group.group_id}-a{i}-v{version}-t{len(answer.token_ids)}", group=group.group_id,
-                    index=i, prompt_ids=group.prompt_ids + answer.token_ids, max_tokens=segment,
-                    final=segment == turn_left, seed=segment_seed(answer.seed, len(answer.token_ids)),
-                    num_turn_tokens=answer.num_turn_tokens() if self.episodes is not None else 0))
-        return out
+                if not answer.done and (group.group_id, i) not in skip:
+                    yield group, i, answer
 
     def _turn_tokens_left(self, answer: Answer) -> int:
         limit = self.rollout.max_turn_tokens if self.episodes is not None else 0
@@ -261,13 +275,13 @@ class RolloutPool:
         return sum(g.complete for g in self.groups)
 
     def quotas(self, num_engines: int, num_groups: int | None = None) -> list[int]:
-        """Complete groups each engine must reach in the next pass (groups go to engine group_id % num_engines,
-        so a continuation finds its engine's prefix cache): together what the step still lacks of `num_groups`
-        (default rollout.num_prompts), none more than an engine has unfinished."""
+        """Complete groups each engine must reach in the next pass (each group goes to its engine_of): together
+        what the step still lacks of `num_groups` (default rollout.num_prompts), none more than an engine has
+        unfinished."""
         wanted = max(0, (self.rollout.num_prompts if num_groups is None else num_groups) - self.num_complete())
         unfinished = [0] * num_engines
         for g in self.groups:
-            unfinished[g.group_id % num_engines] += not g.complete
+            unfinished[engine_of(g.group_id, num_engines)] += not g.complete
         quotas = [0] * num_engines
         for _ in range(min(wanted, sum(unfinished))):  # round-robin over engines with unfinished groups left
             e = max(range(num_engines), key=lambda i: unfinished[i] - quotas[i])

@@ -30,6 +30,7 @@ import ray
 
 from colocate.engine.requests import EngineRequest
 from colocate.rollout.overlap import JOIN_SLICE_S, ContinuousRollout
+from colocate.rollout.pool import engine_of
 
 POLL_S = 0.05  # how often the engines are looked at: a finished group reaches the pool, and an answer's next
 # segment its engine, within about this (a continuation waits that long undecoded: docs/async.md's measurement)
@@ -68,8 +69,9 @@ class StreamingRollout(ContinuousRollout):
                 # planned only when it has something to send (a place free for a new group, an answer with no
                 # request in flight): a plan builds a request for every such answer, on the cores the engines
                 # and the trainer share
-                if not (self._paused or self._closed) and self._has_work(sent):
-                    plan = self.rollouts.stream_requests(self._version, {(r.group, r.index) for r in sent.values()})
+                pool, in_flight = self.rollouts.pool, {(r.group, r.index) for r in sent.values()}
+                if not (self._paused or self._closed) and (pool.num_missing or pool.has_waiting(in_flight)):
+                    plan = self.rollouts.stream_requests(self._version, in_flight)
                 if live or any(plan):
                     # set with the decision, under the lock: a pause that follows waits for these passes
                     self._in_pass = True
@@ -77,14 +79,6 @@ class StreamingRollout(ContinuousRollout):
                 self._in_pass = False
                 self._cond.notify_all()
                 self._cond.wait(JOIN_SLICE_S)
-
-    def _has_work(self, sent: dict) -> bool:
-        pool = self.rollouts.pool
-        if pool.num_missing:
-            return True
-        in_flight = {(r.group, r.index) for r in sent.values()}
-        return any(not answer.done and (group.group_id, i) not in in_flight
-                   for group in pool.groups for i, answer in enumerate(group.answers))
 
     def _send(self, plan: list[list[EngineRequest]], version: int, live: dict, sent: dict) -> None:
         """Into each engine's pass in flight, or a new pass where it has none. An engine whose pass was ending
@@ -123,7 +117,7 @@ class StreamingRollout(ContinuousRollout):
                 started = live.pop(e)[1]
                 self.rollouts.num_stream_passes += 1
                 self._pass_spans.append((started, time.perf_counter()))
-                for request_id in [i for i, r in sent.items() if r.group % num_engines == e]:
+                for request_id in [i for i, r in sent.items() if engine_of(r.group, num_engines) == e]:
                     del sent[request_id]  # fed as the pass ended, never added: planned again
             self._in_pass = bool(live)
             self._cond.notify_all()
