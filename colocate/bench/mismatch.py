@@ -14,13 +14,18 @@ sequence) run with colocate's own engine and trainer. Per token, log w = logp_tr
 gives mean and max |log w|, the range and quantiles of the ratio w = p_trainer / p_engine, and the fraction of
 tokens and sequences outside [1/1.1, 1.1].
 A bf16 engine is also measured at temperature 0.7 and top-p 0.9, where both sides must score the processed
-distribution (raw logprobs there would differ by the temperature alone). Writes JSON and a PNG of the ratio's
-distribution per row.
+distribution (raw logprobs there would differ by the temperature alone). The last run puts fp32 heads on both
+sides of the bf16 pair (engine.fp32_lm_head, trainer.fp32_lm_head: fp32 logits from the bf16 hidden states and
+weight); every row also gives its cost, measured in the same run: the engine's answer tokens a second and the
+trainer's scored tokens a second (after a short untimed pass), and the heads' memory from the model's shape
+(head_memory). Writes JSON and a PNG of the ratio's distribution per row.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,9 +40,25 @@ from colocate.rl.corrections import mismatch_stats
 from colocate.rl.samples import Sequence
 from colocate.rl.tasks import PromptStream, make_task
 
-RUNS = (("float32", False), ("bfloat16", False), ("bfloat16", True))  # (engine dtype, trainer mixed precision)
+
+
+@dataclass(frozen=True)
+class Run:
+    engine_dtype: str
+    mixed_precision: bool  # the trainer's bf16 compute (trainer.mixed_precision)
+    fp32_heads: bool = False  # engine.fp32_lm_head and trainer.fp32_lm_head
+
+    def job(self, cfg: JobConfig) -> JobConfig:
+        return dataclasses.replace(
+            cfg, engine=dataclasses.replace(cfg.engine, dtype=self.engine_dtype, fp32_lm_head=self.fp32_heads),
+            trainer=dataclasses.replace(cfg.trainer, mixed_precision=self.mixed_precision,
+                                        fp32_lm_head=self.fp32_heads))
+
+
+RUNS = (Run("float32", False), Run("bfloat16", False), Run("bfloat16", True), Run("bfloat16", True, True))
 SAMPLING = {"float32": ((1.0, 1.0),), "bfloat16": ((1.0, 1.0), (0.7, 0.9))}  # (temperature, top_p) per engine dtype
 BAND = 1.1
+WARMUP_TOKENS = 8
 
 
 def run_mismatch_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int, max_tokens: int, out_dir: str,
@@ -45,25 +66,30 @@ def run_mismatch_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int, ma
     task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
     samples = PromptStream(task, seed=cfg.rollout.seed).next_batch(num_prompts)
     rows, ratios, skipped = [], {}, []
-    for dtype, mixed in RUNS:
-        job = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, dtype=dtype),
-                                  trainer=dataclasses.replace(cfg.trainer, mixed_precision=mixed))
+    for run in RUNS:
+        job = run.job(cfg)
         try:
             runtime = Runtime(job)
         except ConfigError as e:  # a bf16 trainer on a CPU without native bf16: the placement's one line
-            skipped.append({"engine_dtype": dtype, "trainer_mixed_precision": mixed, "why": str(e)})
-            print(f"skipped: {dtype} engine with trainer.mixed_precision={mixed}: {e}")
+            skipped.append({**dataclasses.asdict(run), "why": str(e)})
+            print(f"skipped: {run}: {e}")
             continue
         with runtime as rt:
             trainer_dtype = rt.trainer_info[0]["compute_dtype"]
             prompts = [rt.tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples]
             budget = min(max_tokens, job.engine.max_model_len - max(map(len, prompts)) - 1)
-            for temperature, top_p in SAMPLING[dtype]:
-                label = f"{dtype} engine, {trainer_dtype} trainer, T={temperature:g}, top_p={top_p:g}"
-                log_w, seq_log_w = _measure(rt, prompts, num_samples, budget, temperature, top_p, cfg.engine.seed)
+            _measure(rt, prompts[:2], 1, WARMUP_TOKENS, 1.0, 1.0, cfg.engine.seed)  # first steps, not timed
+            for temperature, top_p in SAMPLING[run.engine_dtype]:
+                label = f"{run.engine_dtype} engine, {trainer_dtype} trainer{', fp32 heads' * run.fp32_heads}, " \
+                        f"T={temperature:g}, top_p={top_p:g}"
+                log_w, seq_log_w, speed = _measure(rt, prompts, num_samples, budget, temperature, top_p,
+                                                   cfg.engine.seed)
                 ratios[label] = np.exp(log_w.numpy())
-                rows.append({"engine_dtype": dtype, "trainer_dtype": trainer_dtype, "temperature": temperature,
-                             "top_p": top_p, "max_tokens": budget, **mismatch_stats(log_w, seq_log_w, band=BAND)})
+                rows.append({"engine_dtype": run.engine_dtype, "trainer_dtype": trainer_dtype,
+                             "fp32_heads": run.fp32_heads, "trainer_logits_dtype": rt.trainer_info[0]["logits_dtype"],
+                             "engine_logits_dtype": rt.engine_info[0]["logits_dtype"],
+                             "temperature": temperature, "top_p": top_p, "max_tokens": budget, **speed,
+                             "memory": head_memory(job, run), **mismatch_stats(log_w, seq_log_w, band=BAND)})
     result = {"config": {"model": cfg.model.preset or cfg.model.path, "engine_tp": cfg.engine.tp,
                          "num_prompts": num_prompts, "num_samples": num_samples,
                          "logprobs_mode": "processed_logprobs", "enforce_eager": cfg.engine.enforce_eager},
@@ -74,29 +100,52 @@ def run_mismatch_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int, ma
     return result
 
 
+def head_memory(job: JobConfig, run: Run) -> dict[str, int]:
+    """What the heads hold, in bytes, from the model's shape: the engine's fp32 copy of its lm_head shard, made
+    for each forward on the CPU (vLLM's `_apply_head` cast path; CUDA's GEMM with fp32 output makes none), and one
+    trainer rank's train-step peak as the preflight predicts it (trainer/step_moments.py: within 8% of torch's
+    MemTracker on a real step, tests/distributed/test_step_moments.py)."""
+    from colocate.job.train_peaks import predict_train_peaks
+    from colocate.models.dims import model_dims
+
+    dims = model_dims(job)
+    peaks = predict_train_peaks(job, dims, device="cpu")
+    head = dims.vocab_size * dims.hidden_size
+    return {"engine_head_copy_bytes": 4 * head // job.engine.tp if run.fp32_heads else 0,
+            "trainer_step_peak_bytes": peaks.resident_bytes + peaks.forward_backward_bytes}
+
+
 def _measure(rt: Runtime, prompts: list[list[int]], num_samples: int, max_tokens: int, temperature: float,
-             top_p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample on every engine, rescore every sampled token on the trainers: (per-token log w, per-seq sum)."""
+             top_p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Sample on every engine, rescore every sampled token on the trainers: (per-token log w, per-seq sum, the
+    engine's and the trainer's tokens a second)."""
     sampling = {"n": num_samples, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens,
                 "seed": seed}
     num_engines = len(rt.engines)
+    start = time.perf_counter()
     outputs = ray.get([e.generate.remote(prompts[i::num_engines], sampling) for i, e in enumerate(rt.engines)])
+    generate_s = time.perf_counter() - start
     seqs = []
     for i, groups in enumerate(outputs):
         for prompt, group in zip(prompts[i::num_engines], groups):
             seqs += [Sequence(prompt, c["token_ids"], c["logprobs"], 0.0) for c in group if c["token_ids"]]
     world = len(rt.trainers)
     num_micro_batches = -(-(-(-len(seqs) // world)) // rt.cfg.trainer.micro_batch_size)
+    start = time.perf_counter()
     scored = ray.get([t.score.remote(seqs[rank::world], num_micro_batches=num_micro_batches,
                                      temperature=temperature, top_p=top_p)
                       for rank, t in enumerate(rt.trainers)])
+    score_s = time.perf_counter() - start
+    answer_tokens = sum(len(s.response_ids) for s in seqs)
+    speed = {"engine_tokens_per_s": answer_tokens / generate_s,
+             "trainer_tokens_per_s": sum(len(s.prompt_ids) + len(s.response_ids) for s in seqs) / score_s}
     token_log_w, seq_log_w = [], []
     for rank, per_rank in enumerate(scored):
         for seq, trainer in zip(seqs[rank::world], per_rank):
             delta = torch.tensor(trainer, dtype=torch.float64) - torch.tensor(seq.logprobs, dtype=torch.float64)
             token_log_w.append(delta)
             seq_log_w.append(delta.sum().reshape(1))
-    return torch.cat(token_log_w), torch.cat(seq_log_w)
+    return torch.cat(token_log_w), torch.cat(seq_log_w), speed
 
 
 def _plot(ratios: dict[str, np.ndarray], path: Path) -> None:
@@ -124,12 +173,13 @@ def _plot(ratios: dict[str, np.ndarray], path: Path) -> None:
 
 
 def _print(rows: list[dict], path: Path) -> None:
-    print(f"{'engine, trainer':<52} {'tokens':>7} {'mean |dlogp|':>13} {'max |dlogp|':>12} {'ratio range':>17} "
-          f"{'outside x1.1':>13}")
+    print(f"{'engine, trainer':<64} {'tokens':>7} {'mean |dlogp|':>13} {'max |dlogp|':>12} {'ratio range':>17} "
+          f"{'outside x1.1':>13} {'engine tok/s':>13} {'trainer tok/s':>14}")
     for r in rows:
         t = r["token"]
-        label = (f"{r['engine_dtype']} engine, {r['trainer_dtype']} trainer, T={r['temperature']:g}, "
-                 f"top_p={r['top_p']:g}")
-        print(f"{label:<52} {t['count']:>7} {t['mean_abs_log_ratio']:>13.2e} {t['max_abs_log_ratio']:>12.2e} "
-              f"[{t['ratio_min']:.3f}, {t['ratio_max']:.3f}] {t['fraction_outside_band']:>12.2%}")
+        label = (f"{r['engine_dtype']} engine, {r['trainer_dtype']} trainer{', fp32 heads' * r['fp32_heads']}, "
+                 f"T={r['temperature']:g}, top_p={r['top_p']:g}")
+        print(f"{label:<64} {t['count']:>7} {t['mean_abs_log_ratio']:>13.2e} {t['max_abs_log_ratio']:>12.2e} "
+              f"[{t['ratio_min']:.3f}, {t['ratio_max']:.3f}] {t['fraction_outside_band']:>12.2%} "
+              f"{r['engine_tokens_per_s']:>13.1f} {r['trainer_tokens_per_s']:>14.1f}")
     print(f"results: {path} (+ .png)")

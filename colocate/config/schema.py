@@ -130,6 +130,9 @@ class TrainerConfig:
     logprob_chunk_tokens: int | None = 1024
     """Tokens per chunk of the log-prob pass (lm_head, temperature, top-p, log-softmax), each chunk recomputed in the
     backward: the full [tokens, vocabulary] logits never exist at once; null: all of a micro-batch's at once."""
+    fp32_lm_head: bool = False
+    """Under trainer.mixed_precision: the chunked head computes its logits in fp32 from the bf16 hidden states and
+    weight (as engine.fp32_lm_head does in vLLM), not rounded to bf16; costs an fp32 copy of lm_head per chunk."""
     pack_sequences: bool = False
     """A micro-batch is one row of its sequences end to end (positions restarting per sequence, attention kept inside
     each), no padding; false: one right-padded row per sequence."""
@@ -147,6 +150,13 @@ class TrainerConfig:
         if self.logprob_chunk_tokens is not None and self.logprob_chunk_tokens <= 0:
             raise bad("trainer.logprob_chunk_tokens", self.logprob_chunk_tokens,
                        "must be > 0 (tokens per chunk), or null for all of a micro-batch's logits at once")
+        if self.fp32_lm_head and not self.mixed_precision:
+            raise bad("trainer.fp32_lm_head", True, "the head already computes in fp32 without "
+                      "trainer.mixed_precision=true; valid: false, or turn mixed precision on",
+                      fix={"trainer.fp32_lm_head": False})
+        if self.fp32_lm_head and self.logprob_chunk_tokens is None:
+            raise bad("trainer.fp32_lm_head", True, "the chunked log-prob head computes it: needs "
+                      "trainer.logprob_chunk_tokens > 0, e.g. 1024", fix={"trainer.logprob_chunk_tokens": 1024})
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch <= 0:
             raise bad("trainer.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch,
                        "must be > 0 (tokens per micro-batch), or null for trainer.micro_batch_size sequences each")
@@ -194,6 +204,12 @@ class EngineConfig:
     """auto (vllm on CUDA, portable on CPU), vllm (vLLM sleep mode, CUDA only), portable (release storages)."""
     seed: int = 0
     """Engine sampling seed."""
+    fp32_lm_head: bool = False
+    """bf16/fp16 engines: compute lm_head's logits in fp32 from the model-dtype hidden states and weight (vLLM's
+    head_dtype=float32), as trainer.fp32_lm_head does; the weight and the sync stay in engine.dtype."""
+    batch_invariant: bool = False
+    """vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1): a sequence's log-probs do not depend on what else is
+    in the batch. vLLM 0.32 has them on CUDA GPUs of compute capability 8.0 or more (and XPU), not on the CPU."""
 
     def check(self) -> None:
         positive(self, "engine", "tp", "max_model_len")
@@ -206,6 +222,9 @@ class EngineConfig:
         one_of(self, "engine", "sleep_level", ["auto", "0", "1", "2"])
         one_of(self, "engine", "sleep_backend", ["auto", "vllm", "portable"])
         one_of(self, "engine", "enforce_eager", ["auto", "true", "false"])
+        if self.fp32_lm_head and self.dtype == "float32":
+            raise bad("engine.fp32_lm_head", True, "a float32 engine's head already computes in fp32; valid: false, "
+                      "or engine.dtype=bfloat16", fix={"engine.fp32_lm_head": False})
         engine_extra_args(self)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise bad("engine.gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")

@@ -47,6 +47,11 @@ def engine_env(cfg, device: str, placement_env: dict[str, str] | None = None) ->
     slots, and on CUDA the bundles vLLM's Ray executor must use (placement.engine_placement)."""
     env = {**(placement_env or {}), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING",
            "TOKENIZERS_PARALLELISM": "false"}
+    if cfg.batch_invariant:
+        # read at import and at model runner start (vllm/envs.py, model_executor/determinism/batch_invariant.py
+        # init_batch_invariance): the aten overrides, cuBLAS workspace and NCCL pins; the placement refuses it
+        # where vLLM has no such kernels (job/placement.py)
+        env["VLLM_BATCH_INVARIANT"] = "1"
     if device == "cpu":
         # 2-core machines: bind nothing (vLLM's auto binding wants a NUMA layout) and one OMP thread per worker.
         env.update({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})
@@ -57,6 +62,15 @@ def engine_env(cfg, device: str, placement_env: dict[str, str] | None = None) ->
             # 3 CPU-s per TP worker with inductor's disk cache warm, 13 s cold. Dynamo reads this at import.
             env["TORCH_COMPILE_DISABLE"] = "1"
     return env
+
+
+def head_dtype_override(hf_overrides: dict | None) -> dict:
+    """engine.fp32_lm_head as vLLM 0.32 takes it: hf_overrides {"head_dtype": "float32"} (config/model.py
+    `ModelConfig.head_dtype`). Its LogitsProcessor then casts the model-dtype hidden states and lm_head weight to
+    fp32 and multiplies them there (model_executor/layers/logits_processor.py `_apply_head`; on CUDA one GEMM with
+    fp32 output, torch.mm(out_dtype=...), elsewhere two casts and F.linear): the logits are never rounded to bf16,
+    and the weight, the sleep and the sync stay in the engine's dtype. Merged into engine.extra_args' own."""
+    return {**(hf_overrides or {}), "head_dtype": "float32"}
 
 
 def speculative_config(rollout) -> dict | None:
@@ -156,7 +170,8 @@ class EngineActor:
 
             self.llm.collective_rpc("colocate_install_adapter", args=(adapter_shapes,))
             self._adapter = policy_adapter()
-        return {"start_s": time.perf_counter() - started, **self.memory()[0]}
+        return {"start_s": time.perf_counter() - started, **self.memory()[0],
+                "logits_dtype": self.llm.collective_rpc("colocate_logits_dtype")[0]}
 
     def _llm_kwargs(self) -> dict:
         """vLLM's engine arguments for the policy: generation from token ids, with the sampled tokens' logprobs."""
@@ -184,6 +199,8 @@ class EngineActor:
             **(_lora_kwargs(self.cfg.max_lora_rank, self._adapter_shapes) if self.cfg.max_lora_rank else {}),
             **engine_extra_args(self.cfg),
         )
+        if self.cfg.fp32_lm_head:
+            kwargs["hf_overrides"] = head_dtype_override(kwargs.get("hf_overrides"))
         if self.device == "cpu":
             # TP=1 runs its worker in this process ("uni"), as vLLM itself chooses on CUDA (config/parallel.py:
             # a world size of 1 with no backend given), so the CPU tests the GPU's TP=1 path; a worker process

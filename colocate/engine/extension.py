@@ -140,6 +140,16 @@ class ColocateWorkerExtension:
         torch.cuda.synchronize(self.device)
         return torch.cuda.mem_get_info(self.device)[0]
 
+    def colocate_logits_dtype(self) -> str:
+        """The dtype this worker makes its logits in, as its LogitsProcessor decided it (head_dtype: engine.
+        fp32_lm_head), read from the model that runs, not from the config."""
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+        model = self.model_runner.model
+        heads = [m.head_dtype for m in model.modules() if isinstance(m, LogitsProcessor)]
+        dtype = heads[0] if heads and heads[0] is not None else next(model.parameters()).dtype
+        return str(dtype).removeprefix("torch.")
+
     def colocate_param_layout(self) -> dict:
         """This worker's parameters (names, shapes, dtypes), TP rank, and for a MoE model its experts: which global
         experts its slots hold and how their intermediate dimension is split (the reshard plan needs both)."""

@@ -158,6 +158,11 @@ def plan_slots(cfg: JobConfig, *, device: str, num_devices: int, where: str = "t
                               "CPU build, sampling at temperature > 0 with drafts, returns tokens its model gives "
                               "almost no probability (scripts/probe_cpu_speculative.py; greedy is right), and RL "
                               "samples; valid on the CPU: empty", fix={"rollout.speculative": ""})
+        if cfg.engine.batch_invariant:
+            raise ConfigError("engine.batch_invariant=True is invalid on a CPU run: vLLM 0.32's batch-invariant "
+                              "kernels are Triton and cuBLAS settings for CUDA/ROCm GPUs and XPU "
+                              "(model_executor/determinism/batch_invariant.py), none for the CPU; valid: false",
+                              fix={"engine.batch_invariant": False})
         if cfg.trainer.mixed_precision and not cpu_bf16_features():
             raise ConfigError("trainer.mixed_precision=True is invalid on this CPU: it computes bf16 natively only "
                               "with AVX-512 BF16 or AMX (flags avx512_bf16, amx_bf16), which it lacks, and emulated "

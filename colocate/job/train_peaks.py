@@ -117,7 +117,8 @@ def step_setting(cfg: JobConfig, dims: ModelDims, device: str) -> StepSetting:
                        top_p=cfg.rollout.top_p, chunk_tokens=cfg.trainer.logprob_chunk_tokens,
                        checkpointed=cfg.trainer.activation_checkpointing,
                        world_size=cfg.placement.num_trainer_ranks, device=device,
-                       entropy_grad=cfg.algo.entropy_coef > 0, adapter_params=num_adapter_params(cfg, dims))
+                       entropy_grad=cfg.algo.entropy_coef > 0, adapter_params=num_adapter_params(cfg, dims),
+                       fp32_head=cfg.trainer.fp32_lm_head)
 
 
 def reference_moment(cfg: JobConfig, dims: ModelDims, setting: StepSetting,

@@ -96,7 +96,7 @@ class TrainerActor:
             names = sorted({n for found in lora_targets(model, lora.targets).values() for n in found})
             add_lora(model, names, rank=lora.rank, alpha=lora.alpha, seed=0)
         if self.cfg.logprob_chunk_tokens:  # before sharding: the head's weight keeps its name and its FSDP group
-            install_chunked_head(model, self.cfg.logprob_chunk_tokens)
+            install_chunked_head(model, self.cfg.logprob_chunk_tokens, fp32_logits=self.cfg.fp32_lm_head)
         if self.cfg.activation_checkpointing:
             checkpoint_layers(model, offload=self.cfg.activation_offload and self.device.type == "cuda")
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
@@ -137,6 +137,8 @@ class TrainerActor:
                 "attention": self.attention,
                 # which path ran: bf16 compute (FSDP2 mixed precision) or fp32, and on the CPU its native bf16
                 "compute_dtype": "bfloat16" if self.cfg.mixed_precision else "float32",
+                # the head's logits: fp32 unless bf16 compute rounds them (trainer.fp32_lm_head keeps them fp32)
+                "logits_dtype": "bfloat16" if self.cfg.mixed_precision and not self.cfg.fp32_lm_head else "float32",
                 **({"cpu_bf16_features": cpu_bf16_features()} if self.device.type == "cpu" else {})}
 
     def shutdown(self) -> None:

@@ -95,11 +95,12 @@ class ChunkedLogprobHead(torch.nn.Module):
     """lm_head's replacement. Outside `scoring` it is lm_head (logits). Inside, its forward returns [B, T, 2]:
     each position's (logprob of the target, entropy), computed `chunk_tokens` positions at a time."""
 
-    def __init__(self, linear: torch.nn.Linear, chunk_tokens: int):
+    def __init__(self, linear: torch.nn.Linear, chunk_tokens: int, *, fp32_logits: bool = False):
         super().__init__()
         assert linear.bias is None, "no bias in the causal LM heads this replaces"
         self.weight = linear.weight  # the same Parameter: an embedding tied to it stays tied
         self.chunk_tokens = chunk_tokens
+        self.fp32_logits = fp32_logits
         self._scoring: tuple[torch.Tensor, float, float, bool] | None = None
 
     @contextlib.contextmanager
@@ -111,9 +112,20 @@ class ChunkedLogprobHead(torch.nn.Module):
         finally:
             self._scoring = None
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head's projection. fp32_logits (trainer.fp32_lm_head): the hidden states and weight as FSDP2 hands
+        them to the head (bf16 under mixed precision) are cast to fp32 and multiplied there, as vLLM's
+        head_dtype=float32 does (model_executor/layers/logits_processor.py `_apply_head`): both sides start from
+        the same bf16 values and neither rounds the logits to bf16, whose spacing is 0.125 at |logit| 16-32.
+        Hazard (memory): an fp32 copy of the whole weight per chunk, and in the backward its fp32 gradient
+        (4 x vocab x hidden each: 2.2 GB for Qwen2.5-7B), counted by the preflight (trainer/step_moments.py)."""
+        if self.fp32_logits:
+            return F.linear(hidden.float(), self.weight.float())
+        return F.linear(hidden, self.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._scoring is None:
-            return F.linear(hidden, self.weight)
+            return self.logits(hidden)
         targets, temperature, top_p, entropy_grad = self._scoring
         flat, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         parts = [checkpoint(self._chunk, flat[i:i + self.chunk_tokens], flat_targets[i:i + self.chunk_tokens],
@@ -123,18 +135,19 @@ class ChunkedLogprobHead(torch.nn.Module):
 
     def _chunk(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, top_p: float,
                entropy_grad: bool) -> torch.Tensor:
-        chosen, entropy = processed_logprobs(F.linear(hidden, self.weight), targets, temperature=temperature,
-                                             top_p=top_p, entropy_grad=entropy_grad)
+        chosen, entropy = processed_logprobs(self.logits(hidden), targets, temperature=temperature, top_p=top_p,
+                                             entropy_grad=entropy_grad)
         return torch.stack([chosen, entropy], dim=-1)
 
 
-def install_chunked_head(model: torch.nn.Module, chunk_tokens: int) -> None:
-    """Replace the model's lm_head by a ChunkedLogprobHead, before fully_shard (the parameter keeps its name)."""
+def install_chunked_head(model: torch.nn.Module, chunk_tokens: int, *, fp32_logits: bool = False) -> None:
+    """Replace the model's lm_head by a ChunkedLogprobHead, before fully_shard (the parameter keeps its name);
+    `fp32_logits`: trainer.fp32_lm_head."""
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         raise ValueError(f"trainer.logprob_chunk_tokens={chunk_tokens}: {type(model).__name__}'s output layer is "
                          f"a {type(head).__name__}, not a bias-free Linear; set trainer.logprob_chunk_tokens=null")
-    model.lm_head = ChunkedLogprobHead(head, chunk_tokens)
+    model.lm_head = ChunkedLogprobHead(head, chunk_tokens, fp32_logits=fp32_logits)
 
 
 def sequence_logprobs(model: torch.nn.Module, batch, *, temperature: float, top_p: float,

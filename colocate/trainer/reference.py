@@ -41,7 +41,7 @@ class ReferencePolicy:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                      attn_implementation=attention_implementation(cfg, device.type))
         if cfg.logprob_chunk_tokens:
-            install_chunked_head(model, cfg.logprob_chunk_tokens)
+            install_chunked_head(model, cfg.logprob_chunk_tokens, fp32_logits=cfg.fp32_lm_head)
         model.requires_grad_(False)
         model.eval()  # no dropout: the policy's logprobs at the initial weights must match these exactly
         if cfg.mixed_precision:

@@ -72,6 +72,7 @@ class StepSetting:
     device: str  # "cuda" or "cpu"
     entropy_grad: bool = False  # algo.entropy_coef > 0
     adapter_params: int = 0  # LoRA: the adapters' parameters, the only ones trained; 0: every parameter
+    fp32_head: bool = False  # trainer.fp32_lm_head under bf16 compute: fp32 logits from an fp32 copy of lm_head
 
 
 @dataclass(frozen=True)
@@ -166,11 +167,19 @@ def _head_moments(step: _Step, accumulating: bool) -> dict[str, dict[str, int]]:
     """The log-prob pass, forward and backward, and lm_head's weight gradient: every layer's activations kept."""
     dims, g, c = step.dims, step.g, step.c
     s = step.s
+    # trainer.fp32_lm_head: the logits are made in fp32 (no bf16 copy), from an fp32 copy of the head's weight
+    # per chunk (trainer/logprobs.py ChunkedLogprobHead.logits), whose fp32 gradient the head's backward adds
+    fp32_head = s.fp32_head and c != FP32
+    logits_bytes = FP32 if fp32_head else c
+    head_copy = FP32 * dims.vocab_size * dims.hidden_size if fp32_head else 0
     forward_pass, backward_pass = logprob_pass_peaks(
-        dims, num_tokens=step.tokens, compute_bytes=c, temperature=s.temperature, top_p=s.top_p,
+        dims, num_tokens=step.tokens, compute_bytes=logits_bytes, temperature=s.temperature, top_p=s.top_p,
         chunk_tokens=s.chunk_tokens, entropy_grad=s.entropy_grad)
     kept = {**step.activations(dims.num_layers, head=True),
             "gradients (fp32 shard)": step.every_grad if accumulating else 0}
+    # the forward's copy is freed once its GEMM is done, before the logits' larger temporaries (measured); the
+    # recompute's is saved for the chunk's backward
+    saved_copy = {"fp32 copy of lm_head": head_copy} if fp32_head else {}
     head_param = c * (g.head or g.root)  # tied: the root, embeddings = lm_head
     head_grad = c * (g.head_trained or g.root_trained)
     outputs = step.tokens * CHUNKED_OUTPUT_BYTES if step.chunked else 0
@@ -185,13 +194,14 @@ def _head_moments(step: _Step, accumulating: bool) -> dict[str, dict[str, int]]:
         "backward: log-prob pass": {
             **kept, "fsdp unsharded groups": head_param + (c * g.layer if step.prefetch and step.chunked else 0)
             + (head_grad if step.several_chunks else 0),
-            "logits and log-softmax": backward_pass},
+            "logits and log-softmax": backward_pass, **saved_copy},
         # the logits' gradient (fp32, and cast to the compute dtype) beside a new gradient of the whole head and
         # the one it adds to
         "backward: lm_head": {
             **kept, "fsdp unsharded groups": head_param + (c * g.layer if step.prefetch else 0)
             + head_grad * (2 if step.several_chunks else 1),
-            "logits and log-softmax": (FP32 + c) * step.positions * dims.vocab_size + outputs},
+            "logits and log-softmax": (FP32 + (0 if fp32_head else c)) * step.positions * dims.vocab_size
+            + outputs, **({"fp32 copy of lm_head and its gradient": 2 * head_copy} if fp32_head else {})},
     }
 
 

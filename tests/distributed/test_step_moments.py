@@ -2,7 +2,7 @@
 runs one step under torch's MemTracker (every storage an op returns, counted until it is freed: what CUDA's
 allocator counts as allocated, without its caching), and the peaks of its forward+backward and of AdamW's step,
 each over the resident state, are the model's within 8%. World size 1 and 2, bf16 and fp32, checkpointed and not,
-chunked and not, and a step of two micro-batches (the second beside every gradient)."""
+chunked and not, an fp32 head under bf16, and a step of two micro-batches (the second beside every gradient)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def _measured_step(rank: int, world_size: int, port: int, model_path: str, keys:
     dims = ModelDims.from_config_dict({**CONFIG, "model_type": "qwen2"})
     setting = StepSetting(compute_bytes=2 if cfg.mixed_precision else 4, temperature=1.0, top_p=1.0,
                           chunk_tokens=cfg.logprob_chunk_tokens, checkpointed=cfg.activation_checkpointing,
-                          world_size=world_size, device="cpu")
+                          world_size=world_size, device="cpu", fp32_head=cfg.fp32_lm_head)
     steps = [step_moments(dims, setting, rows=1, length=length, masked=False, accumulating=i > 0)
              for i in range(micro_batches)]
     predicted = max(sum(peak_moment(m)[1].values()) for m in steps)
@@ -94,6 +94,9 @@ def _measured_step(rank: int, world_size: int, port: int, model_path: str, keys:
     (1, dict(mixed_precision=False, activation_checkpointing=False, logprob_chunk_tokens=None), 512, 1),
     (1, dict(mixed_precision=True, activation_checkpointing=True, logprob_chunk_tokens=256), 512, 2),
     (2, dict(mixed_precision=True, activation_checkpointing=False, logprob_chunk_tokens=256), 512, 1),
-], ids=["bf16_checkpointed_chunked", "fp32_full_logits", "two_micro_batches", "world_2"])
+    # trainer.fp32_lm_head: fp32 logits from an fp32 copy of the head, and that copy's gradient in the backward
+    (1, dict(mixed_precision=True, activation_checkpointing=True, logprob_chunk_tokens=256, fp32_lm_head=True),
+     1024, 1),
+], ids=["bf16_checkpointed_chunked", "fp32_full_logits", "two_micro_batches", "world_2", "fp32_head"])
 def test_a_train_step_holds_what_its_moments_say(model_path, world_size, keys, length, micro_batches):
     run_distributed(_measured_step, model_path, keys, length, micro_batches, world_size=world_size, init=False)

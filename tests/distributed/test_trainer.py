@@ -209,3 +209,45 @@ def test_token_returns_are_whitened_over_every_ranks_tokens(tmp_path):
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     torch.testing.assert_close(two, one)
     assert one[1, 3] == 0 and one[0].abs().sum() > 0  # off the mask stays 0
+
+
+def _head_logits(rank: int, world_size: int, port: int, model_path: str, out_path: str, fp32_lm_head: bool):
+    import torch.nn.functional as F
+
+    from colocate.trainer.actor import TrainerActor
+    from colocate.trainer.logprobs import processed_logprobs
+
+    cfg = TrainerConfig(micro_batch_size=8, mixed_precision=True, fp32_lm_head=fp32_lm_head)
+    trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0)
+    info = trainer.setup("127.0.0.1", port)
+    seen = {}
+
+    def check(head, args, output):
+        # what FSDP2 handed the head (its pre-forward hook runs first: the all-gathered, cast weight and inputs),
+        # and the head's output against the two ways to make logits from them
+        hidden, weight = args[0].reshape(-1, args[0].shape[-1]), head.weight
+        targets = head._scoring[0].reshape(-1)
+        fp32 = processed_logprobs(F.linear(hidden.float(), weight.float()), targets)[0]
+        rounded = processed_logprobs(F.linear(hidden, weight), targets)[0]
+        got = output[..., 0].reshape(-1)
+        seen.update(hidden=hidden.dtype, weight=weight.dtype, fp32=torch.equal(got, fp32),
+                    rounded=torch.equal(got, rounded), gap=float((fp32 - rounded).abs().max()))
+
+    trainer.model.lm_head.register_forward_hook(check)
+    trainer.score(SEQS[rank::world_size], num_micro_batches=1, temperature=1.0, top_p=1.0)
+    if rank == 0:
+        torch.save({**seen, "logits_dtype": info["logits_dtype"]}, out_path)
+    trainer.shutdown()
+
+
+def test_the_head_computes_its_logits_in_fp32_when_asked(tmp_path):
+    # trainer.fp32_lm_head under bf16 mixed precision: the head's logits are fp32 products of the bf16 hidden
+    # states and weight FSDP2 gives it (vLLM's head_dtype=float32 on the engine), bit for bit; without it, bf16
+    path = ensure_model(ModelConfig(preset="tiny", cache_dir=str(tmp_path / "models")))
+    for fp32 in (True, False):
+        run_distributed(_head_logits, path, str(tmp_path / f"{fp32}.pt"), fp32, world_size=2, init=False)
+    on, off = torch.load(tmp_path / "True.pt"), torch.load(tmp_path / "False.pt")
+    assert on["hidden"] == on["weight"] == off["hidden"] == torch.bfloat16  # the same inputs either way
+    assert on["fp32"] and not on["rounded"] and on["logits_dtype"] == "float32"
+    assert off["rounded"] and not off["fp32"] and off["logits_dtype"] == "bfloat16"
+    assert on["gap"] > 0  # the two differ on this model: the check above can tell them apart

@@ -74,6 +74,12 @@ def test_defaults_without_a_file():
         pytest.param(["algo.mis_low=1.5"], "algo.mis_low", id="mis_band_without_one"),
         pytest.param(["algo.tis_cap=0.5"], "algo.tis_cap", id="tis_cap_below_one"),
         pytest.param(["algo.mismatch_band=1"], "algo.mismatch_band", id="empty_monitor_band"),
+        pytest.param(["engine.batch_invariant=true"], "engine.batch_invariant", id="batch_invariance_on_a_cpu"),
+        pytest.param(["trainer.fp32_lm_head=true"], "trainer.fp32_lm_head", id="fp32_head_without_bf16"),
+        pytest.param(["trainer.fp32_lm_head=true", "trainer.mixed_precision=true", "trainer.logprob_chunk_tokens=null"],
+                     "trainer.fp32_lm_head", id="fp32_head_without_the_chunked_head"),
+        pytest.param(["engine.fp32_lm_head=true", "engine.dtype=float32"], "engine.fp32_lm_head",
+                     id="fp32_head_of_an_fp32_engine"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(capsys, overrides, key):

@@ -110,6 +110,12 @@ HINTED = [
     (["placement.num_slots=64"], validate(), None),
     (["placement.num_slots=64", "placement.engine_slots=40"], validate(), None),
     (["placement.device=cpu", "engine.sleep_backend=vllm"], validate(), None),
+    (["placement.device=cpu", "engine.batch_invariant=true"], validate(), None),
+    (["trainer.fp32_lm_head=true"], validate(), None),
+    # the bf16 trainer is refused next on a CPU without bf16, as this test's is
+    (["trainer.fp32_lm_head=true", "trainer.mixed_precision=true", "trainer.logprob_chunk_tokens=null"], validate(),
+     "trainer.mixed_precision"),
+    (["engine.fp32_lm_head=true", "engine.dtype=float32"], validate(), None),
     (["trainer.mixed_precision=true"], validate(), None),  # on a CPU without bf16 (the test says so)
     (["sync.method=in_place"], GPU, None),
     (["sync.method=ring"], GPU, None),
