@@ -18,6 +18,8 @@ from colocate.host.devices import copy_seconds
 # switch is what the switch benchmark measures: both sides move, whatever the preflight would choose.
 BENCH_DEFAULTS = ["model.preset=bench", "engine.kv_cache_gib=0.25", "engine.max_model_len=128",
                   "logging.progress=false", "engine.sleep_level=2", "trainer.offload=true"]
+# `colocate bench consistency`: one engine worker and one trainer rank, the path where equal bits could be had
+CONSISTENCY_DEFAULTS = [*BENCH_DEFAULTS, "engine.tp=1", "placement.num_slots=1"]
 
 
 def memcpy_floor_s(num_bytes: int, *, device: str = "cpu", repeats: int = 5) -> float:

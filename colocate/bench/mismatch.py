@@ -47,10 +47,21 @@ class Run:
     engine_dtype: str
     mixed_precision: bool  # the trainer's bf16 compute (trainer.mixed_precision)
     fp32_heads: bool = False  # engine.fp32_lm_head and trainer.fp32_lm_head
+    batch_invariant: bool = False  # engine.batch_invariant
+
+    def runtime(self, cfg: JobConfig) -> Runtime:
+        """The run's runtime, its job checked as `colocate launch` checks it: a ConfigError (batch invariance or a
+        bf16 trainer where the platform lacks it) comes here, in one line, before anything starts."""
+        from colocate.job.setup import check_job, set_up_job
+
+        job = self.job(cfg)
+        setup = set_up_job(job, check_job(job))
+        return Runtime(setup.config, setup)
 
     def job(self, cfg: JobConfig) -> JobConfig:
         return dataclasses.replace(
-            cfg, engine=dataclasses.replace(cfg.engine, dtype=self.engine_dtype, fp32_lm_head=self.fp32_heads),
+            cfg, engine=dataclasses.replace(cfg.engine, dtype=self.engine_dtype, fp32_lm_head=self.fp32_heads,
+                                            batch_invariant=self.batch_invariant),
             trainer=dataclasses.replace(cfg.trainer, mixed_precision=self.mixed_precision,
                                         fp32_lm_head=self.fp32_heads))
 
@@ -67,14 +78,14 @@ def run_mismatch_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int, ma
     samples = PromptStream(task, seed=cfg.rollout.seed).next_batch(num_prompts)
     rows, ratios, skipped = [], {}, []
     for run in RUNS:
-        job = run.job(cfg)
         try:
-            runtime = Runtime(job)
+            runtime = run.runtime(cfg)
         except ConfigError as e:  # a bf16 trainer on a CPU without native bf16: the placement's one line
             skipped.append({**dataclasses.asdict(run), "why": str(e)})
             print(f"skipped: {run}: {e}")
             continue
         with runtime as rt:
+            job = rt.cfg
             trainer_dtype = rt.trainer_info[0]["compute_dtype"]
             prompts = [rt.tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples]
             budget = min(max_tokens, job.engine.max_model_len - max(map(len, prompts)) - 1)

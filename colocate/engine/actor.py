@@ -64,6 +64,13 @@ def engine_env(cfg, device: str, placement_env: dict[str, str] | None = None) ->
     return env
 
 
+def _prompt_logprobs(output) -> list[float]:
+    """Each prompt token's logprob after the first (vLLM gives None for the first), by the token's own id: with
+    prompt_logprobs=0 the entry holds the prompt token, and at most the top token beside it."""
+    ids = output.prompt_token_ids
+    return [entry[ids[i]].logprob for i, entry in enumerate(output.prompt_logprobs) if i > 0]
+
+
 def head_dtype_override(hf_overrides: dict | None) -> dict:
     """engine.fp32_lm_head as vLLM 0.32 takes it: hf_overrides {"head_dtype": "float32"} (config/model.py
     `ModelConfig.head_dtype`). Its LogitsProcessor then casts the model-dtype hidden states and lm_head weight to
@@ -253,7 +260,9 @@ class EngineActor:
     # ----------------------------------------------------------------------------------------- generation
 
     def generate(self, prompts: list[list[int]], sampling: dict) -> list[list[dict]]:
-        """For each prompt, `n` samples of {token_ids, logprobs (of each sampled token), finish_reason}."""
+        """For each prompt, `n` samples of {token_ids, logprobs (of each sampled token), finish_reason}; with
+        sampling["prompt_logprobs"], each also has the logprob of every prompt token after the first, from one
+        prefill pass over the prompt (vLLM's prompt_logprobs: of the raw logits, whatever the temperature)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -263,6 +272,7 @@ class EngineActor:
             n=sampling["n"], temperature=sampling["temperature"], top_p=sampling["top_p"],
             max_tokens=sampling["max_tokens"], seed=sampling.get("seed"), logprobs=0, detokenize=False,
             stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None else None,
+            prompt_logprobs=0 if sampling.get("prompt_logprobs") else None,
         )
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
                                     lora_request=self._adapter)
@@ -273,6 +283,7 @@ class EngineActor:
                     # logprobs=0 returns only the sampled token's logprob at each position
                     "logprobs": [next(iter(lp.values())).logprob for lp in c.logprobs],
                     "finish_reason": c.finish_reason,
+                    **({"prompt_logprobs": _prompt_logprobs(out)} if params.prompt_logprobs is not None else {}),
                 }
                 for c in out.outputs
             ]

@@ -5,9 +5,12 @@ monitor's band."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import ray
 
+from colocate.bench.consistency import _prefill, _sample, _score, compare
 from colocate.bench.mismatch import BAND, _measure
 from colocate.host.devices import cpu_bf16_features
 from colocate.job.controller import Controller
@@ -32,4 +35,12 @@ def test_fp32_heads_on_a_bf16_job(tmp_path):
         stats = mismatch_stats(log_w, seq_log_w, band=BAND)["token"]
         assert stats["count"] == log_w.numel() > 0
         assert stats["fraction_outside_band"] == 0.0, stats
+        # the consistency bench's parts (bench/consistency.py): the engine's prefill of each whole sequence
+        # (prompt_logprobs) beside its decode and the trainer's recompute, token for token
+        seqs = _sample(rt, [[5, 6, 7, 16], [9, 8, 16]], 2, 16, cfg.engine.seed)
+        logprobs = {"decode": [s.logprobs for s in seqs], "prefill": _prefill(rt, seqs), "trainer": _score(rt, seqs)}
+        tokens = sum(len(s.response_ids) for s in seqs)
+        for a, b in (("decode", "prefill"), ("prefill", "trainer")):
+            pair = compare(logprobs[a], logprobs[b])
+            assert pair["tokens"] == tokens and pair["max_abs"] < math.log(BAND), (a, b, pair)
         Controller(cfg, rt).step(0)  # sync.verify=full raises on any mismatch: the head synced as bf16
