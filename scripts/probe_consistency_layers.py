@@ -13,7 +13,8 @@ elements bit-equal and the largest |difference|:
   isolated  the trainer's module run on the engine's input to that module (which kernel differs on equal input)
 lm_head is also run on the rows as the engine split them (with prompt_logprobs it makes every position's logits
 but the last in one call, then the last's): a difference there and none on the split is the GEMM's row count.
-Writes probe_consistency_layers.json. The modules named are Qwen2's (the presets' architecture).
+Writes probe_consistency_layers.json (_native_rotary.json with --native-rotary). The modules named are Qwen2's
+(the presets' architecture).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CAPTURED: dict[str, tuple] = {}  # module name -> (inputs, output), the vLLM side's; in this process (uni executor)
-SUBMODULES = ("input_layernorm", "self_attn", "self_attn.qkv_proj", "self_attn.o_proj", "post_attention_layernorm",
-              "mlp", "mlp.gate_up_proj", "mlp.act_fn", "mlp.down_proj")
+SUBMODULES = ("input_layernorm", "self_attn", "self_attn.qkv_proj", "self_attn.attn", "self_attn.o_proj",
+              "post_attention_layernorm", "mlp", "mlp.gate_up_proj", "mlp.act_fn", "mlp.down_proj")
 
 
 def _first(x):
@@ -46,12 +47,26 @@ def _hook(name: str, store: dict):
     return hook
 
 
+def _rotary_hooks(module) -> None:
+    """vLLM's rotary embedding rotates q and k in place (its inputs are read before), and one module may serve
+    every layer (get_rope caches them): each call is kept, in layer order"""
+    def before(module, args):
+        CAPTURED.setdefault("rotary_in", []).append(tuple(a.detach().clone() for a in args[1:3]))
+
+    def after(module, args, output):
+        CAPTURED.setdefault("rotary_out", []).append(tuple(o.detach().clone() for o in output[:2]))
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
+
+
 def install_engine_hooks(worker) -> int:
     model = worker.model_runner.model
     named = dict(model.named_modules())
     for i in range(len(model.model.layers)):
         for sub in SUBMODULES:
             named[f"model.layers.{i}.{sub}"].register_forward_hook(_hook(f"{i}.{sub}", CAPTURED), with_kwargs=True)
+    for rotary in {id(layer.self_attn.rotary_emb): layer.self_attn.rotary_emb for layer in model.model.layers}.values():
+        _rotary_hooks(rotary)
     model.model.norm.register_forward_hook(_hook("norm", CAPTURED), with_kwargs=True)
     # logits are made twice in a prefill with prompt_logprobs: every prompt position's but the last (the prompt
     # log-probs), then the last's (the sample): each call is kept
@@ -73,6 +88,9 @@ def main() -> None:
     parser.add_argument("--preset", default="bench")
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--native-rotary", action="store_true",
+                        help="the engine's rotary embedding through vLLM's torch implementation (forward_native), "
+                        "its CPU kernel off (compilation_config custom_ops -rotary_embedding)")
     args = parser.parse_args()
 
     from colocate.config import EngineConfig, ModelConfig, TrainerConfig
@@ -84,6 +102,8 @@ def main() -> None:
     torch.set_num_threads(1)
     path = ensure_model(ModelConfig(preset=args.preset, cache_dir=str(Path(".cache/models").resolve())))
     from transformers import AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -92,7 +112,8 @@ def main() -> None:
     ids = torch.randint(3, hf.config.vocab_size, (args.tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     llm = LLM(model=path, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=args.tokens + 8,
               kv_cache_memory_bytes=1 << 28, distributed_executor_backend="uni", enable_chunked_prefill=False,
-              enable_prefix_caching=False, worker_extension_cls=EXTENSION, seed=0)
+              enable_prefix_caching=False, worker_extension_cls=EXTENSION, seed=0,
+              **({"compilation_config": {"custom_ops": ["-rotary_embedding"]}} if args.native_rotary else {}))
     num_layers = llm.collective_rpc(install_engine_hooks)[0]
     CAPTURED.clear()  # the start-up's profile runs
     llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0),
@@ -126,6 +147,20 @@ def main() -> None:
             isolated[f"{i}.self_attn.qkv_proj"] = compare(qkv, ours_qkv)
             isolated[f"{i}.self_attn"] = compare(_first(CAPTURED[f"{i}.self_attn"][2]), attn(
                 hidden_states=normed[None], position_embeddings=position_embeddings, attention_mask=None)[0])
+            # rotary alone: HF's apply_rotary_pos_emb on the engine's q and k before its rotation
+            q_in, k_in = CAPTURED["rotary_in"][i]
+            heads = (len(ids), -1, attn.head_dim)
+            q_rot, k_rot = apply_rotary_pos_emb(q_in.view(heads).transpose(0, 1)[None],
+                                                k_in.view(heads).transpose(0, 1)[None], *position_embeddings)
+            engine_q, engine_k = CAPTURED["rotary_out"][i]
+            isolated[f"{i}.self_attn.rotary_emb"] = compare(
+                torch.cat([engine_q.view(heads), engine_k.view(heads)], dim=1),
+                torch.cat([q_rot[0].transpose(0, 1), k_rot[0].transpose(0, 1)], dim=1))
+            # the attention core alone: the trainer's SDPA path on the engine's rotated q, k and its v
+            q, k, v = (t.view(heads).transpose(0, 1)[None] for t in CAPTURED[f"{i}.self_attn.attn"][0][:3])
+            core = sdpa_attention_forward(attn, q, k, v, None, scaling=attn.scaling)[0]
+            isolated[f"{i}.self_attn.attn"] = compare(_first(CAPTURED[f"{i}.self_attn.attn"][2]),
+                                                      core.reshape(len(ids), -1))
             o_in = CAPTURED[f"{i}.self_attn.o_proj"][0][0]
             isolated[f"{i}.self_attn.o_proj"] = compare(_first(CAPTURED[f"{i}.self_attn.o_proj"][2]), attn.o_proj(o_in))
             mlp_in = _first(CAPTURED[f"{i}.post_attention_layernorm"][2])
@@ -152,12 +187,13 @@ def main() -> None:
     first = next((name for name, c in chained.items() if c["bit_equal"] < 1.0), None)
     differ = {name: c for name, c in isolated.items() if c["bit_equal"] < 1.0}
     result = {"preset": args.preset, "tokens": len(ids), "dtype": "float32", "engine_tp": 1,
+              "engine_rotary": "vLLM forward_native (torch)" if args.native_rotary else "vLLM's CPU kernel",
               "trainer_attention": attention_implementation(TrainerConfig(), "cpu"),
               "first_chained_difference": first, "isolated_kernels_that_differ": sorted({n.split(".", 1)[-1]
                                                                                          for n in differ}),
               "chained": chained, "isolated": isolated,
               "command": "python scripts/probe_consistency_layers.py " + " ".join(sys.argv[1:])}
-    out = Path(args.out) / "probe_consistency_layers.json"
+    out = Path(args.out) / f"probe_consistency_layers{'_native_rotary' * args.native_rotary}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"first chained difference: {first}")
     for name in ("0.input_layernorm", "0.self_attn", "0.mlp", f"{num_layers - 1}.mlp", "norm", "logits"):

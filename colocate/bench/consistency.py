@@ -12,11 +12,15 @@ same position under the same weights:
   prefill_alone   the same, the sequence alone
   trainer         the trainer's recompute (TrainerActor.score, the loss's path), in micro-batches of others
   trainer_alone   the same, the sequence alone
-and four comparisons say where the difference comes from: decode/prefill (the engine against itself: a KV cache
-and decode kernels against one prefill), prefill/trainer (vLLM's CPU kernels against torch's: the mismatch the
-loss sees, less the decode's share), prefill/prefill_alone and trainer/trainer_alone (batch invariance: bit-equal
-or not). Each gives the share of tokens whose two log-probs are bit-equal, at the first answer token and after it,
-and mean and max |difference|. Runs: fp32 on both sides (where equal bits could be had), and bf16 with fp32 heads.
+and five comparisons say where the difference comes from: decode/prefill (the engine against itself: a KV cache
+and decode kernels against one prefill), decode_alone/prefill (the same for answers sampled one prompt at a time
+with one sample: every decode step a batch of one row, as a rollout's long tail decodes), prefill/trainer
+(vLLM's CPU kernels against torch's: the mismatch the loss sees, less the decode's share), prefill/prefill_alone
+and trainer/trainer_alone (batch invariance: bit-equal or not). Each gives the share of tokens whose two
+log-probs are bit-equal, at the first answer token and after it, and mean and max |difference|. Runs: fp32 on
+both sides (where equal bits could be had), bf16 with fp32 heads, each again with engine.native_rotary (the
+engine's rotary in torch, the trainer's arithmetic) and with engine.batch_invariant (refused on the CPU: the
+result keeps that line). Any trainer world size: the ranks score in turn.
 
 vLLM 0.32's batch-invariant mode (engine.batch_invariant) has no CPU kernels: on the CPU this measures what the
 default kernels do; with a GPU the same bench runs with engine.batch_invariant=true.
@@ -40,7 +44,8 @@ from colocate.rl.samples import Sequence
 from colocate.rl.tasks import PromptStream, make_task
 
 # the batch-invariant runs are refused where vLLM has no such kernels (the CPU): their line is in the result
-RUNS = (Run("float32", False), Run("bfloat16", True, True), Run("float32", False, batch_invariant=True),
+RUNS = (Run("float32", False), Run("float32", False, native_rotary=True), Run("bfloat16", True, True),
+        Run("bfloat16", True, True, native_rotary=True), Run("float32", False, batch_invariant=True),
         Run("bfloat16", True, True, batch_invariant=True))
 PAIRS = (("decode", "prefill"), ("prefill", "trainer"), ("prefill", "prefill_alone"), ("trainer", "trainer_alone"))
 
@@ -55,7 +60,6 @@ def run_consistency_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int,
             runtime = run.runtime(cfg)
         except ConfigError as e:  # batch invariance or a bf16 trainer where the platform lacks it: one line
             skipped.append({**dataclasses.asdict(run), "why": str(e)})
-            print(f"skipped: {run}: {e}")
             continue
         with runtime as rt:
             job = rt.cfg
@@ -70,8 +74,12 @@ def run_consistency_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int,
             logprobs = {"decode": [s.logprobs for s in seqs], "prefill": _prefill(rt, seqs),
                         "prefill_alone": [_prefill(rt, [s])[0] for s in seqs], "trainer": trainer,
                         "trainer_alone": [_score(rt, [s])[0] for s in seqs]}
+            pairs = {f"{a}/{b}": compare(logprobs[a], logprobs[b]) for a, b in PAIRS}
+            lone = [s for p in prompts for s in _sample(rt, [p], 1, budget, job.engine.seed)]
+            pairs["decode_alone/prefill"] = compare([s.logprobs for s in lone], [_prefill(rt, [s])[0] for s in lone])
             answer_tokens = sum(len(s.response_ids) for s in seqs)
             rows.append({"engine_dtype": run.engine_dtype, "batch_invariant": run.batch_invariant,
+                         "native_rotary": run.native_rotary,
                          "engine_tokens_per_s": answer_tokens / sample_s,
                          "trainer_tokens_per_s": (sum(len(s.prompt_ids) for s in seqs) + answer_tokens) / score_s,
                          "trainer_dtype": rt.trainer_info[0]["compute_dtype"],
@@ -79,14 +87,15 @@ def run_consistency_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int,
                          "trainer_logits_dtype": rt.trainer_info[0]["logits_dtype"],
                          "attention": rt.trainer_info[0]["attention"], "engine_tp": job.engine.tp,
                          "sequences": len(seqs), "max_tokens": budget,
-                         "pairs": {f"{a}/{b}": compare(logprobs[a], logprobs[b]) for a, b in PAIRS}})
+                         "pairs": pairs})
     result = {"config": {"model": cfg.model.preset or cfg.model.path, "num_prompts": num_prompts,
                          "num_samples": num_samples, "temperature": 1.0, "top_p": 1.0},
               "rows": rows, **({"skipped": skipped} if skipped else {})}
     path = write_result(result, out_dir, name)
     _print(rows)
     for r in rows:
-        print(f"{r['engine_dtype']} engine{', batch-invariant' * r['batch_invariant']}: "
+        print(f"{r['engine_dtype']} engine{', batch-invariant' * r['batch_invariant']}"
+              f"{', torch rotary' * r['native_rotary']}: "
               f"{r['engine_tokens_per_s']:.1f} answer tokens/s sampled, "
               f"{r['trainer_tokens_per_s']:.1f} tokens/s scored")
     for s in skipped:
@@ -113,9 +122,18 @@ def _prefill(rt: Runtime, seqs: list[Sequence]) -> list[list[float]]:
 
 
 def _score(rt: Runtime, seqs: list[Sequence]) -> list[list[float]]:
-    num_micro_batches = -(-len(seqs) // rt.cfg.trainer.micro_batch_size)
-    return ray.get(rt.trainers[0].score.remote(seqs, num_micro_batches=num_micro_batches, temperature=1.0,
-                                               top_p=1.0))
+    """The trainer's log-probs of each sequence's answer, the sequences dealt to the ranks in turn (a collective:
+    every rank scores, an empty share as a dummy micro-batch)."""
+    world = len(rt.trainers)
+    shares = [seqs[rank::world] for rank in range(world)]
+    num_micro_batches = max(1, max(-(-len(share) // rt.cfg.trainer.micro_batch_size) for share in shares))
+    scored = ray.get([t.score.remote(share, num_micro_batches=num_micro_batches, temperature=1.0, top_p=1.0)
+                      for t, share in zip(rt.trainers, shares)])
+    out: list[list[float]] = [[] for _ in seqs]
+    for rank, rows in enumerate(scored):
+        for i, row in zip(range(rank, len(seqs), world), rows):
+            out[i] = row
+    return out
 
 
 def compare(a: list[list[float]], b: list[list[float]]) -> dict:
@@ -144,7 +162,8 @@ def _print(rows: list[dict]) -> None:
     print(f"{'run':<62} {'pair':<26} {'bit-equal':>9} {'first tok':>9} {'after':>7} {'mean |d|':>9} {'max |d|':>9}")
     for r in rows:
         run = f"{r['engine_dtype']} engine ({r['engine_logits_dtype']} logits" \
-              f"{', batch-invariant' * r['batch_invariant']}), {r['trainer_dtype']} trainer"
+              f"{', batch-invariant' * r['batch_invariant']}{', torch rotary' * r['native_rotary']}), " \
+              f"{r['trainer_dtype']} trainer"
         for pair, c in r["pairs"].items():
             after = f"{c['bit_equal_after']:.1%}" if c["bit_equal_after"] is not None else "-"
             print(f"{run:<62} {pair:<26} {c['bit_equal']:>9.1%} {c['bit_equal_first_token']:>9.1%} {after:>7} "

@@ -41,13 +41,13 @@ from colocate.rl.samples import Sequence
 from colocate.rl.tasks import PromptStream, make_task
 
 
-
 @dataclass(frozen=True)
 class Run:
     engine_dtype: str
     mixed_precision: bool  # the trainer's bf16 compute (trainer.mixed_precision)
     fp32_heads: bool = False  # engine.fp32_lm_head and trainer.fp32_lm_head
     batch_invariant: bool = False  # engine.batch_invariant
+    native_rotary: bool = False  # engine.native_rotary
 
     def runtime(self, cfg: JobConfig) -> Runtime:
         """The run's runtime, its job checked as `colocate launch` checks it: a ConfigError (batch invariance or a
@@ -61,7 +61,7 @@ class Run:
     def job(self, cfg: JobConfig) -> JobConfig:
         return dataclasses.replace(
             cfg, engine=dataclasses.replace(cfg.engine, dtype=self.engine_dtype, fp32_lm_head=self.fp32_heads,
-                                            batch_invariant=self.batch_invariant),
+                                            batch_invariant=self.batch_invariant, native_rotary=self.native_rotary),
             trainer=dataclasses.replace(cfg.trainer, mixed_precision=self.mixed_precision,
                                         fp32_lm_head=self.fp32_heads))
 
@@ -100,7 +100,8 @@ def run_mismatch_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int, ma
                              "fp32_heads": run.fp32_heads, "trainer_logits_dtype": rt.trainer_info[0]["logits_dtype"],
                              "engine_logits_dtype": rt.engine_info[0]["logits_dtype"],
                              "temperature": temperature, "top_p": top_p, "max_tokens": budget, **speed,
-                             "memory": head_memory(job, run), **mismatch_stats(log_w, seq_log_w, band=BAND)})
+                             "memory": head_memory(job, run, device=rt.plan.device),
+                             **mismatch_stats(log_w, seq_log_w, band=BAND)})
     result = {"config": {"model": cfg.model.preset or cfg.model.path, "engine_tp": cfg.engine.tp,
                          "num_prompts": num_prompts, "num_samples": num_samples,
                          "logprobs_mode": "processed_logprobs", "enforce_eager": cfg.engine.enforce_eager},
@@ -111,7 +112,7 @@ def run_mismatch_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int, ma
     return result
 
 
-def head_memory(job: JobConfig, run: Run) -> dict[str, int]:
+def head_memory(job: JobConfig, run: Run, *, device: str) -> dict[str, int]:
     """What the heads hold, in bytes, from the model's shape: the engine's fp32 copy of its lm_head shard, made
     for each forward on the CPU (vLLM's `_apply_head` cast path; CUDA's GEMM with fp32 output makes none), and one
     trainer rank's train-step peak as the preflight predicts it (trainer/step_moments.py: within 8% of torch's
@@ -120,9 +121,10 @@ def head_memory(job: JobConfig, run: Run) -> dict[str, int]:
     from colocate.models.dims import model_dims
 
     dims = model_dims(job)
-    peaks = predict_train_peaks(job, dims, device="cpu")
+    peaks = predict_train_peaks(job, dims, device=device)
     head = dims.vocab_size * dims.hidden_size
-    return {"engine_head_copy_bytes": 4 * head // job.engine.tp if run.fp32_heads else 0,
+    copy = run.fp32_heads and device == "cpu"
+    return {"engine_head_copy_bytes": 4 * head // job.engine.tp if copy else 0,
             "trainer_step_peak_bytes": peaks.resident_bytes + peaks.forward_backward_bytes}
 
 

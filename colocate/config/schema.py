@@ -207,9 +207,14 @@ class EngineConfig:
     fp32_lm_head: bool = False
     """bf16/fp16 engines: compute lm_head's logits in fp32 from the model-dtype hidden states and weight (vLLM's
     head_dtype=float32), as trainer.fp32_lm_head does; the weight and the sync stay in engine.dtype."""
+    native_rotary: bool = False
+    """Rotary embeddings through vLLM's torch implementation (its rotary kernel off: compilation_config custom_ops
+    -rotary_embedding), the arithmetic of the trainer's transformers model: on the CPU in fp32 at TP=1 the engine's
+    forward is then the trainer's bit for bit for heads of 64 (docs/mismatch.md)."""
     batch_invariant: bool = False
     """vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1): a sequence's log-probs do not depend on what else is
-    in the batch. vLLM 0.32 has them on CUDA GPUs of compute capability 8.0 or more (and XPU), not on the CPU."""
+    in the batch. vLLM 0.32 has them for CUDA (Triton kernels on Ampere, cuBLAS settings on Hopper and Blackwell),
+    ROCm and XPU, not for the CPU; co-located placements only."""
 
     def check(self) -> None:
         positive(self, "engine", "tp", "max_model_len")
@@ -225,7 +230,11 @@ class EngineConfig:
         if self.fp32_lm_head and self.dtype == "float32":
             raise bad("engine.fp32_lm_head", True, "a float32 engine's head already computes in fp32; valid: false, "
                       "or engine.dtype=bfloat16", fix={"engine.fp32_lm_head": False})
-        engine_extra_args(self)
+        extra = engine_extra_args(self)
+        overridden = extra.get("hf_overrides")
+        if self.fp32_lm_head and isinstance(overridden, dict) and "head_dtype" in overridden:
+            raise bad("engine.extra_args", self.extra_args, "its hf_overrides sets head_dtype, which "
+                      "engine.fp32_lm_head=true sets to float32; drop one of them")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise bad("engine.gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         if self.kv_cache_gib <= 0:

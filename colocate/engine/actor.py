@@ -80,6 +80,17 @@ def head_dtype_override(hf_overrides: dict | None) -> dict:
     return {**(hf_overrides or {}), "head_dtype": "float32"}
 
 
+def without_rotary_kernel(compilation_config: dict | None) -> dict:
+    """engine.native_rotary: vLLM's RotaryEmbedding is a CustomOp (model_executor/layers/rotary_embedding/base.py);
+    "-rotary_embedding" in compilation_config.custom_ops turns its kernel off, and CustomOp dispatches to
+    forward_native, plain torch (x1 cos - x2 sin, x2 cos + x1 sin from the fp32 cos/sin cache), the arithmetic of
+    transformers' apply_rotary_pos_emb. vLLM's CPU kernel gives 16% of rotated q/k elements other bits
+    (scripts/probe_consistency_layers.py). Merged into engine.extra_args' own compilation_config."""
+    config = dict(compilation_config or {})
+    config["custom_ops"] = [*config.get("custom_ops", []), "-rotary_embedding"]
+    return config
+
+
 def speculative_config(rollout) -> dict | None:
     """vLLM's speculative_config for rollout.speculative: ngram prompt lookup proposes rollout.speculative_tokens
     drafts a step from the longest match (4 tokens down to 2) of the request's last tokens in its own context."""
@@ -208,6 +219,8 @@ class EngineActor:
         )
         if self.cfg.fp32_lm_head:
             kwargs["hf_overrides"] = head_dtype_override(kwargs.get("hf_overrides"))
+        if self.cfg.native_rotary:
+            kwargs["compilation_config"] = without_rotary_kernel(kwargs.get("compilation_config"))
         if self.device == "cpu":
             # TP=1 runs its worker in this process ("uni"), as vLLM itself chooses on CUDA (config/parallel.py:
             # a world size of 1 with no backend given), so the CPU tests the GPU's TP=1 path; a worker process

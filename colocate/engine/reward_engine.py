@@ -31,11 +31,13 @@ def reward_engine_config(engine: EngineConfig, rm: RewardModelConfig) -> EngineC
     size, context and memory. No prefix caching (a classifier pools over its whole input) and none of what the
     policy's engine was given for the policy: its extra vLLM arguments, its LoRA buffers (the reward model carries
     no adapter: max_lora_rank=0 starts it without enable_lora), its expert parallelism (a layout of the policy's
-    experts over the policy's TP; the reward model has its own model and reward_model.tp)."""
+    experts over the policy's TP; the reward model has its own model and reward_model.tp), nor what keeps the
+    policy's log-probs consistent with the trainer's (fp32_lm_head: a classifier's head is vLLM's pooling head,
+    and a quantized judge's lm_head would refuse it; batch_invariant)."""
     return dataclasses.replace(engine, tp=rm.tp, max_model_len=rm.max_model_len or engine.max_model_len,
                                kv_cache_gib=rm.kv_cache_gib, gpu_memory_utilization=rm.gpu_memory_utilization,
                                enable_prefix_caching=False, max_num_seqs=0, extra_args="", max_lora_rank=0,
-                               expert_parallel=False)
+                               expert_parallel=False, fp32_lm_head=False, batch_invariant=False)
 
 
 def chat_or_plain(tokenizer, user: str, assistant: str | None) -> list[int]:

@@ -251,8 +251,11 @@ def _check_chunked_head(cfg: JobConfig) -> None:
             if section.get(key) not in (None, 0, 1, 1.0):
                 raise bad("trainer.logprob_chunk_tokens", cfg.trainer.logprob_chunk_tokens,
                            f"the model transforms its logits after lm_head ({key}={section[key]}), which the "
-                           "chunked log-prob pass does not; set trainer.logprob_chunk_tokens=null",
-                           fix={"trainer.logprob_chunk_tokens": None})
+                           "chunked log-prob pass does not; set trainer.logprob_chunk_tokens=null"
+                           + (" and trainer.fp32_lm_head=false (the chunked head computes it)"
+                              if cfg.trainer.fp32_lm_head else ""),
+                           fix={"trainer.logprob_chunk_tokens": None,
+                                **({"trainer.fp32_lm_head": False} if cfg.trainer.fp32_lm_head else {})})
 
 
 def _check_activation_checkpointing(cfg: JobConfig) -> None:

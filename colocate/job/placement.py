@@ -149,6 +149,15 @@ def plan_slots(cfg: JobConfig, *, device: str, num_devices: int, where: str = "t
         raise ConfigError(f"placement.num_slots={cfg.placement.num_slots} is invalid: {where} has {num_devices} "
                           f"{kind}; valid: 1..{num_devices} (and a multiple of engine.tp={cfg.engine.tp}), e.g. "
                           f"{overrides(fix)}", fix=fix)
+    if cfg.engine.batch_invariant and cfg.placement.engine_slots:
+        # vLLM pins NCCL's protocol, algorithm and channels in every batch-invariant worker (model_executor/
+        # determinism/batch_invariant.py override_envs_for_invariance); a communicator it shares with a process
+        # without the pins hangs unless built inside vllm.utils.nccl.unpinned_nccl_env (its own weight transfer
+        # does so). The split placement's broadcast group is such a communicator, untested on a GPU.
+        raise ConfigError(f"engine.batch_invariant=True is invalid with placement.engine_slots="
+                          f"{cfg.placement.engine_slots}: the split placement's NCCL broadcast to batch-invariant "
+                          "engines (whose NCCL settings vLLM pins) is not built yet; valid: false, or "
+                          "placement.engine_slots=0 (co-located)", fix={"engine.batch_invariant": False})
     if device == "cpu":
         if cfg.engine.sleep_backend == "vllm":
             raise ConfigError("engine.sleep_backend='vllm' is invalid on a CPU run: vLLM's sleep mode needs CUDA; "

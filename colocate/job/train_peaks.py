@@ -133,8 +133,12 @@ def reference_moment(cfg: JobConfig, dims: ModelDims, setting: StepSetting,
     rows, length, _ = shape
     tokens = rows * length
     largest_group = max(dims.layer_params, dims.vocab_size * dims.hidden_size)
-    forward_pass, _ = logprob_pass_peaks(dims, num_tokens=tokens, compute_bytes=c, temperature=setting.temperature,
-                                         top_p=setting.top_p, chunk_tokens=setting.chunk_tokens)
+    # trainer.fp32_lm_head: the reference's head makes fp32 logits too (its fp32 copy of lm_head is freed before
+    # the logits' temporaries, as the policy's forward measured: trainer/step_moments.py)
+    logits_bytes = 4 if setting.fp32_head else c
+    forward_pass, _ = logprob_pass_peaks(dims, num_tokens=tokens, compute_bytes=logits_bytes,
+                                         temperature=setting.temperature, top_p=setting.top_p,
+                                         chunk_tokens=setting.chunk_tokens)
     layer = tokens * c * ((MLP_BACKWARD_TEMPORARIES + 1) * dims.intermediate_size + 2 * dims.hidden_size)
     return {"reference policy (compute-dtype shard)": c * dims.num_params // world,
             "reference unsharded groups": c * largest_group * (2 if world > 1 else 1),

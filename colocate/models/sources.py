@@ -88,6 +88,9 @@ PRESETS["tiny-moe"] = replace(PRESETS["tiny"], num_experts=8, num_experts_per_to
 # them experts, for `colocate bench sync model.preset=bench-moe` (the sync of a MoE against its floors)
 PRESETS["bench-moe"] = replace(PRESETS["bench"], num_layers=4, num_experts=32, num_experts_per_tok=4,
                                moe_intermediate_size=512)
+# tiny's width in 2 heads of 64: the head size at which vLLM's CPU attention and torch's SDPA agree bit for bit
+# (tiny's 32 do not), for the equal-bits path of docs/mismatch.md (engine.native_rotary, fp32, TP=1)
+PRESETS["tiny-hd64"] = replace(PRESETS["tiny"], num_attention_heads=2, num_key_value_heads=1)
 # tiny over every printable ASCII character and the newline: the characters of chat and tool-call formats
 # (`<tool_call>{"name": ...}`), which the toy vocabulary lacks (the calculator environment's e2e test)
 CHAT_CHARACTERS = "".join(c for c in map(chr, range(32, 127))) + "\n"
@@ -102,6 +105,7 @@ PRESET_USES = {
     "tiny-moe": "tiny's attention over routed experts, a Qwen3-MoE (docs/moe.md)",
     "bench": ">= 0.4 GB of bf16 weights, for the sync and switch benchmarks",
     "bench-moe": "bench's attention and vocabulary over experts, for `colocate bench sync` of a MoE",
+    "tiny-hd64": "tiny in 2 heads of 64: the engine's forward bit for bit the trainer's (docs/mismatch.md)",
     "tiny-chat": "every printable ASCII character and the newline: chat and tool-call formats",
     "tiny-rm": "tiny's body under a one-logit classification head",
 }

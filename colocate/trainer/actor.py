@@ -137,8 +137,9 @@ class TrainerActor:
                 "attention": self.attention,
                 # which path ran: bf16 compute (FSDP2 mixed precision) or fp32, and on the CPU its native bf16
                 "compute_dtype": "bfloat16" if self.cfg.mixed_precision else "float32",
-                # the head's logits: fp32 unless bf16 compute rounds them (trainer.fp32_lm_head keeps them fp32)
-                "logits_dtype": "bfloat16" if self.cfg.mixed_precision and not self.cfg.fp32_lm_head else "float32",
+                # the head's logits: fp32 unless bf16 compute rounds them, as the installed head does it
+                "logits_dtype": "float32" if not self.cfg.mixed_precision or getattr(
+                    model.get_output_embeddings(), "fp32_logits", False) else "bfloat16",
                 **({"cpu_bf16_features": cpu_bf16_features()} if self.device.type == "cpu" else {})}
 
     def shutdown(self) -> None:

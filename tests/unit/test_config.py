@@ -80,6 +80,10 @@ def test_defaults_without_a_file():
                      "trainer.fp32_lm_head", id="fp32_head_without_the_chunked_head"),
         pytest.param(["engine.fp32_lm_head=true", "engine.dtype=float32"], "engine.fp32_lm_head",
                      id="fp32_head_of_an_fp32_engine"),
+        pytest.param(["engine.fp32_lm_head=true", 'engine.extra_args={"hf_overrides": {"head_dtype": "float16"}}'],
+                     "engine.extra_args", id="fp32_head_twice"),
+        pytest.param(["engine.batch_invariant=true", "placement.num_slots=2", "placement.engine_slots=1",
+                      "engine.tp=1"], "placement.engine_slots", id="batch_invariance_split"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(capsys, overrides, key):

@@ -26,3 +26,12 @@ def test_compare_of_equal_logprobs_is_all_equal_and_a_length_mismatch_is_a_bug()
     assert c["first_difference_position_median"] == 1.5  # no difference: each sequence's length
     with pytest.raises(AssertionError):
         compare([[-1.0, -2.0]], [[-1.0]])
+
+
+def test_the_engine_arguments_of_the_consistent_paths_merge_into_the_users():
+    from colocate.engine.actor import head_dtype_override, without_rotary_kernel
+
+    assert without_rotary_kernel(None) == {"custom_ops": ["-rotary_embedding"]}
+    assert without_rotary_kernel({"custom_ops": ["+rms_norm"], "level": 0}) == {
+        "custom_ops": ["+rms_norm", "-rotary_embedding"], "level": 0}
+    assert head_dtype_override({"rope_theta": 1e6}) == {"rope_theta": 1e6, "head_dtype": "float32"}

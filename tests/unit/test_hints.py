@@ -116,6 +116,8 @@ HINTED = [
     (["trainer.fp32_lm_head=true", "trainer.mixed_precision=true", "trainer.logprob_chunk_tokens=null"], validate(),
      "trainer.mixed_precision"),
     (["engine.fp32_lm_head=true", "engine.dtype=float32"], validate(), None),
+    (["engine.batch_invariant=true", "placement.num_slots=2", "placement.engine_slots=1", "engine.tp=1"],
+     validate(), None),
     (["trainer.mixed_precision=true"], validate(), None),  # on a CPU without bf16 (the test says so)
     (["sync.method=in_place"], GPU, None),
     (["sync.method=ring"], GPU, None),
