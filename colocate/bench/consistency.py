@@ -36,7 +36,7 @@ import ray
 import torch
 
 from colocate.bench.common import write_result
-from colocate.bench.mismatch import Run
+from colocate.bench.mismatch import Run, sample, score
 from colocate.config import JobConfig
 from colocate.errors import ConfigError
 from colocate.job.runtime import Runtime
@@ -69,11 +69,11 @@ def run_consistency_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int,
             start = time.perf_counter()
             seqs = _sample(rt, prompts, num_samples, budget, job.engine.seed)
             sample_s, start = time.perf_counter() - start, time.perf_counter()
-            trainer = _score(rt, seqs)
+            trainer = score(rt, seqs)
             score_s = time.perf_counter() - start
             logprobs = {"decode": [s.logprobs for s in seqs], "prefill": _prefill(rt, seqs),
                         "prefill_alone": [_prefill(rt, [s])[0] for s in seqs], "trainer": trainer,
-                        "trainer_alone": [_score(rt, [s])[0] for s in seqs]}
+                        "trainer_alone": [score(rt, [s])[0] for s in seqs]}
             pairs = {f"{a}/{b}": compare(logprobs[a], logprobs[b]) for a, b in PAIRS}
             lone = [s for p in prompts for s in _sample(rt, [p], 1, budget, job.engine.seed)]
             pairs["decode_alone/prefill"] = compare([s.logprobs for s in lone], [_prefill(rt, [s])[0] for s in lone])
@@ -105,11 +105,8 @@ def run_consistency_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int,
 
 
 def _sample(rt: Runtime, prompts: list[list[int]], num_samples: int, max_tokens: int, seed: int) -> list[Sequence]:
-    sampling = {"n": num_samples, "temperature": 1.0, "top_p": 1.0, "max_tokens": max_tokens, "seed": seed}
-    seqs = []
-    for prompt, group in zip(prompts, ray.get(rt.engines[0].generate.remote(prompts, sampling))):
-        seqs += [Sequence(prompt, c["token_ids"], c["logprobs"], 0.0) for c in group if c["token_ids"]]
-    return seqs
+    return sample(rt, prompts, {"n": num_samples, "temperature": 1.0, "top_p": 1.0, "max_tokens": max_tokens,
+                                "seed": seed})
 
 
 def _prefill(rt: Runtime, seqs: list[Sequence]) -> list[list[float]]:
@@ -119,21 +116,6 @@ def _prefill(rt: Runtime, seqs: list[Sequence]) -> list[list[float]]:
     out = ray.get(rt.engines[0].generate.remote(whole, sampling))
     # prompt_logprobs start at the second token: the answer's first is at len(prompt) - 1
     return [group[0]["prompt_logprobs"][len(s.prompt_ids) - 1:] for s, group in zip(seqs, out)]
-
-
-def _score(rt: Runtime, seqs: list[Sequence]) -> list[list[float]]:
-    """The trainer's log-probs of each sequence's answer, the sequences dealt to the ranks in turn (a collective:
-    every rank scores, an empty share as a dummy micro-batch)."""
-    world = len(rt.trainers)
-    shares = [seqs[rank::world] for rank in range(world)]
-    num_micro_batches = max(1, max(-(-len(share) // rt.cfg.trainer.micro_batch_size) for share in shares))
-    scored = ray.get([t.score.remote(share, num_micro_batches=num_micro_batches, temperature=1.0, top_p=1.0)
-                      for t, share in zip(rt.trainers, shares)])
-    out: list[list[float]] = [[] for _ in seqs]
-    for rank, rows in enumerate(scored):
-        for i, row in zip(range(rank, len(seqs), world), rows):
-            out[i] = row
-    return out
 
 
 def compare(a: list[list[float]], b: list[list[float]]) -> dict:

@@ -90,6 +90,7 @@ def run_mismatch_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int, ma
             prompts = [rt.tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples]
             budget = min(max_tokens, job.engine.max_model_len - max(map(len, prompts)) - 1)
             _measure(rt, prompts[:2], 1, WARMUP_TOKENS, 1.0, 1.0, cfg.engine.seed)  # first steps, not timed
+            memory = head_memory(job, run, device=rt.plan.device)
             for temperature, top_p in SAMPLING[run.engine_dtype]:
                 label = f"{run.engine_dtype} engine, {trainer_dtype} trainer{', fp32 heads' * run.fp32_heads}, " \
                         f"T={temperature:g}, top_p={top_p:g}"
@@ -100,7 +101,7 @@ def run_mismatch_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int, ma
                              "fp32_heads": run.fp32_heads, "trainer_logits_dtype": rt.trainer_info[0]["logits_dtype"],
                              "engine_logits_dtype": rt.engine_info[0]["logits_dtype"],
                              "temperature": temperature, "top_p": top_p, "max_tokens": budget, **speed,
-                             "memory": head_memory(job, run, device=rt.plan.device),
+                             "memory": memory,
                              **mismatch_stats(log_w, seq_log_w, band=BAND)})
     result = {"config": {"model": cfg.model.preset or cfg.model.path, "engine_tp": cfg.engine.tp,
                          "num_prompts": num_prompts, "num_samples": num_samples,
@@ -132,33 +133,45 @@ def _measure(rt: Runtime, prompts: list[list[int]], num_samples: int, max_tokens
              top_p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Sample on every engine, rescore every sampled token on the trainers: (per-token log w, per-seq sum, the
     engine's and the trainer's tokens a second)."""
-    sampling = {"n": num_samples, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens,
-                "seed": seed}
-    num_engines = len(rt.engines)
     start = time.perf_counter()
-    outputs = ray.get([e.generate.remote(prompts[i::num_engines], sampling) for i, e in enumerate(rt.engines)])
-    generate_s = time.perf_counter() - start
-    seqs = []
-    for i, groups in enumerate(outputs):
-        for prompt, group in zip(prompts[i::num_engines], groups):
-            seqs += [Sequence(prompt, c["token_ids"], c["logprobs"], 0.0) for c in group if c["token_ids"]]
-    world = len(rt.trainers)
-    num_micro_batches = -(-(-(-len(seqs) // world)) // rt.cfg.trainer.micro_batch_size)
-    start = time.perf_counter()
-    scored = ray.get([t.score.remote(seqs[rank::world], num_micro_batches=num_micro_batches,
-                                     temperature=temperature, top_p=top_p)
-                      for rank, t in enumerate(rt.trainers)])
+    seqs = sample(rt, prompts, {"n": num_samples, "temperature": temperature, "top_p": top_p,
+                                "max_tokens": max_tokens, "seed": seed})
+    generate_s, start = time.perf_counter() - start, time.perf_counter()
+    scored = score(rt, seqs, temperature=temperature, top_p=top_p)
     score_s = time.perf_counter() - start
     answer_tokens = sum(len(s.response_ids) for s in seqs)
     speed = {"engine_tokens_per_s": answer_tokens / generate_s,
              "trainer_tokens_per_s": sum(len(s.prompt_ids) + len(s.response_ids) for s in seqs) / score_s}
-    token_log_w, seq_log_w = [], []
-    for rank, per_rank in enumerate(scored):
-        for seq, trainer in zip(seqs[rank::world], per_rank):
-            delta = torch.tensor(trainer, dtype=torch.float64) - torch.tensor(seq.logprobs, dtype=torch.float64)
-            token_log_w.append(delta)
-            seq_log_w.append(delta.sum().reshape(1))
-    return torch.cat(token_log_w), torch.cat(seq_log_w), speed
+    token_log_w = [torch.tensor(trainer, dtype=torch.float64) - torch.tensor(seq.logprobs, dtype=torch.float64)
+                   for seq, trainer in zip(seqs, scored)]
+    return torch.cat(token_log_w), torch.stack([delta.sum() for delta in token_log_w]), speed
+
+
+def sample(rt: Runtime, prompts: list[list[int]], sampling: dict) -> list[Sequence]:
+    """Every prompt's answers (EngineActor.generate's `sampling`), the prompts dealt to the engines in turn; the
+    answers in prompt order, an empty one dropped. Each answer's logprobs are the engine's sampling log-probs."""
+    num_engines = len(rt.engines)
+    outputs = ray.get([e.generate.remote(prompts[i::num_engines], sampling) for i, e in enumerate(rt.engines)])
+    seqs = []
+    for index, prompt in enumerate(prompts):
+        group = outputs[index % num_engines][index // num_engines]
+        seqs += [Sequence(prompt, c["token_ids"], c["logprobs"], 0.0) for c in group if c["token_ids"]]
+    return seqs
+
+
+def score(rt: Runtime, seqs: list[Sequence], *, temperature: float = 1.0, top_p: float = 1.0) -> list[list[float]]:
+    """The trainer's log-probs of each sequence's answer (TrainerActor.score, the loss's path), the sequences dealt
+    to the ranks in turn (a collective: every rank scores, an empty share as a dummy micro-batch)."""
+    world = len(rt.trainers)
+    shares = [seqs[rank::world] for rank in range(world)]
+    num_micro_batches = max(1, max(-(-len(share) // rt.cfg.trainer.micro_batch_size) for share in shares))
+    scored = ray.get([t.score.remote(share, num_micro_batches=num_micro_batches, temperature=temperature,
+                                     top_p=top_p) for t, share in zip(rt.trainers, shares)])
+    out: list[list[float]] = [[] for _ in seqs]
+    for rank, rows in enumerate(scored):
+        for i, row in zip(range(rank, len(seqs), world), rows):
+            out[i] = row
+    return out
 
 
 def _plot(ratios: dict[str, np.ndarray], path: Path) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from colocate.bench.consistency import _prefill, _sample, _score, compare
+from colocate.bench.consistency import _prefill, _sample, compare
+from colocate.bench.mismatch import score
 from colocate.job.runtime import Runtime
 from tests.e2e.conftest import small_job
 
@@ -26,6 +27,6 @@ def test_engine_and_trainer_log_probs_on_the_equal_bits_path(tmp_path):
         assert compare(decode, prefill)["bit_equal"] == 1.0  # decoding 12 sequences together: the prefill's bits
         # measured 97% bit-equal and every first answer token (the rest: lm_head's row count, the padding);
         # engine.native_rotary=false on the same sequences: 69%, and 58% of first tokens (this test fails)
-        against = compare(prefill, _score(rt, seqs))
+        against = compare(prefill, score(rt, seqs))
         assert against["bit_equal_first_token"] == 1.0 and against["bit_equal"] >= 0.9, against
         assert against["max_abs"] < 1e-6, against

@@ -10,8 +10,8 @@ import math
 import pytest
 import ray
 
-from colocate.bench.consistency import _prefill, _sample, _score, compare
-from colocate.bench.mismatch import BAND, _measure
+from colocate.bench.consistency import _prefill, _sample, compare
+from colocate.bench.mismatch import BAND, _measure, score
 from colocate.host.devices import cpu_bf16_features
 from colocate.job.controller import Controller
 from colocate.job.runtime import Runtime
@@ -38,7 +38,7 @@ def test_fp32_heads_on_a_bf16_job(tmp_path):
         # the consistency bench's parts (bench/consistency.py): the engine's prefill of each whole sequence
         # (prompt_logprobs) beside its decode and the trainer's recompute, token for token
         seqs = _sample(rt, [[5, 6, 7, 16], [9, 8, 16]], 2, 16, cfg.engine.seed)
-        logprobs = {"decode": [s.logprobs for s in seqs], "prefill": _prefill(rt, seqs), "trainer": _score(rt, seqs)}
+        logprobs = {"decode": [s.logprobs for s in seqs], "prefill": _prefill(rt, seqs), "trainer": score(rt, seqs)}
         tokens = sum(len(s.response_ids) for s in seqs)
         for a, b in (("decode", "prefill"), ("prefill", "trainer")):
             pair = compare(logprobs[a], logprobs[b])
