@@ -155,19 +155,22 @@ def sample(rt: Runtime, prompts: list[list[int]], sampling: dict) -> list[Sequen
     seqs = []
     for index, prompt in enumerate(prompts):
         group = outputs[index % num_engines][index // num_engines]
-        seqs += [Sequence(prompt, c["token_ids"], c["logprobs"], 0.0) for c in group if c["token_ids"]]
+        seqs += [Sequence(prompt, c["token_ids"], c["logprobs"], 0.0, routing=c.get("routing"))
+                 for c in group if c["token_ids"]]
     return seqs
 
 
-def score(rt: Runtime, seqs: list[Sequence], *, temperature: float = 1.0, top_p: float = 1.0) -> list[list[float]]:
+def score(rt: Runtime, seqs: list[Sequence], *, temperature: float = 1.0, top_p: float = 1.0,
+          method: str = "score") -> list:
     """The trainer's log-probs of each sequence's answer (TrainerActor.score, the loss's path), the sequences dealt
-    to the ranks in turn (a collective: every rank scores, an empty share as a dummy micro-batch)."""
+    to the ranks in turn (a collective: every rank scores, an empty share as a dummy micro-batch). `method`
+    score_routing: each with the trainer's own routing (algo.router_replay)."""
     world = len(rt.trainers)
     shares = [seqs[rank::world] for rank in range(world)]
     num_micro_batches = max(1, max(-(-len(share) // rt.cfg.trainer.micro_batch_size) for share in shares))
-    scored = ray.get([t.score.remote(share, num_micro_batches=num_micro_batches, temperature=temperature,
-                                     top_p=top_p) for t, share in zip(rt.trainers, shares)])
-    out: list[list[float]] = [[] for _ in seqs]
+    scored = ray.get([getattr(t, method).remote(share, num_micro_batches=num_micro_batches, temperature=temperature,
+                                                top_p=top_p) for t, share in zip(rt.trainers, shares)])
+    out: list = [[] for _ in seqs]
     for rank, rows in enumerate(scored):
         for i, row in zip(range(rank, len(seqs), world), rows):
             out[i] = row

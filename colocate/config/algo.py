@@ -98,6 +98,10 @@ class AlgoConfig:
     kl_in_reward: bool = False
     """reinforce_pp: fold kl_coef x the KL estimate into each token's return (REINFORCE++) instead of adding it to the
     loss."""
+    router_replay: bool = False
+    """MoE models: the trainer routes every token to the experts the engine routed it to (routing replay, R3: Ma et
+    al. 2025), its router weights still its own, so the ratio is not dominated by tokens whose routing flipped
+    between rollout and training (docs/mismatch.md). The engine captures each token's experts; a Qwen3-MoE model."""
 
     @property
     def clip_low(self) -> float:

@@ -800,6 +800,13 @@ class JobConfig:
                       "recompute, or rollout.stream=false", fix={"rollout.stream": False})
         if algo.mode in OVERLAPPED_MODES:
             self._check_overlapped()
+        if algo.router_replay and (rollout.stream or rollout.speculative):
+            key, value = ("rollout.stream", True) if rollout.stream else ("rollout.speculative", rollout.speculative)
+            why = "reads each answer's routing when its pass ends, and a streamed answer leaves its pass before" \
+                if rollout.stream else "captures the tokens of the runner's batch, and speculative decoding adds " \
+                "draft tokens to it that this capture does not place"
+            raise bad(key, value, f"algo.router_replay {why}; valid with router replay: "
+                      + ("false" if rollout.stream else "'' (off)"), fix={key: False if rollout.stream else ""})
         if algo.overlong_buffer >= rollout.max_tokens:
             raise bad("algo.overlong_buffer", algo.overlong_buffer, f"must be smaller than rollout.max_tokens="
                       f"{rollout.max_tokens} (the punishment ramps over the last overlong_buffer tokens), or 0",

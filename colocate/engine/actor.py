@@ -103,10 +103,12 @@ def speculative_config(rollout) -> dict | None:
 class EngineActor:
     def __init__(self, cfg, model_path: str, *, device: str, sleep_backend: str, eos_token_id: int | None,
                  placement_env: dict[str, str] | None = None, speculative: dict | None = None,
-                 update_in_pass: bool = False):
+                 update_in_pass: bool = False, capture_routing: bool = False):
         """`speculative`: vLLM's speculative_config for rollout.speculative (speculative_config()), or None.
-        `update_in_pass`: weight updates enter this engine's passes (rollout.update_in_pass)."""
+        `update_in_pass`: weight updates enter this engine's passes (rollout.update_in_pass). `capture_routing`
+        (algo.router_replay): every result carries the experts its tokens were routed to (engine/routing.py)."""
         self.cfg = cfg
+        self.capture_routing = capture_routing
         self.speculative = speculative
         self.update_in_pass = update_in_pass
         self.placement_env = placement_env or {}
@@ -188,6 +190,8 @@ class EngineActor:
 
             self.llm.collective_rpc("colocate_install_adapter", args=(adapter_shapes,))
             self._adapter = policy_adapter()
+        if self.capture_routing:
+            self.llm.collective_rpc("colocate_capture_routing")
         return {"start_s": time.perf_counter() - started, **self.memory()[0],
                 "logits_dtype": self.llm.collective_rpc("colocate_logits_dtype")[0]}
 
@@ -281,27 +285,39 @@ class EngineActor:
 
         assert not self._asleep, f"generate() while the engine's {sorted(self._asleep)} sleep: wake them first"
 
-        params = SamplingParams(
-            n=sampling["n"], temperature=sampling["temperature"], top_p=sampling["top_p"],
-            max_tokens=sampling["max_tokens"], seed=sampling.get("seed"), logprobs=0, detokenize=False,
-            stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None else None,
+        n, seed = sampling["n"], sampling.get("seed")
+        # with the routing, one request a sample (its id names its rows: engine/routing.py), seeded one apart
+        copies = n if self.capture_routing else 1
+        params = [SamplingParams(
+            n=n // copies, temperature=sampling["temperature"], top_p=sampling["top_p"],
+            max_tokens=sampling["max_tokens"], seed=None if seed is None else seed + i, logprobs=0,
+            detokenize=False, stop_token_ids=[self.eos_token_id] if self.eos_token_id is not None else None,
             prompt_logprobs=0 if sampling.get("prompt_logprobs") else None,
-        )
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
-                                    lora_request=self._adapter)
-        return [
+        ) for _ in prompts for i in range(copies)]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(copies)],
+                                    params, use_tqdm=False, lora_request=self._adapter)
+        routing = self.take_routing([out.request_id for out in outputs]) if self.capture_routing else {}
+        samples = [
             [
                 {
                     "token_ids": list(c.token_ids),
                     # logprobs=0 returns only the sampled token's logprob at each position
                     "logprobs": [next(iter(lp.values())).logprob for lp in c.logprobs],
                     "finish_reason": c.finish_reason,
-                    **({"prompt_logprobs": _prompt_logprobs(out)} if params.prompt_logprobs is not None else {}),
+                    **({"prompt_logprobs": _prompt_logprobs(out)} if sampling.get("prompt_logprobs") else {}),
+                    **({"routing": routing.get(out.request_id)} if self.capture_routing else {}),
                 }
                 for c in out.outputs
             ]
             for out in outputs
         ]
+        return [sum(samples[i:i + copies], []) for i in range(0, len(samples), copies)]
+
+    def take_routing(self, request_ids: list[str]) -> dict:
+        """algo.router_replay: each request's routed experts, uint16 [positions, layers, top_k] (engine/routing.py),
+        from the TP rank that captures them."""
+        return next(r for r in self.llm.collective_rpc("colocate_take_routing", args=(request_ids,))
+                    if r is not None)
 
     def run_pass(self, requests: list, sampling: dict, num_groups_wanted: int | None = None,
                  version: int = 0, stream: bool = False) -> dict:
@@ -316,7 +332,8 @@ class EngineActor:
         started = time.perf_counter()
         results, timeline = run_pass(self.llm, requests, sampling, num_groups_wanted=num_groups_wanted,
                                      eos_token_id=self.eos_token_id, lora_request=self._adapter, version=version,
-                                     gate=self._gate, stream=self._stream if stream else None)
+                                     gate=self._gate, stream=self._stream if stream else None,
+                                     routing=self.take_routing if self.capture_routing else None)
         return {"results": results, "timeline": timeline, "seconds": time.perf_counter() - started,
                 "parked_s": self._gate.parked_s,
                 "decode": {"request_steps": self._gate.request_steps, "tokens": self._gate.tokens}}

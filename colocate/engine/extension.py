@@ -150,6 +150,21 @@ class ColocateWorkerExtension:
         dtype = heads[0] if heads and heads[0] is not None else next(model.parameters()).dtype
         return str(dtype).removeprefix("torch.")
 
+    def colocate_capture_routing(self) -> None:
+        """algo.router_replay: capture the experts every token is routed to (engine/routing.py), on TP rank 0
+        (every rank routes every token alike: TP and EP hand each rank the whole batch)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        from colocate.engine.routing import RoutingCapture
+
+        if get_tensor_model_parallel_rank() == 0 and getattr(self, "_colocate_routing", None) is None:
+            self._colocate_routing = RoutingCapture(self.model_runner)
+
+    def colocate_take_routing(self, request_ids: list[str]):
+        """The captured routing of these requests (RoutingCapture.take), from TP rank 0; None on the others."""
+        capture = getattr(self, "_colocate_routing", None)
+        return None if capture is None else capture.take(request_ids)
+
     def colocate_param_layout(self) -> dict:
         """This worker's parameters (names, shapes, dtypes), TP rank, and for a MoE model its experts: which global
         experts its slots hold and how their intermediate dimension is split (the reshard plan needs both)."""

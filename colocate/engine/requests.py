@@ -64,6 +64,9 @@ class RequestResult:
     versions: list[int] = field(default_factory=list)
     """The policy version that sampled each token: the pass's, and after a weight update inside the pass
     (engine/pass_gate.py) the new one. Empty from a source that does not say (the pool tags the pass's version)."""
+    routing: object = None
+    """algo.router_replay: uint16 [positions, layers, top_k], the experts each position of the prompt and answer
+    (but the last sampled token) was routed to in the engine (engine/routing.py); None without it."""
 
     def done(self, request: EngineRequest) -> bool:
         return self.finish_reason == "stop" or (self.finish_reason == "length" and request.final)
@@ -72,25 +75,35 @@ class RequestResult:
 def run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_wanted: int | None,
              eos_token_id: int | None, lora_request=None, version: int = 0,
              gate: PassGate | None = None,
-             stream: PassStream | None = None) -> tuple[list[RequestResult], list[tuple[float, int]]]:
+             stream: PassStream | None = None,
+             routing=None) -> tuple[list[RequestResult], list[tuple[float, int]]]:
     """Run `requests` until each is finished, or until `num_groups_wanted` groups are complete (the rest are
     aborted). Returns the results in request order and the busy timeline: per engine step, (seconds since the
     start, sequences that produced a token in it). `lora_request`: the adapter every request runs with (a LoRA
     job's policy), or None. `version`: the policy the pass was planned under; `gate`: the engine's, through which
     a weight update enters the pass between two steps (engine/pass_gate.py), each token tagged with the version
     that sampled it. `stream` (rollout.stream, engine/stream.py): more requests are added as they are fed, each
-    finished result leaves through it at once, and the pass returns only the rest (no `num_groups_wanted`)."""
+    finished result leaves through it at once, and the pass returns only the rest (no `num_groups_wanted`).
+    `routing` (algo.router_replay; not with a stream): request ids -> their captured routing, read once the
+    pass has ended (EngineActor.take_routing)."""
+    assert stream is None or routing is None, "a streamed pass's results leave before their routing is read"
     assert stream is None or num_groups_wanted is None, "a streamed pass runs its requests to their ends"
     gate = gate or PassGate()  # a pass of its own: nothing enters it
     with gate.running(version):
         if stream is not None:
             stream.open()
         try:
-            return _run_pass(llm, requests, sampling, num_groups_wanted=num_groups_wanted,
-                             eos_token_id=eos_token_id, lora_request=lora_request, gate=gate, stream=stream)
+            results, timeline = _run_pass(llm, requests, sampling, num_groups_wanted=num_groups_wanted,
+                                          eos_token_id=eos_token_id, lora_request=lora_request, gate=gate,
+                                          stream=stream)
         finally:
             if stream is not None:
                 stream.close()
+    if routing is not None:
+        rows = routing([r.request_id for r in results])
+        for r in results:
+            r.routing = rows.get(r.request_id)
+    return results, timeline
 
 
 def _run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_wanted: int | None,

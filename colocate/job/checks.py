@@ -138,10 +138,18 @@ def read_inputs(cfg: JobConfig, model_path: str, tokenizer) -> JobInputs:
 
 def check_experts(cfg: JobConfig, dims: ModelDims | None) -> None:
     """engine.expert_parallel splits a MoE model's experts over each engine's TP workers: the model must have
-    experts, at least one per worker. A hub id not on this machine yet passes (set_up_job checks it once it is)."""
-    if dims is None or not cfg.engine.expert_parallel:
+    experts, at least one per worker. A hub id not on this machine yet passes (set_up_job checks it once it is).
+    algo.router_replay replays the routing of a Qwen3-MoE model (trainer/router_replay.py)."""
+    if dims is None:
         return
     model = cfg.model.path or f"model.preset={cfg.model.preset}"
+    if cfg.algo.router_replay and (not dims.num_experts or dims.model_type != "qwen3_moe"):
+        what = "a dense model (no routed experts in its config)" if not dims.num_experts else \
+            f"a {dims.model_type} model, whose router colocate does not replay"
+        raise bad("algo.router_replay", True, f"{model} is {what}; routing replay replays a Qwen3-MoE model's "
+                  "expert choices (e.g. model.preset=tiny-moe); valid: false", fix={"algo.router_replay": False})
+    if not cfg.engine.expert_parallel:
+        return
     if not dims.num_experts:
         raise bad("engine.expert_parallel", True, f"{model} is a dense model (no routed experts in its config); "
                   "expert parallelism splits a MoE model's experts (e.g. model.preset=tiny-moe); valid: false",

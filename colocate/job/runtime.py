@@ -212,7 +212,8 @@ class Runtime:
                 cfg.engine, self.model_path, device=self.device, sleep_backend=self.resolved.sleep_backend,
                 eos_token_id=self.tokenizer.eos_token_id, placement_env=where.env,
                 speculative=speculative_config(cfg.rollout),
-                update_in_pass=cfg.algo.mode == "async" and cfg.rollout.update_in_pass != "never"))
+                update_in_pass=cfg.algo.mode == "async" and cfg.rollout.update_in_pass != "never",
+                capture_routing=cfg.algo.router_replay))
         self._engines_prepared = [e.prepare.remote() for e in self.engines]
 
     def _create_reward_model(self) -> None:

@@ -33,6 +33,7 @@ class ModelDims:
     num_experts: int = 0  # routed experts per layer; 0: dense
     shared_expert_size: int = 0  # a MoE layer's shared expert's intermediate size; 0: none
     expert_intermediate_size: int = 0  # one routed expert's intermediate size; 0: dense
+    model_type: str = ""  # the config's model_type (qwen3_moe, ...)
 
     @classmethod
     def from_config_dict(cls, d: dict) -> ModelDims:
@@ -61,7 +62,7 @@ class ModelDims:
         tied = bool(d.get("tie_word_embeddings"))
         embeddings = d["vocab_size"] * hidden * (1 if tied else 2)
         return cls(layers * per_layer + embeddings + hidden, layers, hidden, d["vocab_size"], per_layer, tied,
-                   inter, heads, kv, head_dim, num_experts, shared if num_experts else 0, expert_inter)
+                   inter, heads, kv, head_dim, num_experts, shared if num_experts else 0, expert_inter, model_type)
 
     def projections(self) -> dict[str, tuple[int, int]]:
         """The linear projections of a decoder layer, name -> (in, out) features: attention's, and the MLP's

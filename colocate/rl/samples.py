@@ -12,6 +12,7 @@ field means adding it here and where it is set, not editing every dict along the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from colocate.rl.tasks import Sample
 
@@ -37,6 +38,9 @@ class Answer:
     turn_starts: list[int] = field(default_factory=list)
     """Multi-turn: where each turn of the model starts in `token_ids` (after the observation before it; an empty
     observation leaves no token between two turns, so the mask alone cannot tell them apart)."""
+    routing: Any = None
+    """algo.router_replay: the engine's routing of the prompt and the answer, uint16 [positions, layers, top_k]
+    (rl/routing.py); None without it."""
 
     @property
     def done(self) -> bool:
@@ -45,7 +49,7 @@ class Answer:
     def restart(self) -> None:
         self.token_ids, self.logprobs, self.versions, self.mask = [], [], [], []
         self.turn_rewards, self.turn_starts = [], []
-        self.finish_reason = None
+        self.finish_reason, self.routing = None, None
 
     def actions(self) -> list[list[int]]:
         """Multi-turn: the tokens the model sampled in each of its turns, in order (the last may be going on)."""
@@ -73,6 +77,8 @@ class Sequence:
     advantage: float
     mask: list[int] | None = None
     """Multi-turn: 1 for each response token to train, 0 for an environment's observation token; None: all 1."""
+    routing: Any = None
+    """algo.router_replay: the experts the engine routed each position to (Answer.routing); None: route freely."""
 
     @property
     def num_trained_tokens(self) -> int:

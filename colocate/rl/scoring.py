@@ -113,7 +113,7 @@ class Scored:
                     num_masked += 1
                     continue
                 sequences.append(TrainSequence(group.group.prompt_ids, answer.token_ids, answer.logprobs, advantage,
-                                               mask=answer.mask or None))
+                                               mask=answer.mask or None, routing=answer.routing))
         names = {name for g in groups for name in g.components}
         return cls(sequences, [r for g in groups for r in g.rewards], [t for g in groups for t in g.responses],
                    {name: [v for g in groups for v in g.components[name]] for name in names},

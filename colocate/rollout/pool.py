@@ -35,6 +35,7 @@ from colocate.config import RolloutConfig
 from colocate.engine.requests import EngineRequest, RequestResult, segment_seed
 from colocate.errors import EnvError
 from colocate.rollout.environments import Turn
+from colocate.rl.routing import decode, encode, extend
 from colocate.rl.samples import Answer
 from colocate.rl.tasks import Sample
 
@@ -201,6 +202,7 @@ class RolloutPool:
             answer = group.answers[request.index]
             answer.token_ids += result.token_ids
             answer.logprobs += result.logprobs
+            answer.routing = extend(answer.routing, result.routing)  # algo.router_replay (rl/routing.py)
             answer.versions += result.versions or [version] * len(result.token_ids)  # an update in the pass
             answer.num_prefill_computed += len(request.prompt_ids) - result.num_cached_tokens
             answer.num_prefill_cached += result.num_cached_tokens
@@ -313,13 +315,15 @@ class RolloutPool:
         and length decide its next segment's seed, so a resumed run continues as the saved one would have."""
         return {"next_group_id": self._next_group_id,
                 "groups": [{"group_id": g.group_id, "sample": dataclasses.asdict(g.sample), "prompt_ids": g.prompt_ids,
-                            "answers": [dataclasses.asdict(a) for a in g.answers]} for g in self.groups]}
+                            "answers": [{**dataclasses.asdict(a), "routing": encode(a.routing)} for a in g.answers]}
+                           for g in self.groups]}
 
     def load_state(self, state: dict) -> None:
         def answer(d: dict) -> Answer:
             d = dict(d)
             # a checkpoint of an earlier release carried the V1 runner's generator state: seeds replace it
             d.pop("random_state", None)
+            d["routing"] = decode(d.get("routing"))
             return Answer(**d)
 
         self._next_group_id = state["next_group_id"]

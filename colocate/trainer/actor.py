@@ -56,6 +56,7 @@ class TrainerActor:
         self.sync_end = TrainerEnd(rank=rank, world_size=world_size, device=self.device)  # every open sync
         self._offloader = None
         self.reference = None  # the frozen reference policy, built in setup when algo.kl_coef > 0
+        self.replay = None  # algo.router_replay: the engine's routing replayed (trainer/router_replay.py)
         self._offloaded = False
 
     def rendezvous(self, host: str | None = None) -> tuple[str, int]:
@@ -97,6 +98,10 @@ class TrainerActor:
             add_lora(model, names, rank=lora.rank, alpha=lora.alpha, seed=0)
         if self.cfg.logprob_chunk_tokens:  # before sharding: the head's weight keeps its name and its FSDP group
             install_chunked_head(model, self.cfg.logprob_chunk_tokens, fp32_logits=self.cfg.fp32_lm_head)
+        if self.algo.router_replay:
+            from colocate.trainer.router_replay import RouterReplay
+
+            self.replay = RouterReplay(model)
         if self.cfg.activation_checkpointing:
             checkpoint_layers(model, offload=self.cfg.activation_offload and self.device.type == "cuda")
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
@@ -179,8 +184,8 @@ class TrainerActor:
         entropy_grad = self.algo.entropy_coef > 0
         for chunk, batch, ref, adv in zip(chunks, batches, ref_logprobs, advantages):
             empty = not chunk
-            logprobs, entropy = sequence_logprobs(self.model, batch, temperature=self.sampling.temperature,
-                                                  top_p=self.sampling.top_p, entropy_grad=entropy_grad)
+            logprobs, entropy = self._logprobs(batch, temperature=self.sampling.temperature,
+                                               top_p=self.sampling.top_p, entropy_grad=entropy_grad)
             scale = token_scale(batch, aggregation=self.algo.loss_aggregation, num_tokens=num_tokens_all_ranks,
                                 num_seqs=num_seqs_all_ranks, max_tokens=self.sampling.max_tokens)
             loss, stats = policy_loss(logprobs, batch, algo=self.algo, ref_logprobs=ref, entropy=entropy,
@@ -236,10 +241,38 @@ class TrainerActor:
         index = {id(s): i for i, s in enumerate(seqs)}
         for chunk in self._micro_batches(seqs, num_micro_batches):
             batch = self._collate(chunk or [_dummy_sequence(self.pad_id)])
-            logprobs = sequence_logprobs(self.model, batch, temperature=temperature, top_p=top_p)[0].cpu()
+            logprobs = self._logprobs(batch, temperature=temperature, top_p=top_p)[0].cpu()
             for s, (row, first, num) in zip(chunk, batch.spans):
                 out[index[id(s)]] = logprobs[row, first:first + num].tolist()
         return [out[i] for i in range(len(seqs))]
+
+    @torch.no_grad()
+    def score_routing(self, seqs: list[Sequence], *, num_micro_batches: int, temperature: float,
+                      top_p: float) -> list[tuple[list[float], object, object]]:
+        """score()'s logprobs, each with the experts of every position of the sequence, uint16 [length, layers,
+        top_k]: those the trainer's routers chose, and those the forward used (the replayed ones, where the
+        sequence carries a routing). For bench mismatch and the tests."""
+        assert self.replay is not None, "score_routing needs algo.router_replay (the routers that record)"
+        out, index = {}, {id(s): i for i, s in enumerate(seqs)}
+        self.replay.record(True)
+        try:
+            for chunk in self._micro_batches(seqs, num_micro_batches):
+                batch = self._collate(chunk or [_dummy_sequence(self.pad_id)])
+                logprobs = self._logprobs(batch, temperature=temperature, top_p=top_p)[0].cpu()
+                own, used = (t.cpu().numpy().astype("uint16") for t in self.replay.recorded(*batch.input_ids.shape))
+                for s, (row, first, num) in zip(chunk, batch.spans):
+                    start, end = first - len(s.prompt_ids) + 1, first + 1 + num
+                    out[index[id(s)]] = (logprobs[row, first:first + num].tolist(), own[row, start:end],
+                                         used[row, start:end])
+        finally:
+            self.replay.record(False)
+        return [out[i] for i in range(len(seqs))]
+
+    def _logprobs(self, batch: MicroBatch, **kwargs):
+        """sequence_logprobs of the policy, its routers replaying the batch's routing (algo.router_replay)."""
+        if self.replay is not None:
+            self.replay.set(batch.routing)  # kept through the backward: a checkpointed layer recomputes
+        return sequence_logprobs(self.model, batch, **kwargs)
 
     def _micro_batches(self, seqs: list[Sequence], num_micro_batches: int) -> list[list[Sequence]]:
         """This rank's micro-batches (trainer/batching.py), then empty ones up to the count every rank runs."""

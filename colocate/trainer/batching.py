@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from colocate.rl.routing import sequence_routing
 from colocate.rl.samples import Sequence
 
 
@@ -43,6 +44,9 @@ class MicroBatch:
     num_trained: list[int] | None = None
     """Per sequence, its response tokens on the mask (fewer than the span's when an environment's observations
     are in it); None: the spans' counts."""
+    routing: torch.Tensor | None = None
+    """algo.router_replay: [rows, T, layers, top_k] long, the engine's experts of each input position, -1 where
+    the router chooses (padding, each sequence's last token); None: no sequence carries a routing."""
 
     @property
     def num_seqs(self) -> int:
@@ -85,6 +89,8 @@ def collate(seqs: list[Sequence], *, pad_id: int, device: torch.device, packed: 
     old_logprobs = torch.zeros((rows, width - 1))
     advantages = torch.zeros((rows, width - 1))
     seq_ids = torch.zeros((rows, width - 1), dtype=torch.long)
+    routed = [s.routing for s in seqs if s.routing is not None]
+    routing = torch.full((rows, width, *routed[0].shape[1:]), -1, dtype=torch.long) if routed else None
     spans, num_trained, offset = [], [], 0
     for i, (s, length) in enumerate(zip(seqs, lengths)):
         row, start = (0, offset) if packed else (i, 0)
@@ -99,12 +105,15 @@ def collate(seqs: list[Sequence], *, pad_id: int, device: torch.device, packed: 
         old_logprobs[row, first:first + num] = torch.tensor(s.logprobs)
         advantages[row, first:first + num] = s.advantage
         seq_ids[row, first:first + num] = i
+        if routing is not None:
+            routing[row, start:start + length] = torch.from_numpy(
+                sequence_routing(s.routing, length, *routing.shape[2:]))
         spans.append((row, first, num))
         num_trained.append(s.num_trained_tokens)
         offset += length
     tensors = (input_ids, attention_mask, position_ids, target_mask, old_logprobs, advantages, seq_ids)
     return MicroBatch(*(t.to(device) if t is not None else None for t in tensors), spans=spans,
-                      num_trained=num_trained)
+                      num_trained=num_trained, routing=None if routing is None else routing.to(device))
 
 
 def micro_batch_tokens(lengths: list[int], *, packed: bool) -> int:

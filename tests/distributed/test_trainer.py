@@ -251,3 +251,55 @@ def test_the_head_computes_its_logits_in_fp32_when_asked(tmp_path):
     assert on["fp32"] and not on["rounded"] and on["logits_dtype"] == "float32"
     assert off["rounded"] and not off["fp32"] and off["logits_dtype"] == "bfloat16"
     assert on["gap"] > 0  # the two differ on this model: the check above can tell them apart
+
+
+def _routed(seqs: list[Sequence]) -> list[Sequence]:
+    """SEQS with a routing of every position but the last: expert (position + k + layer) mod 8, no router's
+    own choice (so replaying it changes the forward)."""
+    import numpy as np
+
+    out = []
+    for s in seqs:
+        n = len(s.prompt_ids) + len(s.response_ids) - 1
+        rows = (np.arange(n)[:, None, None] + np.arange(2)[None, :, None] + 3 * np.arange(2)[None, None, :]) % 8
+        out.append(Sequence(s.prompt_ids, s.response_ids, s.logprobs, s.advantage, routing=rows.astype(np.uint16)))
+    return out
+
+
+def _replayed_step(rank: int, world_size: int, port: int, model_path: str, out_path: str, routed: bool):
+    from colocate.trainer.actor import TrainerActor
+
+    cfg = TrainerConfig(lr=1e-2, micro_batch_size=2, grad_clip=0.0, activation_checkpointing=True)
+    trainer = TrainerActor(rank, world_size, cfg, model_path, device="cpu", pad_id=0,
+                           algo=AlgoConfig(router_replay=True, clip_eps=50.0))
+    trainer.setup("127.0.0.1", port)
+    seqs = _routed(SEQS) if routed else SEQS
+    mine = seqs[rank::world_size]
+    # every rank's forward used exactly the rows given, the last position its router's own choice
+    for s, (_, own, used) in zip(mine, trainer.score_routing(mine, num_micro_batches=3, temperature=1.0, top_p=1.0)):
+        if routed:
+            assert (used[:-1] == s.routing).all() and (used[-1] == own[-1]).all()
+        else:
+            assert (used == own).all()
+    trainer.train_step(mine, step=0, num_tokens_all_ranks=sum(len(s.response_ids) for s in SEQS),
+                       num_micro_batches=3, num_seqs_all_ranks=len(SEQS))
+    grads = {n: p.grad.full_tensor() for n, p in trainer.model.named_parameters()}
+    if rank == 0:
+        torch.save(grads, out_path)
+    trainer.shutdown()
+
+
+def test_router_replay_under_fsdp_and_checkpointing_routes_as_given_and_two_ranks_match_one(tmp_path):
+    # algo.router_replay on tiny-moe: the replayed rows reach every layer of every rank (and the recomputation of a
+    # checkpointed layer in the backward: otherwise its gradients would be those of another routing)
+    path = ensure_model(ModelConfig(preset="tiny-moe", cache_dir=str(tmp_path / "models")))
+    for world_size, routed in ((1, True), (2, True), (1, False)):
+        run_distributed(_replayed_step, path, str(tmp_path / f"{world_size}{routed}.pt"), routed,
+                        world_size=world_size, init=False)
+    one, two, free = (torch.load(tmp_path / name) for name in ("1True.pt", "2True.pt", "1False.pt"))
+    for name, grad in one.items():
+        torch.testing.assert_close(two[name], grad, rtol=1e-4, atol=1e-7)
+    experts = [n for n in one if "experts" in n]
+    assert experts and any(not torch.equal(one[n], free[n]) for n in experts)  # the replay changed the update
+    gates = [n for n in one if n.endswith("mlp.gate.weight")]
+    assert gates and all(one[n].abs().sum() > 0 for n in gates)  # the routers still learn under replay

@@ -84,6 +84,13 @@ def test_defaults_without_a_file():
                      "engine.extra_args", id="fp32_head_twice"),
         pytest.param(["engine.batch_invariant=true", "placement.num_slots=2", "placement.engine_slots=1",
                       "engine.tp=1"], "placement.engine_slots", id="batch_invariance_split"),
+        pytest.param(["algo.router_replay=true"], "algo.router_replay=True is invalid: model.preset=tiny is a dense "
+                     "model", id="router_replay_on_a_dense_model"),
+        pytest.param(["model.preset=tiny-moe", "algo.router_replay=true", "rollout.speculative=ngram"],
+                     "rollout.speculative", id="router_replay_with_speculation"),
+        pytest.param(["model.preset=tiny-moe", "algo.router_replay=true", "algo.mode=async",
+                      "rollout.update_in_pass=keep", "rollout.stream=true"], "rollout.stream",
+                     id="router_replay_streamed"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(capsys, overrides, key):

@@ -119,6 +119,8 @@ HINTED = [
     (["engine.batch_invariant=true", "placement.num_slots=2", "placement.engine_slots=1", "engine.tp=1"],
      validate(), None),
     (["trainer.mixed_precision=true"], validate(), None),  # on a CPU without bf16 (the test says so)
+    (["algo.router_replay=true"], validate(), None),
+    (["model.preset=tiny-moe", "algo.router_replay=true", "rollout.speculative=ngram"], validate(), None),
     (["sync.method=in_place"], GPU, None),
     (["sync.method=ring"], GPU, None),
     (["placement.num_slots=4"], validate(GpuNode(1, 80.0)), None),

@@ -9,6 +9,7 @@ on (the segment's seed, absolute position), as on vLLM's V2 runner; an answer's 
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -201,3 +202,40 @@ def test_a_restored_pool_asks_for_the_same_segments_and_reads_an_older_checkpoin
     older = RolloutPool(settings, max_model_len=64)
     older.load_state(state)
     assert older.requests(3) == pool.requests(3)
+
+
+def test_an_answers_routing_keeps_each_positions_first_computation_across_segments_and_checkpoints():
+    """algo.router_replay: each segment's pass returns rows for every position it ran (its prompt, which holds the
+    answer so far, and its new tokens but the last); the answer keeps, for each position, the row of the segment
+    that ran it first, and carries it through a checkpoint."""
+    import numpy as np
+
+    def routed_pass(requests, num_groups_wanted, lengths):
+        results = fake_pass(requests, num_groups_wanted, lengths)
+        for r, res in zip(requests, results):  # each row names the segment that computed it: its seed
+            res.routing = np.full((len(r.prompt_ids) + len(res.token_ids) - 1, 1, 1), r.seed % 65536, np.uint16)
+        return results
+
+    settings = RolloutConfig(num_prompts=2, num_samples=2, partial_tokens=3, max_lag=100)
+    pool, rng, prompt_len = RolloutPool(settings, max_model_len=64), random.Random(5), {}
+    SEGMENTS.clear()
+    checked = 0
+    for version in range(8):
+        pool.top_up([(Sample("p", "a"), list(range(5, 5 + rng.randint(3, 6))), [30] * 2)
+                     for _ in range(pool.num_missing)])
+        for g in pool.groups:
+            prompt_len.setdefault(g.group_id, len(g.prompt_ids))
+        requests = pool.requests(version)
+        pool.apply(requests, routed_pass(requests, None, prompt_len), version)
+        pool.load_state(json.loads(json.dumps(pool.state())))  # every step through a checkpoint's JSON
+        for g in pool.take():
+            for i, answer in enumerate(g.answers):
+                starts = SEGMENTS[(g.group_id, i)]  # (first answer position, seed) of each segment
+                ends = [start for start, _ in starts[1:]] + [len(answer.token_ids)]
+                length = len(g.prompt_ids) + len(answer.token_ids) - 1
+                # position p: the first segment whose run reached past it
+                expected = [next(seed for (_, seed), end in zip(starts, ends) if len(g.prompt_ids) + end - 1 > p)
+                            for p in range(length)]
+                assert answer.routing[:, 0, 0].tolist() == [seed % 65536 for seed in expected]
+                checked += 1
+    assert checked
