@@ -190,6 +190,9 @@ class TrainerActor:
                                 num_seqs=num_seqs_all_ranks, max_tokens=self.sampling.max_tokens)
             loss, stats = policy_loss(logprobs, batch, algo=self.algo, ref_logprobs=ref, entropy=entropy,
                                       scale=scale, advantages=adv)
+            if self.replay is not None and batch.routing is not None:  # read before the backward recomputes
+                flipped = self.replay.flipped(*batch.input_ids.shape)[:, :-1].to(batch.target_mask.dtype)
+                stats.routing_flipped_sum = float((flipped * batch.target_mask).sum())
             (loss * (0.0 if empty else self.world_size)).backward()
             if not empty:
                 totals += stats

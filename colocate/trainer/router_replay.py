@@ -40,6 +40,8 @@ def _replayed_forward(self, hidden_states: torch.Tensor):
         assert replay.shape == indices.shape, f"replay rows {tuple(replay.shape)} for {tuple(indices.shape)} tokens"
         indices = torch.where(replay >= 0, replay, indices)
         top_value = router_probs.gather(-1, indices)
+        # the tokens this router would have sent elsewhere (as a set: the order of two experts changes nothing)
+        self.colocate_flipped = (own.sort(-1).values != indices.sort(-1).values).any(-1).detach()
     if self.colocate_record is not None:  # for the bench and the tests: the router's own choice, and the one used
         self.colocate_record.append((own.detach(), indices.detach()))
     if self.norm_topk_prob:
@@ -63,7 +65,7 @@ class RouterReplay:
         self.num_layers = model.config.num_hidden_layers
         self.top_k = next(iter(self.routers.values())).top_k
         for router in self.routers.values():
-            router.colocate_replay, router.colocate_record = None, None
+            router.colocate_replay, router.colocate_record, router.colocate_flipped = None, None, None
             router.forward = types.MethodType(_replayed_forward, router)
 
     def set(self, routing: torch.Tensor | None) -> None:
@@ -71,6 +73,16 @@ class RouterReplay:
         None: every router chooses."""
         for layer, router in self.routers.items():
             router.colocate_replay = None if routing is None else routing[:, :, layer].reshape(-1, self.top_k)
+            router.colocate_flipped = None
+
+    def flipped(self, rows: int, width: int) -> torch.Tensor:
+        """[rows, width] bool: the positions whose experts the last replayed forward took from the engine against
+        the trainer's own choice, in any layer (the routing flips R3 removes)."""
+        out = torch.zeros(rows * width, dtype=torch.bool)
+        for router in self.routers.values():
+            if router.colocate_flipped is not None:
+                out = out.to(router.colocate_flipped.device) | router.colocate_flipped
+        return out.reshape(rows, width)
 
     def record(self, on: bool) -> None:
         """Keep each router's choices (its own, and the one used) from now on (on), or stop (off)."""

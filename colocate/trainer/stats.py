@@ -52,6 +52,9 @@ class TrainStats:
     """The KL estimator summed over response tokens (0 without a reference)."""
     entropy_sum: float = 0.0
     """The entropy of each response token's sampling distribution (after temperature and top-p), summed."""
+    routing_flipped_sum: float = 0.0
+    """algo.router_replay: response tokens predicted from a position the trainer's routers would have sent to other
+    experts than the engine's, in any layer (the flips the replay removed); 0 without it."""
     token_log_w: np.ndarray = field(default_factory=_empty)
     """Every response token's log(p_trainer / p_engine), for the mismatch monitor."""
     seq_log_w: np.ndarray = field(default_factory=_empty)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from colocate.bench.mismatch import sample, score
+from colocate.job.controller import Controller
 from colocate.job.runtime import Runtime
 from tests.e2e.conftest import small_job
 
@@ -45,3 +46,29 @@ def test_the_engine_captures_every_tokens_experts_and_the_trainer_replays_them(t
         # its rows are read from the cached slots, those of the forward that computed the keys and values
         again = sample(rt, PROMPTS[:1], {"n": 1, "temperature": 1.0, "top_p": 1.0, "max_tokens": 4, "seed": 9})
         assert np.array_equal(again[0].routing[:21], seqs[0].routing[:21])
+
+
+def test_a_job_with_router_replay_trains_each_answer_under_the_engines_routing(tmp_path):
+    """The default task on tiny-moe, bf16 engine at TP=2, partial rollout: answers continue over passes and
+    steps, each keeps a row for every position the engine ran, and each step's record says how many trained
+    tokens the replay routed against the trainer's own choice."""
+    cfg = small_job(tmp_path, "model.preset=tiny-moe", "algo.router_replay=true", "rollout.max_tokens=12",
+                    "rollout.partial_tokens=4", "rollout.max_lag=4", "algo.num_steps=3")
+    with Runtime(cfg) as rt:
+        controller = Controller(cfg, rt)
+        continued = 0
+        for step in range(3):
+            groups, _ = controller.rollout.take(step)
+            for g in groups:
+                for a in g.completions:
+                    assert a.routing.shape == (len(g.prompt_ids) + len(a.token_ids) - 1, 2, 2)
+                    continued += len(a.token_ids) > 4  # run in more than one segment
+            scored = controller.advantages(controller.score(groups))
+            assert all(s.routing is not None for s in scored.sequences)
+            controller.switch_to_train()
+            record = controller.train(scored, step)
+            assert 0 <= record["routing_flipped"] < 0.5, record["routing_flipped"]  # bf16 engine, fp32 trainer
+            controller.switch_to_sync()
+            controller.sync()
+            controller.switch_to_rollout()
+        assert continued, "no trained answer was continued from an earlier segment"

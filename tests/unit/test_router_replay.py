@@ -111,3 +111,24 @@ def test_a_router_colocate_does_not_replay_is_refused():
     model.model.layers[0].mlp.gate = MixtralTopKRouter()
     with pytest.raises(ValueError, match="algo.router_replay: colocate replays Qwen3MoeTopKRouter, not Mixtral"):
         RouterReplay(model)
+
+
+def test_the_flips_are_the_positions_routed_against_the_trainers_choice():
+    model, ids = tiny_moe(), torch.randint(0, 32, (1, 4))
+    replay = RouterReplay(model)
+    replay.record(True)
+    with torch.no_grad():
+        model(input_ids=ids)
+    own, _ = replay.recorded(1, 4)
+    forced = own.long().clone()
+    forced[0, 1, 1] = forced[0, 1, 1].flip(-1)  # the same experts in the other order: no flip
+    others = torch.tensor([e for e in range(8) if e not in own[0, 2, 0].tolist()][:2])
+    forced[0, 2, 0] = others  # another expert set in layer 0: a flip
+    replay.set(forced)
+    with torch.no_grad():
+        model(input_ids=ids)
+    flipped = replay.flipped(1, 4)[0].tolist()
+    # positions 0 and 1 come before the change (causal) and keep their experts; position 3 may flip in layer 1
+    assert flipped[:3] == [False, False, True], flipped
+    replay.set(None)
+    assert not replay.flipped(1, 4).any()
