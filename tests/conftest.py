@@ -24,6 +24,7 @@ FILE_SECONDS = {
     "tests/e2e/test_isolation.py": 78, "tests/e2e/test_long_answers.py": 77, "tests/e2e/test_jobs.py": 61,
     "tests/distributed/test_bench_train.py": 58, "tests/e2e/test_rollout.py": 80, "tests/e2e/test_soak_bench.py": 47,
     "tests/e2e/test_calculator.py": 47, "tests/e2e/test_gather_job.py": 46, "tests/e2e/test_multiturn.py": 46,
+    "tests/e2e/test_router_replay.py": 60,
     "tests/e2e/test_moe.py": 41, "tests/e2e/test_fp32_engine.py": 31, "tests/distributed/test_trainer.py": 30,
     "tests/e2e/test_env_workers.py": 24,
     "tests/unit/test_gpu_check.py": 30,  # one run of scripts/gpu_check.py --device cpu (25-50 s by the load)

@@ -38,7 +38,7 @@ def run_routing_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int, max
                       name: str) -> dict:
     task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
     samples = PromptStream(task, seed=cfg.rollout.seed).next_batch(num_prompts)
-    sampling = {"n": num_samples, "temperature": 1.0, "top_p": 1.0, "seed": cfg.engine.seed}
+    sampling = {"n": num_samples, "temperature": 1.0, "top_p": 1.0, "seed": cfg.engine.seed, "routing": True}
     rows, skipped = [], []
     for run in RUNS:
         try:

@@ -286,8 +286,10 @@ class EngineActor:
         assert not self._asleep, f"generate() while the engine's {sorted(self._asleep)} sleep: wake them first"
 
         n, seed = sampling["n"], sampling.get("seed")
-        # with the routing, one request a sample (its id names its rows: engine/routing.py), seeded one apart
-        copies = n if self.capture_routing else 1
+        # sampling["routing"] (algo.router_replay): one request a sample, its id naming its rows
+        # (engine/routing.py), seeded one apart; each sample then carries its routing
+        routed = self.capture_routing and sampling.get("routing", False)
+        copies = n if routed else 1
         params = [SamplingParams(
             n=n // copies, temperature=sampling["temperature"], top_p=sampling["top_p"],
             max_tokens=sampling["max_tokens"], seed=None if seed is None else seed + i, logprobs=0,
@@ -296,7 +298,7 @@ class EngineActor:
         ) for _ in prompts for i in range(copies)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(copies)],
                                     params, use_tqdm=False, lora_request=self._adapter)
-        routing = self.take_routing([out.request_id for out in outputs]) if self.capture_routing else {}
+        routing = self.take_routing([out.request_id for out in outputs]) if routed else {}
         samples = [
             [
                 {
@@ -305,7 +307,7 @@ class EngineActor:
                     "logprobs": [next(iter(lp.values())).logprob for lp in c.logprobs],
                     "finish_reason": c.finish_reason,
                     **({"prompt_logprobs": _prompt_logprobs(out)} if sampling.get("prompt_logprobs") else {}),
-                    **({"routing": routing.get(out.request_id)} if self.capture_routing else {}),
+                    **({"routing": routing.get(out.request_id)} if routed else {}),
                 }
                 for c in out.outputs
             ]

@@ -273,6 +273,8 @@ class TrainerActor:
 
     def _logprobs(self, batch: MicroBatch, **kwargs):
         """sequence_logprobs of the policy, its routers replaying the batch's routing (algo.router_replay)."""
+        # an offloaded model's storages are released: a forward would crash the actor, not raise
+        assert not self._offloaded, "a forward of the offloaded trainer: onload it first"
         if self.replay is not None:
             self.replay.set(batch.routing)  # kept through the backward: a checkpointed layer recomputes
         return sequence_logprobs(self.model, batch, **kwargs)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from colocate.bench.mismatch import sample, score
+from colocate.bench.routing import measure
 from colocate.job.controller import Controller
 from colocate.job.runtime import Runtime
 from tests.e2e.conftest import small_job
@@ -19,13 +20,14 @@ from tests.e2e.conftest import small_job
 pytestmark = pytest.mark.e2e
 
 PROMPTS = [[5, 6, 7, 8] * 5 + [16], [9, 8, 16], [7, 7, 5, 6, 16], [6, 5, 16]]
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "routing": True}  # each sample with its routing
 
 
 def test_the_engine_captures_every_tokens_experts_and_the_trainer_replays_them(tmp_path):
     cfg = small_job(tmp_path, "model.preset=tiny-moe", "engine.dtype=float32", "engine.tp=1",
                     "placement.num_slots=1", "algo.router_replay=true")
     with Runtime(cfg) as rt:
-        seqs = sample(rt, PROMPTS, {"n": 3, "temperature": 1.0, "top_p": 1.0, "max_tokens": 24, "seed": 3})
+        seqs = sample(rt, PROMPTS, {**SAMPLING, "n": 3, "max_tokens": 24, "seed": 3})
         assert len(seqs) == 12
         for s in seqs:  # every position the engine ran: the prompt and the answer but its last token
             assert s.routing.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, 2, 2), s.routing.shape
@@ -44,7 +46,7 @@ def test_the_engine_captures_every_tokens_experts_and_the_trainer_replays_them(t
         assert [r[0] for r in replayed] == score(rt, seqs)  # score_routing's forward is the loss's
         # the first prompt again: its first block (16 tokens) is a prefix-cache hit, not computed by this request;
         # its rows are read from the cached slots, those of the forward that computed the keys and values
-        again = sample(rt, PROMPTS[:1], {"n": 1, "temperature": 1.0, "top_p": 1.0, "max_tokens": 4, "seed": 9})
+        again = sample(rt, PROMPTS[:1], {**SAMPLING, "n": 1, "max_tokens": 4, "seed": 9})
         assert np.array_equal(again[0].routing[:21], seqs[0].routing[:21])
 
 
@@ -55,6 +57,14 @@ def test_a_job_with_router_replay_trains_each_answer_under_the_engines_routing(t
     cfg = small_job(tmp_path, "model.preset=tiny-moe", "algo.router_replay=true", "rollout.max_tokens=12",
                     "rollout.partial_tokens=4", "rollout.max_lag=4", "algo.num_steps=3")
     with Runtime(cfg) as rt:
+        # bench routing's measurement on this runtime, before the job (bf16 engine, fp32 trainer): every answer
+        # token classed once, and the replay brings the flipped tokens' mismatch down
+        row = measure(rt, PROMPTS, {**SAMPLING, "n": 4, "max_tokens": 24, "seed": 1})
+        classes = row["classes"]
+        assert classes["all"]["tokens"] == row["answer_tokens"] == classes["flipped_before"]["tokens"] \
+            + classes["clean"]["tokens"] > 100
+        if classes["flipped_here"]["tokens"]:
+            assert classes["flipped_here"]["replayed"]["mean_abs"] < classes["flipped_here"]["free"]["mean_abs"]
         controller = Controller(cfg, rt)
         continued = 0
         for step in range(3):
