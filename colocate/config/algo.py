@@ -19,6 +19,7 @@ POLICY_LOSSES = ["ppo", "gspo", "cispo"]
 GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS (vllm/v1/sample/sampler.py): below it a request is sampled greedily
 
 
+OLD_LOGPROBS = ["engine", "recompute", "decoupled"]
 MODES = ["sync", "one_step_off", "async"]
 OVERLAPPED_MODES = {"one_step_off", "async"}  # the engines generate while the trainer trains: both stay resident
 
@@ -98,6 +99,18 @@ class AlgoConfig:
     kl_in_reward: bool = False
     """reinforce_pp: fold kl_coef x the KL estimate into each token's return (REINFORCE++) instead of adding it to the
     loss."""
+    num_mini_batches: int = 1
+    """Each step's sequences, shuffled (seeded by rollout.seed, the step and the epoch), in this many mini-batches,
+    each one optimizer step (verl's ppo_mini_batch_size as a count); must divide rollout.num_prompts x
+    rollout.num_samples."""
+    num_epochs: int = 1
+    """Passes over each step's sequences (verl's ppo_epochs, TRL's num_iterations): num_mini_batches x num_epochs
+    optimizer steps a step, each counted by the learning-rate schedule."""
+    old_logprobs: str = "engine"
+    """The ratio's old policy (docs/algorithms.md): engine (the engine's sampling log-probs: exact for one
+    optimizer step a step), recompute (the trainer's before the step's first update, one extra forward pass: verl,
+    OpenRLHF), decoupled (that recomputed proximal policy anchors the clip, and the behaviour ratio proximal /
+    engine is corrected by algo.correction's TIS or MIS: AReaL's decoupled PPO)."""
     router_replay: bool = False
     """MoE models: the trainer routes every token to the experts the engine routed it to (routing replay, R3: Ma et
     al. 2025), its router weights still its own, so the ratio is not dominated by tokens whose routing flipped
@@ -121,6 +134,9 @@ class AlgoConfig:
         one_of(self, "algo", "correction", ["none", "tis", "mis"])
         one_of(self, "algo", "correction_level", ["token", "sequence"])
         one_of(self, "algo", "kl_estimator", ["k1", "k2", "k3"])
+        one_of(self, "algo", "old_logprobs", OLD_LOGPROBS)
+        positive(self, "algo", "num_mini_batches", "num_epochs")
+        self._check_old_logprobs()
         self._check_clip()
         if self.kl_in_reward and self.advantage != "reinforce_pp":
             raise bad("algo.kl_in_reward", True, f"folds the KL into REINFORCE++'s token returns; valid with "
@@ -135,6 +151,26 @@ class AlgoConfig:
                       "need 0 <= algo.mis_low <= 1 <= algo.mis_high (the band must hold the ratio 1)")
         if self.mismatch_band <= 1:
             raise bad("algo.mismatch_band", self.mismatch_band, "must be > 1 (the band is [1/band, band])")
+
+    @property
+    def num_updates(self) -> int:
+        """Optimizer steps a step."""
+        return self.num_mini_batches * self.num_epochs
+
+    def _check_old_logprobs(self) -> None:
+        if self.old_logprobs == "engine" and self.num_updates > 1:
+            raise bad("algo.old_logprobs", "engine", f"is the old policy of one optimizer step, and algo."
+                      f"num_mini_batches={self.num_mini_batches} x algo.num_epochs={self.num_epochs} take "
+                      f"{self.num_updates} a step: after the first, the policy is no longer the one the engine "
+                      "sampled from; valid with them: recompute or decoupled", fix={"algo.old_logprobs": "recompute"})
+        if self.old_logprobs == "recompute" and self.correction != "none":
+            raise bad("algo.old_logprobs", "recompute", f"anchors the ratio at the recomputed policy with no "
+                      f"behaviour correction, and algo.correction={self.correction} asks for one; valid with it: "
+                      "decoupled (the correction on proximal / engine)", fix={"algo.old_logprobs": "decoupled"})
+        if self.old_logprobs == "decoupled" and self.correction == "none":
+            raise bad("algo.old_logprobs", "decoupled", "corrects the behaviour ratio (proximal / engine) by "
+                      "algo.correction, which is none; valid with it: algo.correction=tis or mis, or "
+                      "algo.old_logprobs=recompute", fix={"algo.correction": "tis"})
 
     def _check_clip(self) -> None:
         low, high = 1 - self.clip_low, 1 + self.clip_high

@@ -94,10 +94,11 @@ class TrainerConfig:
     lr: float = 1e-3
     """AdamW learning rate (the peak, with a schedule)."""
     lr_schedule: str = "constant"
-    """Learning rate over the run's algo.num_steps steps, after trainer.lr_warmup_steps of linear warmup: constant,
-    cosine or linear decay to trainer.lr_min_ratio x lr at the last step."""
+    """Learning rate over the run's optimizer steps (algo.num_steps x algo.num_updates: one a step unless
+    algo.num_mini_batches or algo.num_epochs say more), after trainer.lr_warmup_steps of linear warmup: constant,
+    cosine or linear decay to trainer.lr_min_ratio x lr at the last one."""
     lr_warmup_steps: int = 0
-    """Steps of linear warmup: step s (0-based) uses (s + 1) / (lr_warmup_steps + 1) x lr."""
+    """Optimizer steps of linear warmup: optimizer step s (0-based) uses (s + 1) / (lr_warmup_steps + 1) x lr."""
     lr_min_ratio: float = 0.0
     """cosine and linear: the last step's learning rate as a fraction of trainer.lr."""
     weight_decay: float = 0.0
@@ -800,6 +801,12 @@ class JobConfig:
                       "recompute, or rollout.stream=false", fix={"rollout.stream": False})
         if algo.mode in OVERLAPPED_MODES:
             self._check_overlapped()
+        num_seqs = rollout.num_prompts * rollout.num_samples
+        if num_seqs % algo.num_mini_batches:
+            fits = max(n for n in range(1, algo.num_mini_batches + 1) if num_seqs % n == 0)
+            raise bad("algo.num_mini_batches", algo.num_mini_batches, f"must divide the step's {num_seqs} sequences "
+                      f"(rollout.num_prompts={rollout.num_prompts} x rollout.num_samples={rollout.num_samples}), "
+                      f"e.g. {fits}", fix={"algo.num_mini_batches": fits})
         if algo.router_replay and (rollout.stream or rollout.speculative):
             key, value = ("rollout.stream", True) if rollout.stream else ("rollout.speculative", rollout.speculative)
             why = "reads each answer's routing when its pass ends, and a streamed answer leaves its pass before" \

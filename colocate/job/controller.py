@@ -44,6 +44,7 @@ from colocate.config import JobConfig
 from colocate.job.faults import Watchdog
 from colocate.job.groups import memory_record
 from colocate.job.runtime import Runtime
+from colocate.job.updates import PolicyUpdate
 from colocate.rl.data import PromptSource, make_prompt_source
 from colocate.rl.rewards import make_reward
 from colocate.rl.samples import Group
@@ -74,6 +75,7 @@ class Controller:
                                          prompts or make_prompt_source(cfg, runtime.tokenizer, self.task),
                                          env_workers=runtime.env_workers)
         self.rollout = make_rollout(cfg, self.passes, self.trace, runtime.switch)
+        self.update = PolicyUpdate(runtime.trainers, cfg)  # mini-batches, epochs, the proximal policy
         self.sampling = make_sampling(cfg, self.rollout, lambda groups: self.score(groups), self.trace)
         self.evaluator = make_evaluator(cfg, runtime.engines, runtime.tokenizer, self.reward_fn, self.task)
         self.checkpointer = Checkpointer(cfg, runtime.model_path)
@@ -182,7 +184,7 @@ class Controller:
             self.trace.event("trainer.onload")
 
     def train(self, scored: Scored, step: int) -> dict:
-        total = self.rt.trainers.train_step(scored.sequences, self.cfg.trainer, step=step)
+        total = self.update.run(scored.sequences, step=step)
         self.trace.event("train")
         return total.record(self.cfg.algo)
 

@@ -27,7 +27,7 @@ class ActorGroup(list):
 class TrainerGroup(ActorGroup):
     """The FSDP2 ranks. Every call is a collective of theirs: all ranks or none."""
 
-    def train_step(self, sequences: list[Sequence], cfg: TrainerConfig, *, step: int) -> TrainStats:
+    def train_step(self, sequences: list[Sequence], cfg: TrainerConfig, *, step: int, update: int = 0) -> TrainStats:
         """One optimizer step on `sequences`, dealt to the ranks by tokens (trainer/batching.py); every rank runs
         the micro-batch count of the rank with the most (a collective each), grouped as each rank groups its
         own, and the loss aggregates the response tokens of all ranks. No sequences (dynamic sampling kept no
@@ -39,9 +39,20 @@ class TrainerGroup(ActorGroup):
         num_tokens = sum(s.num_trained_tokens for s in sequences)
         results = ray.get([t.train_step.remote(share, step=step, num_tokens_all_ranks=num_tokens,
                                                num_micro_batches=num_micro_batches,
-                                               num_seqs_all_ranks=len(sequences))
+                                               num_seqs_all_ranks=len(sequences), update=update)
                            for share, t in zip(shares, self)])
         return sum(results, TrainStats())
+
+    def score(self, sequences: list[Sequence], cfg: TrainerConfig, *, temperature: float,
+              top_p: float) -> list[list[float]]:
+        """Every sequence's response logprobs under the trainers' current weights (TrainerActor.score, the loss's
+        path, no gradient), in the order given; dealt and micro-batched as train_step deals them."""
+        shares = deal(sequences, len(self))
+        num_micro_batches = max(len(trainer_micro_batches(share, cfg)) for share in shares)
+        scored = ray.get([t.score.remote(share, num_micro_batches=num_micro_batches, temperature=temperature,
+                                         top_p=top_p) for share, t in zip(shares, self)])
+        by_id = {id(s): lp for share, rows in zip(shares, scored) for s, lp in zip(share, rows)}
+        return [by_id[id(s)] for s in sequences]
 
     def offload(self) -> None:
         self.call("offload")

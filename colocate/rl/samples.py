@@ -79,6 +79,9 @@ class Sequence:
     """Multi-turn: 1 for each response token to train, 0 for an environment's observation token; None: all 1."""
     routing: Any = None
     """algo.router_replay: the experts the engine routed each position to (Answer.routing); None: route freely."""
+    old_logprobs: list[float] | None = None
+    """algo.old_logprobs=recompute|decoupled: the trainer's logprob of each response token before the step's first
+    update (the proximal policy); None: the ratio's old policy is the engine's (`logprobs`)."""
 
     @property
     def num_trained_tokens(self) -> int:

@@ -162,9 +162,10 @@ class TrainerActor:
     # ------------------------------------------------------------------------------------------- training
 
     def train_step(self, seqs: list[Sequence], *, step: int, num_tokens_all_ranks: int, num_micro_batches: int,
-                   num_seqs_all_ranks: int) -> TrainStats:
-        """One optimizer step over this rank's sequences, micro-batched, as RL step `step` (0-based: its learning
-        rate, and the step a NaN guard names); the loss aggregates all ranks' response tokens
+                   num_seqs_all_ranks: int, update: int = 0) -> TrainStats:
+        """One optimizer step over this rank's sequences, micro-batched, as update `update` (0-based) of RL step
+        `step` (the learning rate counts optimizer steps: algo.num_updates a step; the NaN guard names the step);
+        the loss aggregates all ranks' response tokens
         (`num_tokens_all_ranks` in `num_seqs_all_ranks` sequences) as algo.loss_aggregation says, times the world
         size (FSDP averages gradients over ranks).
 
@@ -201,7 +202,8 @@ class TrainerActor:
         totals.grad_norm = clip_checked(self.trained, self.cfg.grad_clip, step=step, rank=self.rank)
         if not self.optimizer.state:
             self._create_optimizer_state()
-        totals.lr = learning_rate(step, self.cfg, num_steps=self.algo.num_steps)
+        per_step = self.algo.num_updates
+        totals.lr = learning_rate(step * per_step + update, self.cfg, num_steps=self.algo.num_steps * per_step)
         for group in self.optimizer.param_groups:
             group["lr"] = totals.lr
         self.optimizer.step()

@@ -44,6 +44,8 @@ class MicroBatch:
     num_trained: list[int] | None = None
     """Per sequence, its response tokens on the mask (fewer than the span's when an environment's observations
     are in it); None: the spans' counts."""
+    prox_logprobs: torch.Tensor | None = None
+    """[rows, T-1] the proximal policy's logprob of each target (Sequence.old_logprobs); None: no sequence has one."""
     routing: torch.Tensor | None = None
     """algo.router_replay: [rows, T, layers, top_k] long, the engine's experts of each input position, -1 where
     the router chooses (padding, each sequence's last token); None: no sequence carries a routing."""
@@ -89,6 +91,7 @@ def collate(seqs: list[Sequence], *, pad_id: int, device: torch.device, packed: 
     old_logprobs = torch.zeros((rows, width - 1))
     advantages = torch.zeros((rows, width - 1))
     seq_ids = torch.zeros((rows, width - 1), dtype=torch.long)
+    prox = torch.zeros((rows, width - 1)) if any(s.old_logprobs is not None for s in seqs) else None
     routed = [s.routing for s in seqs if s.routing is not None]
     routing = torch.full((rows, width, *routed[0].shape[1:]), -1, dtype=torch.long) if routed else None
     spans, num_trained, offset = [], [], 0
@@ -103,6 +106,9 @@ def collate(seqs: list[Sequence], *, pad_id: int, device: torch.device, packed: 
         # multi-turn: an environment's observation tokens are context, never targets (rl.samples.Sequence.mask)
         target_mask[row, first:first + num] = 1 if s.mask is None else torch.tensor(s.mask, dtype=target_mask.dtype)
         old_logprobs[row, first:first + num] = torch.tensor(s.logprobs)
+        if prox is not None:
+            assert s.old_logprobs is not None, "a micro-batch's sequences all have a proximal policy or none do"
+            prox[row, first:first + num] = torch.tensor(s.old_logprobs)
         advantages[row, first:first + num] = s.advantage
         seq_ids[row, first:first + num] = i
         if routing is not None:
@@ -113,7 +119,8 @@ def collate(seqs: list[Sequence], *, pad_id: int, device: torch.device, packed: 
         offset += length
     tensors = (input_ids, attention_mask, position_ids, target_mask, old_logprobs, advantages, seq_ids)
     return MicroBatch(*(t.to(device) if t is not None else None for t in tensors), spans=spans,
-                      num_trained=num_trained, routing=None if routing is None else routing.to(device))
+                      num_trained=num_trained, routing=None if routing is None else routing.to(device),
+                      prox_logprobs=None if prox is None else prox.to(device))
 
 
 def micro_batch_tokens(lengths: list[int], *, packed: bool) -> int:

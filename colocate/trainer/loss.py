@@ -108,11 +108,16 @@ def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, algo: AlgoConfig,
     mask = batch.target_mask
     scale = mask if scale is None else scale
     advantages = batch.advantages if advantages is None else advantages
-    log_w = (logprobs.detach() - batch.old_logprobs) * mask
-    if algo.correction == "none":
+    # the proximal policy (algo.old_logprobs=recompute|decoupled: the trainer's before the step's first update);
+    # without one, the trainer's own in this forward: equal in value before the first update
+    prox = logprobs.detach() if batch.prox_logprobs is None else batch.prox_logprobs
+    log_w = (prox - batch.old_logprobs) * mask  # the monitor: trainer against engine, before any update
+    if algo.old_logprobs == "recompute":  # the ratio against the recomputed policy, no behaviour correction
+        log_ratio, weights, affected = (logprobs - prox) * mask, mask, torch.zeros_like(mask)
+    elif algo.correction == "none":
         log_ratio, weights, affected = (logprobs - batch.old_logprobs) * mask, mask, torch.zeros_like(mask)
-    else:  # the ratio against the trainer's own policy (1 in value); the mismatch moves into the weights
-        log_ratio = (logprobs - logprobs.detach()) * mask
+    else:  # the ratio against the proximal policy; the behaviour mismatch (proximal / engine) moves into the weights
+        log_ratio = (logprobs - prox) * mask
         weights, affected = importance_weights(log_w, mask, mode=algo.correction,
                                                level=algo.correction_level, cap=algo.tis_cap,
                                                low=algo.mis_low, high=algo.mis_high, seq_ids=batch.seq_ids)
@@ -125,6 +130,8 @@ def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, algo: AlgoConfig,
         if not algo.kl_in_reward:  # else it is in the returns (trainer/token_returns.py)
             per_token = per_token + algo.kl_coef * kl
         kl_sum = kl.detach().sum()
+    # how far this update's policy has moved from the step's proximal one (k3, >= 0; 0 without a recomputed one)
+    kl_old = kl_estimator(logprobs.detach(), prox, "k3") * mask if batch.prox_logprobs is not None else None
     if algo.entropy_coef > 0:
         assert entropy is not None and entropy.requires_grad, "an entropy bonus needs the entropy's gradient"
         per_token = per_token - algo.entropy_coef * entropy * mask
@@ -135,6 +142,7 @@ def policy_loss(logprobs: torch.Tensor, batch: MicroBatch, *, algo: AlgoConfig,
             tokens=float(mask.sum()), loss_sum=float((per_token * mask).sum()), objective=float(loss),
             mismatch_abs_sum=float(log_w.abs().sum()), clipped_sum=float((clipped * mask).sum()),
             corrected_sum=float(affected.sum()), weight_sum=float(weights.sum()), kl_sum=float(kl_sum),
+            kl_old_sum=float(kl_old.sum()) if kl_old is not None else 0.0,
             entropy_sum=float((entropy * mask).sum()) if entropy is not None else 0.0,
             token_log_w=log_w[on].cpu().numpy(),
             seq_log_w=batch.per_sequence(log_w)[batch.per_sequence(mask) > 0].cpu().numpy())

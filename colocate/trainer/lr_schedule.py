@@ -1,9 +1,10 @@
 """The learning rate of each optimizer step (trainer.lr_schedule): linear warmup, then constant, cosine or linear
 decay to trainer.lr_min_ratio x trainer.lr at the run's last step.
 
-    lr = learning_rate(step, cfg.trainer, num_steps=cfg.algo.num_steps)    # step: the 0-based RL step
+    lr = learning_rate(step * k + update, cfg.trainer, num_steps=cfg.algo.num_steps * k)   # k: algo.num_updates
 
-A function of the RL step alone (the controller's, restored with a checkpoint's data place): a resumed run takes
+A function of the optimizer step's index alone (the RL step, restored with a checkpoint's data place, times the
+optimizer steps a step, plus the update within it: trainer/actor.py train_step): a resumed run takes
 exactly the learning rates the uninterrupted one would have, with no scheduler state to keep in step, and the
 decay reaches its floor at the run's last step even when a step trained nothing (dynamic sampling found no
 informative group) and took no optimizer step.

@@ -52,6 +52,9 @@ class TrainStats:
     """The KL estimator summed over response tokens (0 without a reference)."""
     entropy_sum: float = 0.0
     """The entropy of each response token's sampling distribution (after temperature and top-p), summed."""
+    kl_old_sum: float = 0.0
+    """algo.old_logprobs=recompute|decoupled: k3 KL of the updated policy to the step's proximal (pre-update) one,
+    summed over response tokens; 0 without a recomputed proximal policy."""
     routing_flipped_sum: float = 0.0
     """algo.router_replay: response tokens predicted from a position the trainer's routers would have sent to other
     experts than the engine's, in any layer (the flips the replay removed); 0 without it."""
@@ -63,6 +66,8 @@ class TrainStats:
     """The total gradient norm before clipping (the same on every rank; None without clipping)."""
     lr: float | None = None
     """The step's learning rate (trainer/lr_schedule.py; the same on every rank)."""
+    updates: list = field(default_factory=list)
+    """With several optimizer steps a step (algo.num_updates): each one's update_record(), in order."""
 
     def __add__(self, other: TrainStats) -> TrainStats:
         """Sums add, arrays concatenate, and grad_norm and lr (one value for the whole step) are kept."""
@@ -76,6 +81,12 @@ class TrainStats:
             else:
                 values[f.name] = mine + theirs
         return TrainStats(**values)
+
+    def update_record(self) -> dict:
+        """One optimizer step's figures: its tokens, loss, clip fraction, KL to the step's proximal policy, learning
+        rate and gradient norm."""
+        return {"tokens": self.tokens, "loss": self.per_token("loss_sum"), "clip_fraction": self.per_token(
+            "clipped_sum"), "kl_old": self.per_token("kl_old_sum"), "lr": self.lr, "grad_norm": self.grad_norm}
 
     def per_token(self, name: str) -> float:
         return getattr(self, name) / (self.tokens or 1.0)
@@ -91,4 +102,5 @@ class TrainStats:
         correction = {"mode": algo.correction, "level": algo.correction_level,
                       **{key: self.per_token(name) for name, key in CORRECTION_SUMS.items()}}
         return {**record, "objective": self.objective, "lr": self.lr, "mismatch_monitor": monitor,
-                "correction": correction, "grad_norm": self.grad_norm or 0.0}
+                "correction": correction, "grad_norm": self.grad_norm or 0.0,
+                **({"updates": self.updates} if self.updates else {})}

@@ -1,0 +1,79 @@
+"""A step's policy update: its sequences in mini-batches and epochs, each mini-batch one optimizer step, and the
+proximal policy the ratio is anchored at (algo.num_mini_batches, algo.num_epochs, algo.old_logprobs).
+
+    update = PolicyUpdate(trainers, cfg)
+    total = update.run(sequences, step=3)      # num_mini_batches x num_epochs optimizer steps; one TrainStats
+
+With more than one optimizer step a step, the ratio's denominator cannot stay the engine's sampling policy:
+after the first update the trainer's policy has moved. `recompute` and `decoupled` therefore score every sequence
+with the trainer before the first update (one forward pass, no gradient: TrainerGroup.score) and put it in each
+Sequence's `old_logprobs`; the loss anchors the clip there (trainer/loss.py). With one optimizer step, `decoupled`
+needs no pass (the forward's own log-probs, detached, are that policy) and is today's corrected loss.
+
+The shuffle is a function of (rollout.seed, step, epoch) and of the sequences' order, which the controller makes
+deterministic: a run resumed from a checkpoint shuffles its steps as the uninterrupted one did, with no state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from colocate.config import JobConfig
+from colocate.rl.samples import Sequence
+from colocate.trainer.stats import TrainStats
+
+
+def mini_batches(sequences: list, *, num_mini_batches: int, num_epochs: int, seed: int,
+                 step: int) -> list[list]:
+    """Every optimizer step's sequences, in order: per epoch a seeded shuffle, cut into `num_mini_batches`
+    contiguous parts whose sizes differ by at most one (the config divides the full step evenly; a step that lost
+    sequences, to dynamic sampling or masking, is cut as evenly as it can be)."""
+    if num_mini_batches == num_epochs == 1:
+        return [list(sequences)]  # one optimizer step: the order changes nothing, and stays the one it was given
+    out = []
+    for epoch in range(num_epochs):
+        order = list(range(len(sequences)))
+        random.Random(f"{seed}/{step}/{epoch}").shuffle(order)
+        size, extra = divmod(len(order), num_mini_batches)
+        start = 0
+        for k in range(num_mini_batches):
+            end = start + size + (k < extra)
+            if end > start:
+                out.append([sequences[i] for i in order[start:end]])
+            start = end
+    return out
+
+
+class PolicyUpdate:
+    def __init__(self, trainers, cfg: JobConfig) -> None:
+        self.trainers, self.cfg, self.algo = trainers, cfg, cfg.algo
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether a step scores its sequences before the first update: recompute always; decoupled when there
+        is more than one update (with one, the forward's own detached log-probs are the proximal policy)."""
+        return self.algo.old_logprobs == "recompute" or (
+            self.algo.old_logprobs == "decoupled" and self.algo.num_updates > 1)
+
+    def run(self, sequences: list[Sequence], *, step: int) -> TrainStats:
+        if not sequences:
+            return TrainStats()
+        if self.recomputes:
+            rollout = self.cfg.rollout
+            proximal = self.trainers.score(sequences, self.cfg.trainer, temperature=rollout.temperature,
+                                           top_p=rollout.top_p)
+            sequences = [dataclasses.replace(s, old_logprobs=lp) for s, lp in zip(sequences, proximal)]
+        batches = mini_batches(sequences, num_mini_batches=self.algo.num_mini_batches,
+                               num_epochs=self.algo.num_epochs, seed=self.cfg.rollout.seed, step=step)
+        total, updates = TrainStats(), []
+        for k, batch in enumerate(batches):
+            part = self.trainers.train_step(batch, self.cfg.trainer, step=step, update=k)
+            updates.append(part.update_record())
+            if k >= self.algo.num_mini_batches:  # a later epoch: its tokens are in the monitor once already
+                part = dataclasses.replace(part, token_log_w=TrainStats().token_log_w,
+                                           seq_log_w=TrainStats().seq_log_w)
+            total += part
+        if len(batches) > 1:
+            total.updates = updates
+        return total
