@@ -1,9 +1,9 @@
 """The algorithm presets through `colocate launch`, as a user composes them: the default job with DAPO's preset
-(configs/algos/dapo.yaml: clip-higher, dynamic sampling, token-level loss) learns, and every step trains exactly
-rollout.num_prompts groups whose rewards differ, refilled through the rollout pool, with what was filtered in the
-metrics. (The counting of the groups trained, group by group, is tests/e2e/test_rollout.py's, on a shared engine.)
-And algo.mode=one_step_off learns on the same job, every token it trains one policy version old and none older;
-and algo.mode=async, within its lag cap."""
+(configs/algos/dapo.yaml: clip-higher, dynamic sampling, token-level loss, 16 mini-batches) learns, and every
+step trains exactly rollout.num_prompts groups whose rewards differ, refilled through the rollout pool, with what
+was filtered in the metrics. (The counting of the groups trained, group by group, is tests/e2e/test_rollout.py's,
+on a shared engine.) And algo.mode=one_step_off learns on the same job, every token it trains one policy version
+old and none older; and algo.mode=async, within its lag cap."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def test_the_dapo_preset_on_the_default_job_learns(tmp_path):
         assert sampling["filtered_fraction"] == pytest.approx(sampling["num_groups_uniform"] /
                                                               sampling["num_groups_sampled"])
         assert r["lr"] == 1e-3 and r["clip_fraction"] >= 0
+        assert len(r["updates"]) == 16  # the preset's mini-batches: 16 optimizer steps of 8 answers
     assert any(r["rollout"]["dynamic_sampling"]["num_refills"] > 0 for r in steps)  # the refill was exercised
     first = statistics.fmean(r["reward_mean"] for r in steps[:4])
     last = statistics.fmean(r["reward_mean"] for r in steps[-4:])

@@ -84,6 +84,12 @@ def test_defaults_without_a_file():
                      "engine.extra_args", id="fp32_head_twice"),
         pytest.param(["engine.batch_invariant=true", "placement.num_slots=2", "placement.engine_slots=1",
                       "engine.tp=1"], "placement.engine_slots", id="batch_invariance_split"),
+        pytest.param(["algo.num_epochs=2"], "algo.old_logprobs='engine' is invalid", id="engine_old_logprobs_twice"),
+        pytest.param(["algo.old_logprobs=recompute", "algo.correction=tis"], "algo.old_logprobs",
+                     id="recompute_with_a_correction"),
+        pytest.param(["algo.old_logprobs=decoupled"], "algo.correction=tis", id="decoupled_without_a_correction"),
+        pytest.param(["algo.num_mini_batches=5", "algo.old_logprobs=recompute"], "algo.num_mini_batches=5",
+                     id="mini_batches_not_dividing"),
         pytest.param(["algo.router_replay=true"], "algo.router_replay=True is invalid: model.preset=tiny is a dense "
                      "model", id="router_replay_on_a_dense_model"),
         pytest.param(["model.preset=tiny-moe", "algo.router_replay=true", "rollout.speculative=ngram"],

@@ -120,6 +120,10 @@ HINTED = [
      validate(), None),
     (["trainer.mixed_precision=true"], validate(), None),  # on a CPU without bf16 (the test says so)
     (["algo.router_replay=true"], validate(), None),
+    (["algo.num_mini_batches=2"], validate(), None),
+    (["algo.old_logprobs=recompute", "algo.correction=tis"], validate(), None),
+    (["algo.old_logprobs=decoupled"], validate(), None),
+    (["algo.num_mini_batches=5", "algo.old_logprobs=recompute"], validate(), None),
     (["model.preset=tiny-moe", "algo.router_replay=true", "rollout.speculative=ngram"], validate(), None),
     (["sync.method=in_place"], GPU, None),
     (["sync.method=ring"], GPU, None),
