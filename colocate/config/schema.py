@@ -616,10 +616,20 @@ class LoggingConfig:
     """offline (no network: kept in wandb/ under logging.output_dir for `wandb sync`), online (needs WANDB_API_KEY)."""
     wandb_run_name: str = ""
     """Weights & Biases run name; empty: the name of logging.output_dir."""
+    rollouts: int = 0
+    """Dump what each step trained on to rollouts.jsonl under logging.output_dir: its first rollouts trained groups,
+    every answer with its prompt, reward, advantage and per-token log-probs of both sides (docs/training.md); -1:
+    every group; 0: off."""
+    rollouts_max_mb: float = 512.0
+    """logging.rollouts stops once rollouts.jsonl holds this many MiB (a line says so)."""
 
     def check(self) -> None:
         one_of(self, "logging", "level", ["DEBUG", "INFO", "WARNING", "ERROR"])
         one_of(self, "logging", "wandb_mode", ["offline", "online"])
+        positive(self, "logging", "rollouts_max_mb")
+        if self.rollouts < -1:
+            raise bad("logging.rollouts", self.rollouts, "is the trained groups to dump a step: 0 (off), a count, "
+                      "or -1 (every group)", fix={"logging.rollouts": 0})
         if self.wandb and not self.wandb_project:
             raise bad("logging.wandb_project", "", "must name a project when logging.wandb=true")
 

@@ -43,6 +43,7 @@ from colocate.checkpoint.checkpointer import Checkpointer
 from colocate.config import JobConfig
 from colocate.job.faults import Watchdog
 from colocate.job.groups import memory_record
+from colocate.job.rollout_dump import RolloutDump
 from colocate.job.runtime import Runtime
 from colocate.job.updates import PolicyUpdate
 from colocate.rl.data import PromptSource, make_prompt_source
@@ -75,7 +76,8 @@ class Controller:
                                          prompts or make_prompt_source(cfg, runtime.tokenizer, self.task),
                                          env_workers=runtime.env_workers)
         self.rollout = make_rollout(cfg, self.passes, self.trace, runtime.switch)
-        self.update = PolicyUpdate(runtime.trainers, cfg)  # mini-batches, epochs, the proximal policy
+        self.update = PolicyUpdate(runtime, cfg)  # mini-batches, epochs, the proximal policy
+        self.dump = RolloutDump(cfg.logging)  # logging.rollouts
         self.sampling = make_sampling(cfg, self.rollout, lambda groups: self.score(groups), self.trace)
         self.evaluator = make_evaluator(cfg, runtime.engines, runtime.tokenizer, self.reward_fn, self.task)
         self.checkpointer = Checkpointer(cfg, runtime.model_path)
@@ -184,6 +186,7 @@ class Controller:
             self.trace.event("trainer.onload")
 
     def train(self, scored: Scored, step: int) -> dict:
+        self.dump.write(step, scored, self.rt.trainers, self.cfg)  # before the update: the policy's log-probs
         total = self.update.run(scored.sequences, step=step)
         self.trace.event("train")
         return total.record(self.cfg.algo)
@@ -253,6 +256,7 @@ class Controller:
         are on the device and the engines awake, as after start-up."""
         state = self.checkpointer.load(path, self.rt.trainers)
         self.load_checkpoint_state(state)
+        self.dump.resume(after_step=state["step"])  # the steps after it are trained again
         self.sync()
         self.trace.event("restore")
         if self.metrics:

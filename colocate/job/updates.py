@@ -1,7 +1,7 @@
 """A step's policy update: its sequences in mini-batches and epochs, each mini-batch one optimizer step, and the
 proximal policy the ratio is anchored at (algo.num_mini_batches, algo.num_epochs, algo.old_logprobs).
 
-    update = PolicyUpdate(trainers, cfg)
+    update = PolicyUpdate(runtime, cfg)       # its trainers (job/groups.py TrainerGroup), read when it runs
     total = update.run(sequences, step=3)      # num_mini_batches x num_epochs optimizer steps; one TrainStats
 
 With more than one optimizer step a step, the ratio's denominator cannot stay the engine's sampling policy:
@@ -46,8 +46,12 @@ def mini_batches(sequences: list, *, num_mini_batches: int, num_epochs: int, see
 
 
 class PolicyUpdate:
-    def __init__(self, trainers, cfg: JobConfig) -> None:
-        self.trainers, self.cfg, self.algo = trainers, cfg, cfg.algo
+    def __init__(self, runtime, cfg: JobConfig) -> None:
+        self.runtime, self.cfg, self.algo = runtime, cfg, cfg.algo
+
+    @property
+    def trainers(self):
+        return self.runtime.trainers
 
     @property
     def recomputes(self) -> bool:

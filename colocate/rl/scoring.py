@@ -89,6 +89,10 @@ class Scored:
     """Answers cut off at their token budget (finish reason length)."""
     num_masked: int = 0
     """Of them, those left out of the loss (algo.mask_truncated)."""
+    groups: list[ScoredGroup] = field(default_factory=list)
+    """The groups given, trained or not."""
+    origins: list[tuple[int, int]] = field(default_factory=list)
+    """Per sequence: its group's index in `groups` and its answer's in the group (logging.rollouts)."""
 
     @classmethod
     def from_groups(cls, groups: list[ScoredGroup], *, algo: AlgoConfig) -> Scored:
@@ -106,20 +110,22 @@ class Scored:
             [g.rewards for g in trained], estimator=algo.advantage, kl_in_reward=algo.kl_in_reward,
             num_tokens=[[0 if masked(a) else sum(a.mask) if a.mask else len(a.token_ids)  # observations untrained
                          for a in g.group.completions] for g in trained])
-        sequences, num_masked = [], 0
-        for group, group_advantages in zip(trained, advantages):
-            for answer, advantage in zip(group.group.completions, group_advantages):
+        sequences, origins, num_masked = [], [], 0
+        places = [i for i, g in enumerate(groups) if g.trained]
+        for place, group, group_advantages in zip(places, trained, advantages):
+            for index, (answer, advantage) in enumerate(zip(group.group.completions, group_advantages)):
                 if masked(answer):
                     num_masked += 1
                     continue
                 sequences.append(TrainSequence(group.group.prompt_ids, answer.token_ids, answer.logprobs, advantage,
                                                mask=answer.mask or None, routing=answer.routing))
+                origins.append((place, index))
         names = {name for g in groups for name in g.components}
         return cls(sequences, [r for g in groups for r in g.rewards], [t for g in groups for t in g.responses],
                    {name: [v for g in groups for v in g.components[name]] for name in names},
                    response_lengths=[len(a.token_ids) for g in groups for a in g.group.completions],
                    num_truncated=sum(a.finish_reason == "length" for g in groups for a in g.group.completions),
-                   num_masked=num_masked)
+                   num_masked=num_masked, groups=list(groups), origins=origins)
 
     def stats(self) -> dict:
         num_tokens = self.response_lengths

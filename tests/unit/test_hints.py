@@ -121,6 +121,7 @@ HINTED = [
     (["trainer.mixed_precision=true"], validate(), None),  # on a CPU without bf16 (the test says so)
     (["algo.router_replay=true"], validate(), None),
     (["algo.num_mini_batches=2"], validate(), None),
+    (["logging.rollouts=-2"], validate(), None),
     (["algo.old_logprobs=recompute", "algo.correction=tis"], validate(), None),
     (["algo.old_logprobs=decoupled"], validate(), None),
     (["algo.num_mini_batches=5", "algo.old_logprobs=recompute"], validate(), None),

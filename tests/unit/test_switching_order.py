@@ -74,7 +74,7 @@ class FakeTrainer(FakeActor):
         self.state["trainers"][self.name] = "resident"
         self.record("onload")
 
-    def do_train_step(self, seqs, *, step, num_tokens_all_ranks, num_micro_batches, num_seqs_all_ranks):
+    def do_train_step(self, seqs, *, step, num_tokens_all_ranks, num_micro_batches, num_seqs_all_ranks, update=0):
         plan = self.state["plan"]
         assert self.state["trainers"][self.name] == "resident"
         if plan.engine_sleep_level:  # the engine's weights and KV cache are off the device while the trainer works

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -64,7 +65,8 @@ def test_the_proximal_policy_is_scored_once_before_the_first_update(old, recompu
     updates = {"num_mini_batches": 2, "num_epochs": 2} if old != "engine" else {}
     correction = {"correction": "tis"} if old == "decoupled" else {}
     trainers = Trainers()
-    total = PolicyUpdate(trainers, job(old_logprobs=old, **updates, **correction)).run(SEQS, step=2)
+    update = PolicyUpdate(SimpleNamespace(trainers=trainers), job(old_logprobs=old, **updates, **correction))
+    total = update.run(SEQS, step=2)
     kinds = [c[0] for c in trainers.calls]
     assert kinds == (["score"] if recomputes else []) + ["train"] * (4 if updates else 1)
     trained = [c for c in trainers.calls if c[0] == "train"]
@@ -81,7 +83,7 @@ def test_the_proximal_policy_is_scored_once_before_the_first_update(old, recompu
 
 def test_decoupled_with_one_optimizer_step_needs_no_pass():
     trainers = Trainers()
-    PolicyUpdate(trainers, job(old_logprobs="decoupled", correction="mis")).run(SEQS, step=0)
+    PolicyUpdate(SimpleNamespace(trainers=trainers), job(old_logprobs="decoupled", correction="mis")).run(SEQS, step=0)
     assert [c[0] for c in trainers.calls] == ["train"]
 
 
@@ -146,3 +148,34 @@ def test_mini_batches_must_divide_the_steps_sequences():
     cfg = job(num_mini_batches=5, old_logprobs="recompute")  # 6 prompts x 2 samples = 12
     with pytest.raises(ConfigError, match=r"algo.num_mini_batches=5 is invalid: must divide the step's 12 .* e.g. 4"):
         cfg.check()
+
+
+def test_the_rollout_dump_is_bounded_and_a_resume_cuts_the_steps_it_trains_again(tmp_path):
+    from colocate.config import LoggingConfig
+    from colocate.job.rollout_dump import RolloutDump, read_rollouts
+    from colocate.rl.samples import Answer, Group
+    from colocate.rl.scoring import Scored, ScoredGroup
+    from colocate.rl.tasks import Sample
+
+    groups = [ScoredGroup(Group(Sample(f"p{g}", "a"), [1, 2], [Answer(0, 8, token_ids=[3, 4], logprobs=[-1.0, -2.0])
+                                                               for _ in range(2)]), [1.0, 0.0], ["x", "y"])
+              for g in range(3)]
+    scored = Scored.from_groups(groups, algo=AlgoConfig())
+    cfg = job()
+    dump = RolloutDump(LoggingConfig(output_dir=str(tmp_path), rollouts=2, rollouts_max_mb=1.0))
+    trainers = Trainers()
+    for step in range(3):
+        dump.write(step, scored, trainers, cfg)
+    lines = read_rollouts(tmp_path / "rollouts.jsonl")
+    assert [(line["step"], line["group"], line["answer"]) for line in lines] == [
+        (s, g, a) for s in range(3) for g in range(2) for a in range(2)]  # the first two groups, each answer
+    assert lines[0]["prompt"] == "p0" and lines[0]["trainer_logprobs"] == [-0.5, -1.5]  # Trainers' scores
+    assert lines[1]["advantage"] == scored.sequences[1].advantage and lines[1]["response"] == "y"
+    dump.resume(after_step=0)  # a checkpoint after step 0: steps 1 and 2 are trained again
+    assert {line["step"] for line in read_rollouts(tmp_path / "rollouts.jsonl")} == {0}
+    tiny = RolloutDump(LoggingConfig(output_dir=str(tmp_path / "tiny"), rollouts=-1, rollouts_max_mb=1e-4))
+    for step in range(3):
+        tiny.write(step, scored, trainers, cfg)
+    lines = read_rollouts(tmp_path / "tiny" / "rollouts.jsonl")
+    assert lines[-1]["event"] == "rollouts_stopped" and {line.get("step") for line in lines} == {0}
+    assert len(lines) == 6 + 1  # every group of step 0, then the line that says it stopped
