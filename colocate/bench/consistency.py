@@ -28,7 +28,6 @@ default kernels do; with a GPU the same bench runs with engine.batch_invariant=t
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 
@@ -36,9 +35,8 @@ import ray
 import torch
 
 from colocate.bench.common import write_result
-from colocate.bench.mismatch import Run, sample, score
+from colocate.bench.mismatch import Run, runtimes, sample, score
 from colocate.config import JobConfig
-from colocate.errors import ConfigError
 from colocate.job.runtime import Runtime
 from colocate.rl.samples import Sequence
 from colocate.rl.tasks import PromptStream, make_task
@@ -55,12 +53,7 @@ def run_consistency_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int,
     task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
     samples = PromptStream(task, seed=cfg.rollout.seed).next_batch(num_prompts)
     rows, skipped = [], []
-    for run in RUNS:
-        try:
-            runtime = run.runtime(cfg)
-        except ConfigError as e:  # batch invariance or a bf16 trainer where the platform lacks it: one line
-            skipped.append({**dataclasses.asdict(run), "why": str(e)})
-            continue
+    for run, runtime in runtimes(RUNS, cfg, skipped):
         with runtime as rt:
             job = rt.cfg
             prompts = [rt.tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,17 @@ class Run:
                                         fp32_lm_head=self.fp32_heads))
 
 
+def runtimes(runs, cfg: JobConfig, skipped: list[dict]) -> Iterator[tuple[Run, Runtime]]:
+    """Each run's runtime in turn (the caller enters it); a run its checks refuse (batch invariance or a bf16
+    trainer where the platform lacks it) is skipped, its one line in `skipped` and printed."""
+    for run in runs:
+        try:
+            yield run, run.runtime(cfg)
+        except ConfigError as e:
+            skipped.append({**dataclasses.asdict(run), "why": str(e)})
+            print(f"skipped: {run}: {e}")
+
+
 RUNS = (Run("float32", False), Run("bfloat16", False), Run("bfloat16", True), Run("bfloat16", True, True))
 SAMPLING = {"float32": ((1.0, 1.0),), "bfloat16": ((1.0, 1.0), (0.7, 0.9))}  # (temperature, top_p) per engine dtype
 BAND = 1.1
@@ -77,13 +89,7 @@ def run_mismatch_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int, ma
     task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
     samples = PromptStream(task, seed=cfg.rollout.seed).next_batch(num_prompts)
     rows, ratios, skipped = [], {}, []
-    for run in RUNS:
-        try:
-            runtime = run.runtime(cfg)
-        except ConfigError as e:  # a bf16 trainer on a CPU without native bf16: the placement's one line
-            skipped.append({**dataclasses.asdict(run), "why": str(e)})
-            print(f"skipped: {run}: {e}")
-            continue
+    for run, runtime in runtimes(RUNS, cfg, skipped):
         with runtime as rt:
             job = rt.cfg
             trainer_dtype = rt.trainer_info[0]["compute_dtype"]

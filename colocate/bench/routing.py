@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from colocate.bench.common import BENCH_DEFAULTS, write_result
-from colocate.bench.mismatch import Run, sample, score
+from colocate.bench.mismatch import Run, runtimes, sample, score
 from colocate.config import JobConfig
 from colocate.errors import ConfigError
 from colocate.rl.samples import Sequence
@@ -40,13 +40,7 @@ def run_routing_bench(cfg: JobConfig, *, num_prompts: int, num_samples: int, max
     samples = PromptStream(task, seed=cfg.rollout.seed).next_batch(num_prompts)
     sampling = {"n": num_samples, "temperature": 1.0, "top_p": 1.0, "seed": cfg.engine.seed, "routing": True}
     rows, skipped = [], []
-    for run in RUNS:
-        try:
-            runtime = run.runtime(cfg)
-        except ConfigError as e:  # a bf16 trainer on a CPU without native bf16: the placement's one line
-            skipped.append({**dataclasses.asdict(run), "why": str(e)})
-            print(f"skipped: {run}: {e}")
-            continue
+    for run, runtime in runtimes(RUNS, cfg, skipped):
         with runtime as rt:
             prompts = [rt.tokenizer(s.prompt, add_special_tokens=False).input_ids for s in samples]
             budget = min(max_tokens, rt.cfg.engine.max_model_len - max(map(len, prompts)) - 1)
