@@ -157,6 +157,12 @@ class AlgoConfig:
         """Optimizer steps a step."""
         return self.num_mini_batches * self.num_epochs
 
+    @property
+    def recomputes_proximal(self) -> bool:
+        """Whether a step scores its sequences before its first update (job/updates.py): recompute always;
+        decoupled with more than one update (with one, the forward's own detached log-probs are that policy)."""
+        return self.old_logprobs == "recompute" or (self.old_logprobs == "decoupled" and self.num_updates > 1)
+
     def _check_old_logprobs(self) -> None:
         if self.old_logprobs == "engine" and self.num_updates > 1:
             raise bad("algo.old_logprobs", "engine", f"is the old policy of one optimizer step, and algo."

@@ -53,17 +53,10 @@ class PolicyUpdate:
     def trainers(self):
         return self.runtime.trainers
 
-    @property
-    def recomputes(self) -> bool:
-        """Whether a step scores its sequences before the first update: recompute always; decoupled when there
-        is more than one update (with one, the forward's own detached log-probs are the proximal policy)."""
-        return self.algo.old_logprobs == "recompute" or (
-            self.algo.old_logprobs == "decoupled" and self.algo.num_updates > 1)
-
     def run(self, sequences: list[Sequence], *, step: int) -> TrainStats:
         if not sequences:
             return TrainStats()
-        if self.recomputes:
+        if self.algo.recomputes_proximal:
             rollout = self.cfg.rollout
             proximal = self.trainers.score(sequences, self.cfg.trainer, temperature=rollout.temperature,
                                            top_p=rollout.top_p)

@@ -162,3 +162,17 @@ def test_validate_prints_the_predicted_step_beside_the_memory(capsys):
     assert "# predicted memory per phase, per GPU" in out and "# predicted step on 8 x H200" in out
     assert main(["validate", *job, "--gpus", "8", "--gpu-memory-gib", "79.6", "--gpu", "v100"]) == 2
     assert "--gpu 'v100' is not a GPU colocate simulate knows" in capsys.readouterr().err
+
+
+
+def test_mini_batches_epochs_and_the_recompute_add_their_share_of_a_train_phase():
+    config = json.loads(open(f"{QWEN_7B}/config.json").read())
+    work = Work.of(load_config(None, [f"model.path={QWEN_7B}"]), ModelDims.from_config_dict(config), prompt_tokens=512)
+    kwargs = dict(ranks=8, tokens=64 * 8 * 1024, micro_batch_tokens=8192, sequence_tokens=1024)
+    one = train_s(work, hardware("h100"), **kwargs)
+    many = train_s(work, hardware("h100"), **kwargs, num_updates=16, num_epochs=2, recompute=True)
+    assert many["optimizer_s"] == pytest.approx(16 * one["optimizer_s"])  # AdamW once an optimizer step
+    assert many["compute_s"] == pytest.approx(2 * one["compute_s"])  # the tokens once an epoch
+    assert many["recompute_s"] > 0 == one["recompute_s"]
+    assert many["seconds"] == pytest.approx(2 * (one["seconds"] - one["optimizer_s"]) + many["optimizer_s"]
+                                            + many["recompute_s"])
