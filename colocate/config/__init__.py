@@ -17,6 +17,7 @@ from colocate.config.schema import (
                                     RolloutConfig,
                                     SyncConfig,
                                     TrainerConfig,
+                                    chat_template_kwargs,
                                     engine_extra_args,
 )
 from colocate.config.reward_model import RewardModelConfig
@@ -24,5 +25,5 @@ from colocate.errors import ConfigError
 
 __all__ = ["AlgoConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EngineConfig", "EvalConfig", "FaultConfig",
            "JobConfig", "LoggingConfig", "ModelConfig", "PlacementConfig", "RewardModelConfig", "RolloutConfig",
-           "SyncConfig", "TrainerConfig", "config_docs_markdown", "engine_extra_args", "field_docs", "from_dict",
-           "load_config", "to_dict"]
+           "SyncConfig", "TrainerConfig", "chat_template_kwargs", "config_docs_markdown", "engine_extra_args",
+           "field_docs", "from_dict", "load_config", "to_dict"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from colocate.config.algo import GREEDY_TEMPERATURE, GROUP_ADVANTAGES, OVERLAPPED_MODES, AlgoConfig
 from colocate.config.fields import bad, non_negative, one_of, overrides, positive
@@ -453,8 +454,16 @@ class DataConfig:
     val_files: str = ""
     """Validation prompts, same format as data.train_files (read and checked; not yet evaluated during a run)."""
     prompt_key: str = "prompt"
-    """Column holding the prompt: plain text, or a list of chat messages {role, content} (rendered with the tokenizer's
-    chat template when it has one, else their contents joined by newlines)."""
+    """Column holding the prompt: plain text, or a list of chat messages {role, content} (rendered as
+    data.chat_template says)."""
+    chat_template: str = "auto"
+    """How a prompt becomes the text the engine continues: auto (through the model's chat template when its tokenizer
+    has one, plain text as one user message, with the generation prompt; without one, plain text as is and messages'
+    contents joined by newlines), none (never a template: plain text as is, messages joined), or the path of a Jinja
+    chat template file used instead of the model's (docs/data.md)."""
+    chat_template_kwargs: str = ""
+    """A JSON object of keyword arguments for the chat template, e.g. {"enable_thinking": false} (Qwen3's); empty:
+    none."""
     answer_key: str = "answer"
     """Column holding the reference answer given to the reward; empty: no answers (the reward gets "")."""
     max_prompt_tokens: int = 0
@@ -470,6 +479,10 @@ class DataConfig:
     def check(self) -> None:
         one_of(self, "data", "too_long", ["filter", "error"])
         non_negative(self, "data", "max_prompt_tokens")
+        chat_template_kwargs(self)
+        if self.chat_template not in ("auto", "none") and not Path(self.chat_template).expanduser().is_file():
+            raise bad("data.chat_template", self.chat_template, "is neither auto, none nor a chat template file that "
+                      "exists", fix={"data.chat_template": "auto"})
         if (self.train_files or self.val_files) and not self.prompt_key:
             raise bad("data.prompt_key", "", "name the column holding the prompts, e.g. prompt",
                       fix={"data.prompt_key": "prompt"})
@@ -945,6 +958,23 @@ _ENGINE_ARGS_OF_OURS = {
     "distributed_executor_backend": None, "logprobs_mode": None, "enable_lora": "trainer.lora.rank",
     "max_lora_rank": "engine.max_lora_rank", "max_loras": None, "max_cpu_loras": None,
     "lora_target_modules": "trainer.lora.target_modules"}
+
+
+def chat_template_kwargs(data: DataConfig) -> dict:
+    """`data.chat_template_kwargs` as keyword arguments for the chat template."""
+    if not data.chat_template_kwargs.strip():
+        return {}
+    import json
+
+    try:
+        kwargs = json.loads(data.chat_template_kwargs)
+    except json.JSONDecodeError as e:
+        raise bad("data.chat_template_kwargs", data.chat_template_kwargs, f"not a JSON object ({e.msg}); e.g. "
+                  '{"enable_thinking": false}') from None
+    if not isinstance(kwargs, dict):
+        raise bad("data.chat_template_kwargs", data.chat_template_kwargs,
+                  'expected a JSON object, e.g. {"enable_thinking": false}')
+    return kwargs
 
 
 def engine_extra_args(engine: EngineConfig) -> dict:

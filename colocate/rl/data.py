@@ -24,7 +24,7 @@ import random
 from pathlib import Path
 from typing import Protocol
 
-from colocate.config import DataConfig, JobConfig
+from colocate.config import DataConfig, JobConfig, chat_template_kwargs
 from colocate.errors import ConfigError
 from colocate.rl.tasks import PromptStream, Sample, Task, make_task
 
@@ -74,18 +74,35 @@ def _read_rows(path: str, key: str) -> dict[str, list]:
     return table.to_dict()  # one Arrow-to-Python conversion, not row by row
 
 
-def render_prompt(value, tokenizer) -> str | None:
-    """Plain text as is; chat messages through the chat template (or joined); None when it is neither."""
+def chat_template(data: DataConfig, tokenizer) -> str | None:
+    """The Jinja template prompts are rendered with (data.chat_template): a file's, the model's under auto when
+    its tokenizer has one, else None (no template)."""
+    if data.chat_template == "none":
+        return None
+    if data.chat_template == "auto":
+        return getattr(tokenizer, "chat_template", None) or None
+    return Path(data.chat_template).expanduser().read_text()
+
+
+def render_prompt(value, tokenizer, data: DataConfig | None = None) -> str | None:
+    """The text the engine continues (data.chat_template): with a template, plain text as one user message and
+    chat messages as they are, through the tokenizer's `apply_chat_template` with the generation prompt and
+    data.chat_template_kwargs; without one, plain text as is and messages' contents joined by newlines. None when
+    `value` is neither text nor a list of {role, content} messages."""
+    data = data or DataConfig()
     if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in value):
+        messages = [{"role": "user", "content": value}]
+    elif isinstance(value, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in value):
         if not value:
             return ""
-        if getattr(tokenizer, "chat_template", None):
-            messages = [{"role": m.get("role") or "user", "content": m["content"]} for m in value]
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return "\n".join(m["content"] for m in value)
-    return None
+        messages = [{"role": m.get("role") or "user", "content": m["content"]} for m in value]
+    else:
+        return None
+    template = chat_template(data, tokenizer)
+    if template is None:
+        return value if isinstance(value, str) else "\n".join(m["content"] for m in messages)
+    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                         add_generation_prompt=True, **chat_template_kwargs(data))
 
 
 def _file_samples(path: str, data: DataConfig, tokenizer, key: str) -> list[Sample]:
@@ -98,7 +115,7 @@ def _file_samples(path: str, data: DataConfig, tokenizer, key: str) -> list[Samp
     answers = columns[data.answer_key] if data.answer_key else [""] * len(columns[data.prompt_key])
     samples = []
     for row, (value, answer) in enumerate(zip(columns[data.prompt_key], answers)):
-        prompt = render_prompt(value, tokenizer)
+        prompt = render_prompt(value, tokenizer, data)
         if prompt is None:
             raise ConfigError(f"data.prompt_key={data.prompt_key!r}: row {row} of {path!r} holds "
                               f"{type(value).__name__}; valid: text or a list of {{role, content}} messages")

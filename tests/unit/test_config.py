@@ -84,6 +84,7 @@ def test_defaults_without_a_file():
                      "engine.extra_args", id="fp32_head_twice"),
         pytest.param(["engine.batch_invariant=true", "placement.num_slots=2", "placement.engine_slots=1",
                       "engine.tp=1"], "placement.engine_slots", id="batch_invariance_split"),
+        pytest.param(["data.chat_template_kwargs=[1]"], "data.chat_template_kwargs", id="template_kwargs_not_a_map"),
         pytest.param(["algo.num_epochs=2"], "algo.old_logprobs='engine' is invalid", id="engine_old_logprobs_twice"),
         pytest.param(["algo.old_logprobs=recompute", "algo.correction=tis"], "algo.old_logprobs",
                      id="recompute_with_a_correction"),

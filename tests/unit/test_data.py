@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from colocate.config import load_config
+from colocate.config import DataConfig, load_config
 from colocate.errors import ConfigError
 from colocate.job.checks import check_sources
-from colocate.models.sources import CHARACTERS, build_tokenizer
+from colocate.models.sources import CHARACTERS, CHAT_CHARACTERS, SPECIAL_TOKENS, build_tokenizer
 from colocate.rl.data import DatasetPrompts, load_val_samples, make_prompt_source, render_prompt
 from colocate.rl.tasks import PromptStream, Sample, make_task
 
@@ -99,7 +99,35 @@ def test_chat_messages_through_the_chat_template():
                                "{% if add_generation_prompt %}a:{% endif %}")
     messages = [{"role": "system", "content": "add"}, {"role": "user", "content": "2+2="}]
     assert render_prompt(messages, tokenizer) == "s:add;u:2+2=;a:"
-    assert render_prompt("2+2=", tokenizer) == "2+2="  # plain text is never templated
+    # data.chat_template=auto (the default): plain text is the user's message, through the model's template
+    assert render_prompt("2+2=", tokenizer) == "u:2+2=;a:"
+    none = DataConfig(chat_template="none")
+    assert render_prompt("2+2=", tokenizer, none) == "2+2=" and render_prompt(messages, tokenizer, none) == "add\n2+2="
+
+
+QWEN3_LIKE = ("{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endfor %}"
+              "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- if enable_thinking is defined and "
+              "enable_thinking is false %}<think>\n\n</think>\n\n{%- endif %}{%- endif %}")
+
+
+@pytest.mark.parametrize("kwargs", ["", '{"enable_thinking": false}'])
+def test_a_chat_template_file_renders_plain_prompts_byte_for_byte_as_the_tokenizer_does(tmp_path, kwargs):
+    """data.chat_template=PATH over the model's own, its keyword arguments passed through (Qwen3's
+    enable_thinking): each row's prompt is the tokenizer's apply_chat_template of it, byte for byte."""
+    template = tmp_path / "chat.jinja"
+    template.write_text(QWEN3_LIKE)
+    tokenizer = build_tokenizer(SPECIAL_TOKENS + list(CHAT_CHARACTERS))
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(4)])
+    cfg = config(f"data.train_files={path}", f"data.chat_template={template}",
+                 f"data.chat_template_kwargs={kwargs}" if kwargs else "data.chat_template_kwargs=")
+    got = make_prompt_source(cfg, tokenizer).next_batch(4)
+    for sample in got:
+        text = sample.prompt.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+        expected = tokenizer.apply_chat_template([{"role": "user", "content": text}], chat_template=QWEN3_LIKE,
+                                                 tokenize=False, add_generation_prompt=True,
+                                                 **({"enable_thinking": False} if kwargs else {}))
+        assert sample.prompt == expected
+        assert ("<think>" in sample.prompt) == bool(kwargs)  # the keyword reached the template
 
 
 def test_toy_task_stays_the_source_without_files(tokenizer):

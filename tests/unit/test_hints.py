@@ -122,6 +122,7 @@ HINTED = [
     (["algo.router_replay=true"], validate(), None),
     (["algo.num_mini_batches=2"], validate(), None),
     (["logging.rollouts=-2"], validate(), None),
+    (["data.chat_template=/no/such/template.jinja"], validate(), None),
     (["algo.old_logprobs=recompute", "algo.correction=tis"], validate(), None),
     (["algo.old_logprobs=decoupled"], validate(), None),
     (["algo.num_mini_batches=5", "algo.old_logprobs=recompute"], validate(), None),
