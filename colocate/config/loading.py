@@ -90,7 +90,7 @@ _REPLACED = {"algo.normalize_advantages": "algo.advantage=grpo divides by the gr
 # short forms accepted on the command line: `colocate launch ... resume=auto`
 _ALIASES = {"resume": "checkpoint.resume"}
 # str keys that hold JSON: a YAML mapping given for them (engine.extra_args: {block_size: 32}) is kept as JSON text
-_JSON_KEYS = {"engine.extra_args", "data.chat_template_kwargs"}
+_JSON_KEYS = {"engine.extra_args", "data.chat_template_kwargs", "rollout.source_rewards"}
 # str keys that hold a comma-separated list: a YAML list given for them is joined with commas
 _LIST_KEYS = {"data.train_files", "data.val_files", "trainer.lora.target_modules"}
 

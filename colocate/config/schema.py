@@ -281,6 +281,10 @@ class RolloutConfig:
     reward model served by the job, model:PATH (a sequence classifier) or judge:PATH (a generative judge; section
     reward_model) (weight 1 when omitted); each one's mean is logged as reward_<name>_mean. Empty: rollout.reward_fn or
     the task's reward."""
+    source_rewards: str = ""
+    """Rewards per data source, a JSON object of source -> a rollout.rewards spec, e.g. {"gsm8k": "math:1.0,format:0.1",
+    "*": "exact"} ("*": every source not listed); each row's data.source_key column picks its entry. Replaces
+    rollout.rewards; empty: off."""
     num_prompts: int = 16
     """Prompts per RL step."""
     num_samples: int = 8
@@ -387,6 +391,10 @@ class RolloutConfig:
         if self.rewards and self.reward_fn:
             raise bad("rollout.rewards", self.rewards, "rollout.reward_fn is set too; give one of them "
                        "(a module:function can be a component of rollout.rewards)")
+        if self.source_rewards and (self.rewards or self.reward_fn):
+            key = "rollout.rewards" if self.rewards else "rollout.reward_fn"
+            raise bad(key, self.rewards or self.reward_fn, "rollout.source_rewards is set too, and replaces it; "
+                      "give the rewards of every source not listed as its \"*\" entry", fix={key: ""})
         if self.env:
             self._check_env()
 
@@ -466,6 +474,9 @@ class DataConfig:
     none."""
     answer_key: str = "answer"
     """Column holding the reference answer given to the reward; empty: no answers (the reward gets "")."""
+    source_key: str = "data_source"
+    """Column naming each row's source (verl's data_source): it picks the row's rewards (rollout.source_rewards), and
+    training and validation metrics are reported per source; a file without it is one source."""
     max_prompt_tokens: int = 0
     """Longest prompt in tokens; 0: whatever leaves room for one response token within engine.max_model_len."""
     too_long: str = "filter"
@@ -714,6 +725,10 @@ class JobConfig:
                        "data.max_prompt_tokens + rollout.max_tokens)",
                        fix={"trainer.max_tokens_per_micro_batch": longest})
         self._check_algo_against_sampling()
+        if self.rollout.source_rewards and not self.data.train_files:
+            raise bad("rollout.source_rewards", self.rollout.source_rewards, "picks rewards by the data.source_key "
+                      "column of data.train_files' rows, and there are none (a toy task); give data.train_files, or "
+                      "use rollout.rewards", fix={"rollout.source_rewards": ""})
         self._check_reward_model()
         self._check_lora()
         if (self.eval.every_steps or self.eval.at_start or self.eval.at_end) and self.data.train_files \

@@ -36,6 +36,7 @@ from colocate.models.dims import ModelDims, model_config_file, model_dims
 from colocate.rl.data import data_files, load_val_samples, make_prompt_source
 from colocate.rollout.evaluation import enabled as evaluation_enabled
 from colocate.rl.rewards import parse_rewards
+from colocate.rl.source_rewards import check_covered, parse_source_rewards
 from colocate.rl.tasks import Task, load_reward_fn, make_task
 from colocate.telemetry.sinks import check_sinks
 
@@ -69,6 +70,8 @@ def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> tuple[Task, Mo
         _check_env(cfg, task.sample(random.Random(0)))
     if cfg.rollout.reward_fn:
         load_reward_fn(cfg.rollout.reward_fn)
+    if cfg.rollout.source_rewards:
+        parse_source_rewards(cfg.rollout.source_rewards)
     if cfg.rollout.rewards:
         parse_rewards(cfg.rollout.rewards)
         for spec in reward_models_in(cfg.rollout.rewards):
@@ -131,8 +134,13 @@ def read_inputs(cfg: JobConfig, model_path: str, tokenizer) -> JobInputs:
         _check_env(cfg, prompts.samples[0])
     if cfg.rollout.turn_stop:
         check_turn_stop(cfg.rollout.turn_stop, tokenizer)
+    rewards = parse_source_rewards(cfg.rollout.source_rewards) if cfg.rollout.source_rewards else None
+    if rewards is not None and prompts is not None:  # every source of the rows has its rewards
+        check_covered([s.source for s in prompts.samples], rewards, key="data.train_files")
     if cfg.data.val_files and evaluation_enabled(cfg.eval):
-        load_val_samples(cfg, tokenizer)
+        val = load_val_samples(cfg, tokenizer)
+        if rewards is not None:
+            check_covered([s.source for s in val], rewards, key="data.val_files")
     return JobInputs(prompts, resume_point(cfg, model_path), reward_model_path(cfg))
 
 

@@ -113,8 +113,11 @@ def _file_samples(path: str, data: DataConfig, tokenizer, key: str) -> list[Samp
             raise ConfigError(f"{name}={column!r} is invalid: {path!r} has no such key; its keys: "
                               f"{', '.join(columns)}")
     answers = columns[data.answer_key] if data.answer_key else [""] * len(columns[data.prompt_key])
+    # the rows' sources (data.source_key), where the file has the column: one source otherwise
+    sources = columns.get(data.source_key) if data.source_key else None
+    sources = [str(s or "") for s in sources] if sources is not None else [""] * len(answers)
     samples = []
-    for row, (value, answer) in enumerate(zip(columns[data.prompt_key], answers)):
+    for row, (value, answer, source) in enumerate(zip(columns[data.prompt_key], answers, sources)):
         prompt = render_prompt(value, tokenizer, data)
         if prompt is None:
             raise ConfigError(f"data.prompt_key={data.prompt_key!r}: row {row} of {path!r} holds "
@@ -123,7 +126,7 @@ def _file_samples(path: str, data: DataConfig, tokenizer, key: str) -> list[Samp
             raise ConfigError(f"data.prompt_key={data.prompt_key!r}: row {row} of {path!r} has an empty prompt")
         if answer is None:
             raise ConfigError(f"data.answer_key={data.answer_key!r}: row {row} of {path!r} has no answer")
-        samples.append(Sample(prompt=prompt, answer=answer if isinstance(answer, str) else str(answer)))
+        samples.append(Sample(prompt=prompt, answer=answer if isinstance(answer, str) else str(answer), source=source))
     return samples
 
 

@@ -148,32 +148,32 @@ class Component:
     model_path: str = ""  # model:PATH or judge:PATH: the reward model's PATH
 
 
-def parse_rewards(spec: str) -> list[Component]:
+def parse_rewards(spec: str, *, key: str = "rollout.rewards") -> list[Component]:
     """"math:1.0,format:0.1,my_pkg.rewards:brevity:0.5" -> components. A trailing ":<number>" is the weight
-    (default 1); what is left is a built-in name or a module:function. Raises ConfigError naming rollout.rewards."""
+    (default 1); what is left is a built-in name or a module:function. Raises ConfigError naming `key`."""
     components: list[Component] = []
     for item in (part.strip() for part in spec.split(",")):
         if not item:
-            raise ConfigError(f"rollout.rewards={spec!r} is invalid: an empty component; {_VALID}")
+            raise ConfigError(f"{key}={spec!r} is invalid: an empty component; {_VALID}")
         if (model := reward_model_spec(item)) is not None:  # JobConfig.check refused a second one
             components.append(Component(model.kind, None, model.weight, model_path=model.path))
             continue
         head, colon, tail = item.rpartition(":")
         weight = _weight(tail) if colon else None
         if weight is None and head in BUILTIN_REWARDS:
-            raise ConfigError(f"rollout.rewards={spec!r} is invalid: the weight of {head!r} is {tail!r}, not a "
+            raise ConfigError(f"{key}={spec!r} is invalid: the weight of {head!r} is {tail!r}, not a "
                               "number")
         name = head if weight is not None else item
         weight = 1.0 if weight is None else weight
         if name in BUILTIN_REWARDS:
             fn = BUILTIN_REWARDS[name]
         elif ":" in name:
-            fn = import_object(name, "rollout.rewards", _VALID)
+            fn = import_object(name, key, _VALID)
             name = name.rpartition(":")[2]
         else:
-            raise ConfigError(f"rollout.rewards={spec!r} is invalid: unknown reward {name!r}; {_VALID}")
+            raise ConfigError(f"{key}={spec!r} is invalid: unknown reward {name!r}; {_VALID}")
         if any(c.name == name for c in components):
-            raise ConfigError(f"rollout.rewards={spec!r} is invalid: {name!r} is listed twice; give it one weight")
+            raise ConfigError(f"{key}={spec!r} is invalid: {name!r} is listed twice; give it one weight")
         components.append(Component(name, fn, weight))
     return components
 
@@ -211,6 +211,10 @@ def make_reward(cfg: JobConfig, task: Task, reward_model=None) -> Reward:
     """The job's reward: rollout.rewards (weighted built-ins, plug-ins and the reward model, `reward_model`: the
     runtime's rollout.reward_model.RewardModel), else rollout.reward_fn, else the task's own reward; the last two
     unchanged, so a job without rollout.rewards scores as before."""
+    if cfg.rollout.source_rewards:  # each row's source picks its rewards (rl/source_rewards.py)
+        from colocate.rl.source_rewards import SourceRewards
+
+        return SourceRewards.from_config(cfg)
     if cfg.rollout.rewards:
         components = parse_rewards(cfg.rollout.rewards)
         for i, c in enumerate(components):

@@ -134,7 +134,7 @@ class Scored:
             "reward_std": statistics.pstdev(self.rewards),
             "reward_min": min(self.rewards),
             "reward_max": max(self.rewards),
-            **{f"reward_{name}_mean": statistics.fmean(values) for name, values in self.components.items()},
+            **{f"reward_{name}_mean": defined_mean(values) for name, values in self.components.items()},
             "response_len_mean": statistics.fmean(num_tokens),
             "response_lengths": list(num_tokens),  # every answer's: `colocate simulate --lengths metrics:PATH`
             "num_response_tokens": sum(num_tokens),
@@ -142,6 +142,7 @@ class Scored:
             "num_trained_tokens": sum(s.num_trained_tokens for s in self.sequences),
             "truncated_fraction": self.num_truncated / len(self.rewards),
             "num_masked_truncated": self.num_masked,
+            **({"sources": sources} if (sources := by_source(self.groups)) else {}),
         }
 
 
@@ -223,17 +224,18 @@ def reward_groups(groups: list[Group], *, reward_fn: Reward, decode, eos_id: int
     into groups; with algo.overlong_buffer, DAPO's overlong punishment (against each answer's budget) added.
     `turn_reward` (multi-turn, rollout.turn_reward): each episode's reward is its environment's, the sum or the
     last of its turns' rewards, and `reward_fn` is not called."""
-    responses, prompts, answers, lengths, budgets = [], [], [], [], []
+    responses, prompts, answers, lengths, budgets, sources = [], [], [], [], [], []
     for group in groups:
         for completion in group.completions:
             responses.append(decode(response_text_tokens(completion, eos_id)))
             tokens = completion.token_ids
             prompts.append(group.sample.prompt)
             answers.append(group.sample.answer)
+            sources.append(group.sample.source)
             lengths.append(len(tokens))
             budgets.append(completion.max_tokens)
     if turn_reward is None:
-        rewards, components = apply_reward(reward_fn, prompts, responses, answers)
+        rewards, components = apply_reward(for_sources(reward_fn, sources), prompts, responses, answers)
     else:
         turns = [c.turn_rewards for g in groups for c in g.completions]
         rewards = [sum(t) if turn_reward == "sum" else (t[-1] if t else 0.0) for t in turns]
@@ -251,6 +253,35 @@ def reward_groups(groups: list[Group], *, reward_fn: Reward, decode, eos_id: int
                                {name: values[start:end] for name, values in components.items()},
                                task_rewards=None if task_rewards is None else task_rewards[start:end]))
         start = end
+    return out
+
+
+def for_sources(reward_fn: Reward, sources: Sequence[str]) -> Reward:
+    """`reward_fn` for samples of these sources: a per-source reward (rollout.source_rewards) bound to them, any
+    other as it is."""
+    return reward_fn.for_sources(sources) if getattr(reward_fn, "by_source", False) else reward_fn
+
+
+def defined_mean(values: Sequence[float]) -> float:
+    """The mean of the values that are not NaN (a per-source reward's component, NaN on the answers of the
+    sources it does not score); NaN when none is."""
+    defined = [v for v in values if not math.isnan(v)]
+    return statistics.fmean(defined) if defined else math.nan
+
+
+def by_source(groups: list[ScoredGroup]) -> dict[str, dict]:
+    """Per data source (Sample.source), when the step's groups have a named one: the answers' reward mean, their
+    count and their mean length."""
+    names = {g.group.sample.source for g in groups}
+    if names == {""}:
+        return {}
+    out = {}
+    for name in sorted(names):
+        mine = [g for g in groups if g.group.sample.source == name]
+        rewards = [r for g in mine for r in g.rewards]
+        out[name or "(none)"] = {"reward_mean": statistics.fmean(rewards), "num_answers": len(rewards),
+                                 "response_len_mean": statistics.fmean(len(a.token_ids) for g in mine
+                                                                       for a in g.group.completions)}
     return out
 
 

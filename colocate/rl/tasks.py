@@ -42,6 +42,9 @@ class Sample:
     """Text given to the model, e.g. "123="."""
     answer: str
     """Reference answer, e.g. "123"."""
+    source: str = ""
+    """The row's source (data.source_key: verl's data_source), which picks its rewards (rollout.source_rewards) and
+    names its metrics; empty: one source."""
 
 
 class Task(Protocol):

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from colocate.config import EvalConfig, JobConfig
 from colocate.errors import ConfigError
 from colocate.rollout.passes import Passes, turn_stats
-from colocate.rl.scoring import Reward, apply_reward, reward_groups
+from colocate.rl.scoring import Reward, apply_reward, defined_mean, for_sources, reward_groups
 from colocate.rl.tasks import PromptStream, Sample, Task
 
 TOY_PROMPTS = 64  # toy-task evaluation prompts when eval.max_prompts is 0: a task has no "whole val set"
@@ -153,7 +153,7 @@ class Evaluator:
     def summarise(self, completions: list[list[dict]]) -> dict:
         """The metrics of every prompt's answers (in prompt order)."""
         eos = self.tokenizer.eos_token_id
-        prompts, responses, answers, lengths, truncated = [], [], [], [], 0
+        prompts, responses, answers, lengths, sources, truncated = [], [], [], [], [], 0
         for p, group in zip(self.prompts, completions):
             for c in group:
                 tokens = c["token_ids"]
@@ -162,11 +162,16 @@ class Evaluator:
                 responses.append(self.tokenizer.decode(text_tokens))
                 prompts.append(p.sample.prompt)
                 answers.append(p.sample.answer)
+                sources.append(p.sample.source)
                 lengths.append(len(tokens))
                 truncated += c.get("finish_reason") == "length"
-        rewards, components = apply_reward(self.reward_fn, prompts, responses, answers, name="reward (evaluation)")
-        primary = next(iter(components.values())) if components else rewards
-        n, k = self.num_samples, self.num_samples
+        rewards, components = apply_reward(for_sources(self.reward_fn, sources), prompts, responses, answers,
+                                           name="reward (evaluation)")
+        if getattr(self.reward_fn, "by_source", False):  # each answer judged by its own source's first reward
+            primary = [components[self.reward_fn.primary(s)][i] for i, s in enumerate(sources)]
+        else:
+            primary = next(iter(components.values())) if components else rewards
+        n = self.num_samples
         # every answer, for the run's eval/ folder (what a user reads to see *how* the policy answers)
         self.last_answers = [
             {"prompt": p.sample.prompt, "answer": p.sample.answer,
@@ -174,18 +179,32 @@ class Evaluator:
              "rewards": rewards[j * n:(j + 1) * n]}
             for j, (p, group) in enumerate(zip(self.prompts, completions))]
         correct = [sum(v >= CORRECT for v in primary[j * n:(j + 1) * n]) for j in range(len(self.prompts))]
-        out = {"pass_at_1": statistics.fmean(pass_at_k(n, c, 1) for c in correct)}
-        if k > 1:
-            out[f"pass_at_{k}"] = statistics.fmean(pass_at_k(n, c, k) for c in correct)
+        out = _pass_rates(n, correct)
+        per_source = {}
+        if {p.sample.source for p in self.prompts} != {""}:  # verl reports AIME and MATH500 apart: so does this
+            for name in sorted({p.sample.source for p in self.prompts}):
+                mine = [j for j, p in enumerate(self.prompts) if p.sample.source == name]
+                per_source[name or "(none)"] = {
+                    **_pass_rates(n, [correct[j] for j in mine]), "num_prompts": len(mine),
+                    "reward_mean": statistics.fmean(r for j in mine for r in rewards[j * n:(j + 1) * n])}
         return {
             **out,
+            **({"sources": per_source} if per_source else {}),
             "reward_mean": statistics.fmean(rewards),
-            **{f"reward_{name}_mean": statistics.fmean(values) for name, values in components.items()},
+            **{f"reward_{name}_mean": defined_mean(values) for name, values in components.items()},
             "num_prompts": len(self.prompts),
             "num_samples": n,
             "response_len_mean": statistics.fmean(lengths),
             "truncated_fraction": truncated / len(lengths),  # answers cut at the token budget
         }
+
+
+def _pass_rates(n: int, correct: list[int]) -> dict[str, float]:
+    """pass@1, and pass@n with more than one sample a prompt, over prompts with `correct` right answers of n."""
+    out = {"pass_at_1": statistics.fmean(pass_at_k(n, c, 1) for c in correct)}
+    if n > 1:
+        out[f"pass_at_{n}"] = statistics.fmean(pass_at_k(n, c, n) for c in correct)
+    return out
 
 
 class _Samples:

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -141,6 +142,23 @@ def test_correct_is_the_first_reward_component_not_the_weighted_total(tokenizer)
     assert result["reward_mean"] == pytest.approx((3.0 + 4 / 3) / 2)
     assert result["reward_exact_mean"] == pytest.approx(0.5)
     assert result["reward_char_mean"] == pytest.approx((1 + 2 / 3) / 2)
+
+
+def test_each_source_is_judged_by_its_own_first_reward_and_reported_apart(tokenizer):
+    # rollout.source_rewards: "x" rows by exact (then char), the others by char; pass@1 per source as verl reports
+    # AIME and MATH500 apart
+    samples = [Sample("123=", "123", source="x"), Sample("456=", "456", source="x"), Sample("789=", "789", "y")]
+    answers = {"123=": "123", "456=": "45", "789=": "789"}
+    rows = Path(__file__).parents[2] / "data" / "math" / "train.jsonl"  # the config needs files; `samples` is the set
+    ev, _ = evaluator(tokenizer, ['rollout.source_rewards={"x": "exact:1.0,char:2.0", "*": "char"}',
+                                  f"data.train_files={rows}", f"data.val_files={rows}"], samples,
+                      lambda p, i: answers[p])
+    result = ev.run()
+    # "45" scores exact 0 and char 2/3: a total of 4/3, wrong by x's first reward
+    assert result["sources"]["x"]["pass_at_1"] == pytest.approx(0.5) and result["sources"]["x"]["num_prompts"] == 2
+    assert result["sources"]["y"]["pass_at_1"] == 1.0
+    assert result["pass_at_1"] == pytest.approx(2 / 3)
+    assert result["reward_exact_mean"] == pytest.approx(0.5)  # over x's answers alone
 
 
 def test_budgets_are_cut_to_the_context_one_call_per_budget(tokenizer):
