@@ -4,7 +4,7 @@
     colocate validate [CONFIG] [key=value ...]   print the resolved config and its placement; starts nothing
     colocate submit [CONFIG] [key=value ...]     run the job on a Ray cluster through the Job Submission API
     colocate jobs | logs JOB [-f] | stop JOB     list, read or follow, and stop the jobs on a Ray cluster
-    colocate bench {sync,switch,mismatch,consistency,routing,rollout,async,soak,train,train-memory}  benchmarks
+    colocate bench {sync,switch,mismatch,consistency,routing,delta,rollout,async,soak,train,train-memory}  benchmarks
     colocate plot RUN_DIR                        draw a run's metrics as a PNG
     colocate export CKPT OUT [--dtype D] [--merged]  a checkpoint as a Hugging Face model (LoRA: its PEFT adapter)
     colocate clean [RUN_DIR ...] [--dry-run]     remove what a killed job left (its segments, processes, actors)
@@ -194,6 +194,7 @@ def cmd_bench(args) -> int:
     from colocate.bench.common import BENCH_DEFAULTS, CONSISTENCY_DEFAULTS
     from colocate.bench.overlap import ASYNC_DEFAULTS
     from colocate.bench.rollout import ROLLOUT_DEFAULTS
+    from colocate.bench.delta import DELTA_DEFAULTS
     from colocate.bench.routing import ROUTING_DEFAULTS
     from colocate.job.setup import check_job
 
@@ -209,7 +210,8 @@ def cmd_bench(args) -> int:
     only = _variants(args.variants, args.which) if args.which in ("train", "async") and args.variants else None
     lengths = _lengths(args.lengths) if args.which in ("train", "train-memory") and args.lengths else None
     defaults = {"rollout": ROLLOUT_DEFAULTS, "async": ASYNC_DEFAULTS,
-                "consistency": CONSISTENCY_DEFAULTS, "routing": ROUTING_DEFAULTS}.get(args.which, BENCH_DEFAULTS)
+                "consistency": CONSISTENCY_DEFAULTS, "routing": ROUTING_DEFAULTS,
+                "delta": DELTA_DEFAULTS}.get(args.which, BENCH_DEFAULTS)
     cfg = check_job(load_config(paths, ([] if paths else defaults) + overrides)).config
     # SIGTERM unwinds as Ctrl-C does: a bench's runtime closes, and the processes that measure (bench train and
     # train-memory run each variant in a daemon process) go with it. Python's default for SIGTERM ends the
@@ -259,6 +261,10 @@ def _run_bench(args, cfg: JobConfig, *, only: list[str] | None, lengths: list[in
 
         run_consistency_bench(cfg, num_prompts=cfg.rollout.num_prompts, num_samples=cfg.rollout.num_samples,
                               max_tokens=args.max_tokens, out_dir=args.out, name=args.name or "consistency")
+    elif args.which == "delta":
+        from colocate.bench.delta import run_delta_bench
+
+        run_delta_bench(cfg, num_steps=args.repeats, out_dir=args.out, name=args.name or "delta")
     elif args.which == "routing":
         from colocate.bench.routing import run_routing_bench
 
@@ -409,19 +415,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks: sync (weight sync), switch (sleep/wake), mismatch (logprobs), "
                            "consistency (where engine and trainer logprobs first differ; batch invariance), "
-                           "routing (a MoE's mismatch with and without router replay), "
+                           "routing (a MoE's mismatch with and without router replay), delta (how much of the "
+                           "weights change from sync to sync, and what sending only that would cost), "
                            "rollout (long tail), async (sync against one_step_off and async), soak, train (tokens/s "
                            "and memory of each long-answer feature), train-memory (the preflight against a train "
                            "step's peak)",
                            description="Benchmark against the floor measured in the same run; writes JSON and a PNG "
                            "plot. Without a CONFIG, the bench preset (24 layers, >= 0.4 GB bf16, TP=2); rollout and "
                            "async: the tiny model with long-tailed answer lengths.")
-    bench.add_argument("which", choices=["sync", "switch", "mismatch", "consistency", "routing", "rollout", "async",
-                                         "soak", "train", "train-memory"])
+    bench.add_argument("which", choices=["sync", "switch", "mismatch", "consistency", "routing", "delta", "rollout",
+                                         "async", "soak", "train", "train-memory"])
     bench.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
     bench.add_argument("--repeats", type=int, default=5,
                        help="timed syncs per method / switch cycles / rollout steps per mode / async: steps per "
-                       "mode, the first and last untimed (default 5)")
+                       "mode, the first and last untimed / delta: steps (default 5)")
     bench.add_argument("--warmup", type=int, default=1, help="untimed syncs first (sync; default 1)")
     bench.add_argument("--out", default="benchmarks/results", help="output directory (default benchmarks/results)")
     bench.add_argument("--name", default="", help="result file name without extension (default: the benchmark)")
