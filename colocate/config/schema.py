@@ -975,37 +975,33 @@ _ENGINE_ARGS_OF_OURS = {
     "lora_target_modules": "trainer.lora.target_modules"}
 
 
-def chat_template_kwargs(data: DataConfig) -> dict:
-    """`data.chat_template_kwargs` as keyword arguments for the chat template."""
-    if not data.chat_template_kwargs.strip():
+def json_object(key: str, text: str, example: str) -> dict:
+    """A str key that holds a JSON object (engine.extra_args, data.chat_template_kwargs) as a dict; empty: {}. One
+    line naming the key where it is not one."""
+    if not text.strip():
         return {}
     import json
 
     try:
-        kwargs = json.loads(data.chat_template_kwargs)
+        value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise bad("data.chat_template_kwargs", data.chat_template_kwargs, f"not a JSON object ({e.msg}); e.g. "
-                  '{"enable_thinking": false}') from None
-    if not isinstance(kwargs, dict):
-        raise bad("data.chat_template_kwargs", data.chat_template_kwargs,
-                  'expected a JSON object, e.g. {"enable_thinking": false}')
-    return kwargs
+        raise bad(key, text, f"not a JSON object ({e.msg}); e.g. {example}") from None
+    if not isinstance(value, dict):
+        raise bad(key, text, f"expected a JSON object, e.g. {example}")
+    return value
+
+
+def chat_template_kwargs(data: DataConfig) -> dict:
+    """`data.chat_template_kwargs` as keyword arguments for the chat template."""
+    return json_object("data.chat_template_kwargs", data.chat_template_kwargs, '{"enable_thinking": false}')
 
 
 def engine_extra_args(engine: EngineConfig) -> dict:
     """`engine.extra_args` as keyword arguments for vLLM, checked against vLLM's own EngineArgs fields (vLLM is
     imported only when there are any)."""
-    if not engine.extra_args.strip():
+    extra = json_object("engine.extra_args", engine.extra_args, '{"block_size": 32}')
+    if not extra:
         return {}
-    import json
-
-    try:
-        extra = json.loads(engine.extra_args)
-    except json.JSONDecodeError as e:
-        raise bad("engine.extra_args", engine.extra_args, f"not a JSON object ({e.msg}); e.g. "
-                   '{"block_size": 32}') from None
-    if not isinstance(extra, dict):
-        raise bad("engine.extra_args", engine.extra_args, 'expected a JSON object, e.g. {"block_size": 32}')
     for name in extra:
         if name in _ENGINE_ARGS_OF_OURS:
             ours = _ENGINE_ARGS_OF_OURS[name]
