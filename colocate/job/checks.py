@@ -35,8 +35,7 @@ from colocate.models import sources as models
 from colocate.models.dims import ModelDims, model_config_file, model_dims
 from colocate.rl.data import data_files, load_val_samples, make_prompt_source
 from colocate.rollout.evaluation import enabled as evaluation_enabled
-from colocate.rl.rewards import parse_rewards
-from colocate.rl.source_rewards import check_covered, parse_source_rewards
+from colocate.rl.rewards import check_covered, parse_rewards, parse_source_rewards
 from colocate.rl.tasks import Task, load_reward_fn, make_task
 from colocate.telemetry.sinks import check_sinks
 

@@ -27,11 +27,12 @@ And a reward model the job serves (rollout/reward_model.py): ``model:PATH`` (a s
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -211,9 +212,7 @@ def make_reward(cfg: JobConfig, task: Task, reward_model=None) -> Reward:
     """The job's reward: rollout.rewards (weighted built-ins, plug-ins and the reward model, `reward_model`: the
     runtime's rollout.reward_model.RewardModel), else rollout.reward_fn, else the task's own reward; the last two
     unchanged, so a job without rollout.rewards scores as before."""
-    if cfg.rollout.source_rewards:  # each row's source picks its rewards (rl/source_rewards.py)
-        from colocate.rl.source_rewards import SourceRewards
-
+    if cfg.rollout.source_rewards:  # each row's source picks its rewards
         return SourceRewards.from_config(cfg)
     if cfg.rollout.rewards:
         components = parse_rewards(cfg.rollout.rewards)
@@ -225,3 +224,92 @@ def make_reward(cfg: JobConfig, task: Task, reward_model=None) -> Reward:
     if cfg.rollout.reward_fn:
         return load_reward_fn(cfg.rollout.reward_fn)
     return task.reward
+
+
+# ------------------------------------------------------------------------------------------ per-source rewards
+# rollout.source_rewards: each data row's source (its data.source_key column, verl's `data_source`) picks the
+# rewards that score its answers, so one job can train on math and on code, each scored its own way, and report
+# each apart:
+#
+#     rollout.source_rewards='{"gsm8k": "math:1.0,format:0.1", "aime": "math", "*": "exact"}'
+#     values, parts = apply_reward(reward.for_sources(sources), prompts, responses, answers)
+#
+# Each value is a rollout.rewards spec (built-ins and module:function plug-ins, weighted); "*" scores every source
+# not listed. A source with no entry and no "*" is refused, naming it, when the data is read (before any actor).
+# A component's values are NaN on the answers of sources it does not score: the metrics average each over the
+# answers it scored (rl/scoring.py `defined_mean`). A reward model (model:PATH, judge:PATH) serves rollout.rewards
+# only.
+
+SOURCE_KEY = "rollout.source_rewards"
+ANY = "*"
+
+
+def parse_source_rewards(text: str) -> dict[str, CombinedReward]:
+    """The JSON object of rollout.source_rewards as each source's reward; one line naming the key otherwise."""
+    try:
+        specs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{SOURCE_KEY}={text!r} is invalid: not a JSON object ({e.msg}); e.g. "
+                          '{"gsm8k": "math", "*": "exact"}') from None
+    if not isinstance(specs, dict) or not specs or not all(isinstance(v, str) for v in specs.values()):
+        raise ConfigError(f"{SOURCE_KEY}={text!r} is invalid: expected a JSON object of source -> rollout.rewards "
+                          'spec, e.g. {"gsm8k": "math", "*": "exact"}')
+    out = {}
+    for source, spec in specs.items():
+        components = parse_rewards(spec, key=f"{SOURCE_KEY}[{source!r}]")
+        if any(c.fn is None for c in components):
+            raise ConfigError(f"{SOURCE_KEY}[{source!r}]={spec!r} is invalid: a reward model serves rollout.rewards "
+                              "only; valid here: built-ins and module:function rewards")
+        out[source] = CombinedReward(components)
+    return out
+
+
+def check_covered(sources: Sequence[str], rewards: dict, *, key: str) -> None:
+    """Every source of the rows read for `key` (data.train_files, data.val_files) has its reward, or "*" does."""
+    if ANY in rewards:
+        return
+    missing = sorted({s for s in sources if s not in rewards})
+    if missing:
+        raise ConfigError(f"{SOURCE_KEY} is invalid for {key}: its rows' source {missing[0]!r} has no reward (sources "
+                          f"without one: {', '.join(map(repr, missing))}); give it one, or a \"*\" entry for every "
+                          "other source")
+
+
+class SourceRewards:
+    by_source = True
+
+    def __init__(self, rewards: dict[str, CombinedReward]):
+        self.rewards = rewards
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig) -> SourceRewards:
+        return cls(parse_source_rewards(cfg.rollout.source_rewards))
+
+    def reward_of(self, source: str) -> CombinedReward:
+        assert source in self.rewards or ANY in self.rewards, f"source {source!r} has no reward: checked on read"
+        return self.rewards.get(source) or self.rewards[ANY]
+
+    def primary(self, source: str) -> str:
+        """The component that says whether an answer of `source` is right: its spec's first (evaluation)."""
+        return self.reward_of(source).components[0].name
+
+    def for_sources(self, sources: Sequence[str]):
+        """A batched reward over samples whose sources are `sources`, in order."""
+
+        def reward(prompts: list[str], responses: list[str], answers: list[str]) -> RewardBreakdown:
+            total, parts = [0.0] * len(prompts), {}
+            for source in dict.fromkeys(sources):
+                idx = [i for i, s in enumerate(sources) if s == source]
+                values, components = apply_reward(self.reward_of(source), [prompts[i] for i in idx],
+                                                  [responses[i] for i in idx], [answers[i] for i in idx],
+                                                  name=f"reward of source {source!r}")
+                for i, v in zip(idx, values):
+                    total[i] = v
+                for name, part in components.items():
+                    column = parts.setdefault(name, [math.nan] * len(prompts))
+                    for i, v in zip(idx, part):
+                        column[i] = v
+            return RewardBreakdown(total, parts)
+
+        reward.batched = True
+        return reward

@@ -27,20 +27,21 @@ from colocate.host.memory import map_large_blocks, process_rss_bytes, return_fre
 from colocate.sync.buckets import TensorSpec
 from colocate.sync.shards import local_shards
 from colocate.sync.trainer_end import Checksums, TrainerEnd
-from colocate.trainer.batching import MicroBatch, attention_implementation, collate, trainer_micro_batches
+from colocate.trainer.batching import MicroBatch, attention_implementation
 from colocate.trainer.finite import check_weights, clip_checked
 from colocate.trainer.fsdp import checkpoint_layers, shard_by_layer
-from colocate.trainer.logprobs import install_chunked_head, sequence_logprobs
+from colocate.trainer.logprobs import install_chunked_head
 from colocate.trainer.loss import Sequence, policy_loss, token_scale
 from colocate.trainer.lr_schedule import learning_rate
 from colocate.trainer.offload import make_offloader
+from colocate.trainer.scoring_passes import ScoringPasses, dummy_sequence
 from colocate.trainer.stats import TrainStats
 from colocate.trainer.token_returns import kl_returns, whiten_over_ranks
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-class TrainerActor:
+class TrainerActor(ScoringPasses):
     def __init__(self, rank: int, world_size: int, cfg, model_path: str, *, device: str, pad_id: int,
                  algo: AlgoConfig | None = None, sampling: RolloutConfig | None = None, engine_lora_rank: int = 0):
         self.rank, self.world_size = rank, world_size
@@ -178,7 +179,7 @@ class TrainerActor:
         self.optimizer.zero_grad(set_to_none=True)
         totals = TrainStats()
         chunks = self._micro_batches(seqs, num_micro_batches)
-        batches = [self._collate(chunk or list(seqs[:1]) or [_dummy_sequence(self.pad_id)]) for chunk in chunks]
+        batches = [self._collate(chunk or list(seqs[:1]) or [dummy_sequence(self.pad_id)]) for chunk in chunks]
         ref_logprobs = self.reference.score(batches, temperature=self.sampling.temperature, top_p=self.sampling.top_p) \
             if self.reference is not None else [None] * len(batches)
         advantages = self._token_advantages(chunks, batches, ref_logprobs)
@@ -236,59 +237,6 @@ class TrainerActor:
                         step=torch.tensor(0.0, dtype=torch.float32),
                         exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
                         exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
-
-    @torch.no_grad()
-    def score(self, seqs: list[Sequence], *, num_micro_batches: int, temperature: float,
-              top_p: float) -> list[list[float]]:
-        """The trainer's logprob of every response token of `seqs` under the sampling they came from (as the
-        loss sees them), without training. A collective, like train_step: every rank runs `num_micro_batches`."""
-        out: dict[int, list[float]] = {}
-        index = {id(s): i for i, s in enumerate(seqs)}
-        for chunk in self._micro_batches(seqs, num_micro_batches):
-            batch = self._collate(chunk or [_dummy_sequence(self.pad_id)])
-            logprobs = self._logprobs(batch, temperature=temperature, top_p=top_p)[0].cpu()
-            for s, (row, first, num) in zip(chunk, batch.spans):
-                out[index[id(s)]] = logprobs[row, first:first + num].tolist()
-        return [out[i] for i in range(len(seqs))]
-
-    @torch.no_grad()
-    def score_routing(self, seqs: list[Sequence], *, num_micro_batches: int, temperature: float,
-                      top_p: float) -> list[tuple[list[float], object, object]]:
-        """score()'s logprobs, each with the experts of every position of the sequence, uint16 [length, layers,
-        top_k]: those the trainer's routers chose, and those the forward used (the replayed ones, where the
-        sequence carries a routing). For bench mismatch and the tests."""
-        assert self.replay is not None, "score_routing needs algo.router_replay (the routers that record)"
-        out, index = {}, {id(s): i for i, s in enumerate(seqs)}
-        self.replay.record(True)
-        try:
-            for chunk in self._micro_batches(seqs, num_micro_batches):
-                batch = self._collate(chunk or [_dummy_sequence(self.pad_id)])
-                logprobs = self._logprobs(batch, temperature=temperature, top_p=top_p)[0].cpu()
-                own, used = (t.cpu().numpy().astype("uint16") for t in self.replay.recorded(*batch.input_ids.shape))
-                for s, (row, first, num) in zip(chunk, batch.spans):
-                    start, end = first - len(s.prompt_ids) + 1, first + 1 + num
-                    out[index[id(s)]] = (logprobs[row, first:first + num].tolist(), own[row, start:end],
-                                         used[row, start:end])
-        finally:
-            self.replay.record(False)
-        return [out[i] for i in range(len(seqs))]
-
-    def _logprobs(self, batch: MicroBatch, **kwargs):
-        """sequence_logprobs of the policy, its routers replaying the batch's routing (algo.router_replay)."""
-        # an offloaded model's storages are released: a forward would crash the actor, not raise
-        assert not self._offloaded, "a forward of the offloaded trainer: onload it first"
-        if self.replay is not None:
-            self.replay.set(batch.routing)  # kept through the backward: a checkpointed layer recomputes
-        return sequence_logprobs(self.model, batch, **kwargs)
-
-    def _micro_batches(self, seqs: list[Sequence], num_micro_batches: int) -> list[list[Sequence]]:
-        """This rank's micro-batches (trainer/batching.py), then empty ones up to the count every rank runs."""
-        groups = trainer_micro_batches(seqs, self.cfg)
-        assert len(groups) <= num_micro_batches, (len(groups), num_micro_batches)
-        return groups + [[] for _ in range(num_micro_batches - len(groups))]
-
-    def _collate(self, seqs: list[Sequence]) -> MicroBatch:
-        return collate(seqs, pad_id=self.pad_id, device=self.device, packed=self.cfg.pack_sequences)
 
     # ---------------------------------------------------------------------------------------- weight sync
 
@@ -440,7 +388,3 @@ class TrainerActor:
 
     def memory(self) -> dict[str, int]:
         return {"rss_bytes": self.rss_bytes(), **device_memory(self.device)}
-
-
-def _dummy_sequence(pad_id: int) -> Sequence:
-    return Sequence(prompt_ids=[pad_id], response_ids=[pad_id], logprobs=[0.0], advantage=0.0)

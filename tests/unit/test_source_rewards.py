@@ -1,4 +1,4 @@
-"""Per-source rewards and metrics (rollout.source_rewards, data.source_key; rl/source_rewards.py): each row's
+"""Per-source rewards and metrics (rollout.source_rewards, data.source_key; rl/rewards.py SourceRewards): each row's
 source picks the rewards that score it, the metrics are per source as well as in total, and a source without a
 reward is one line before anything starts."""
 
