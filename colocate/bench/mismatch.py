@@ -168,19 +168,10 @@ def sample(rt: Runtime, prompts: list[list[int]], sampling: dict) -> list[Sequen
 
 def score(rt: Runtime, seqs: list[Sequence], *, temperature: float = 1.0, top_p: float = 1.0,
           method: str = "score") -> list:
-    """The trainer's log-probs of each sequence's answer (TrainerActor.score, the loss's path), the sequences dealt
-    to the ranks in turn (a collective: every rank scores, an empty share as a dummy micro-batch). `method`
-    score_routing: each with the trainer's own routing (algo.router_replay)."""
-    world = len(rt.trainers)
-    shares = [seqs[rank::world] for rank in range(world)]
-    num_micro_batches = max(1, max(-(-len(share) // rt.cfg.trainer.micro_batch_size) for share in shares))
-    scored = ray.get([getattr(t, method).remote(share, num_micro_batches=num_micro_batches, temperature=temperature,
-                                                top_p=top_p) for t, share in zip(rt.trainers, shares)])
-    out: list = [[] for _ in seqs]
-    for rank, rows in enumerate(scored):
-        for i, row in zip(range(rank, len(seqs), world), rows):
-            out[i] = row
-    return out
+    """The trainer's log-probs of each sequence's answer (TrainerActor.score, the loss's path), dealt to the ranks
+    as a train step deals them (TrainerGroup.score). `method` score_routing: each with the trainer's own routing
+    (algo.router_replay)."""
+    return rt.trainers.score(seqs, rt.cfg.trainer, temperature=temperature, top_p=top_p, method=method)
 
 
 def _plot(ratios: dict[str, np.ndarray], path: Path) -> None:

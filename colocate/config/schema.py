@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from colocate.config.algo import GREEDY_TEMPERATURE, GROUP_ADVANTAGES, OVERLAPPED_MODES, AlgoConfig
 from colocate.config.fields import bad, non_negative, one_of, overrides, positive
@@ -491,9 +490,6 @@ class DataConfig:
         one_of(self, "data", "too_long", ["filter", "error"])
         non_negative(self, "data", "max_prompt_tokens")
         chat_template_kwargs(self)
-        if self.chat_template not in ("auto", "none") and not Path(self.chat_template).expanduser().is_file():
-            raise bad("data.chat_template", self.chat_template, "is neither auto, none nor a chat template file that "
-                      "exists", fix={"data.chat_template": "auto"})
         if (self.train_files or self.val_files) and not self.prompt_key:
             raise bad("data.prompt_key", "", "name the column holding the prompts, e.g. prompt",
                       fix={"data.prompt_key": "prompt"})

@@ -77,6 +77,9 @@ def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> tuple[Task, Mo
             _check_reward_model(spec)
     data_files(cfg.data.train_files, "data.train_files")
     data_files(cfg.data.val_files, "data.val_files")
+    if cfg.data.chat_template not in ("auto", "none") and not Path(cfg.data.chat_template).expanduser().is_file():
+        raise bad("data.chat_template", cfg.data.chat_template, "is neither auto, none nor a chat template file "
+                  "that exists", fix={"data.chat_template": "auto"})
     if cfg.fault.inject:
         parse_injections(cfg.fault.inject)
     _check_bucket_size(cfg, dims)

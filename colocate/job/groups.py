@@ -43,14 +43,16 @@ class TrainerGroup(ActorGroup):
                            for share, t in zip(shares, self)])
         return sum(results, TrainStats())
 
-    def score(self, sequences: list[Sequence], cfg: TrainerConfig, *, temperature: float,
-              top_p: float) -> list[list[float]]:
+    def score(self, sequences: list[Sequence], cfg: TrainerConfig, *, temperature: float, top_p: float,
+              method: str = "score") -> list:
         """Every sequence's response logprobs under the trainers' current weights (TrainerActor.score, the loss's
-        path, no gradient), in the order given; dealt and micro-batched as train_step deals them."""
+        path, no gradient), in the order given; dealt and micro-batched as train_step deals them. `method`
+        score_routing: each with its routing (TrainerActor.score_routing, algo.router_replay)."""
         shares = deal(sequences, len(self))
         num_micro_batches = max(len(trainer_micro_batches(share, cfg)) for share in shares)
-        scored = ray.get([t.score.remote(share, num_micro_batches=num_micro_batches, temperature=temperature,
-                                         top_p=top_p) for share, t in zip(shares, self)])
+        scored = ray.get([getattr(t, method).remote(share, num_micro_batches=num_micro_batches,
+                                                    temperature=temperature, top_p=top_p)
+                          for share, t in zip(shares, self)])
         by_id = {id(s): lp for share, rows in zip(shares, scored) for s, lp in zip(share, rows)}
         return [by_id[id(s)] for s in sequences]
 
