@@ -88,15 +88,12 @@ def measure(rt, prompts: list[list[int]], sampling: dict) -> dict:
             if here[p]:
                 classes["flipped_before"].append(token)
     tokens = len(classes["all"])
+    scored_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in seqs)  # what each scoring pass computed
     return {"answer_tokens": tokens, "layer_flip_fraction": layer_flips / max(layer_rows, 1),
             "engine_tokens_per_s": tokens / engine_s,
-            "trainer_tokens_per_s_free": sum(length for length in map(_length, seqs)) / free_s,
-            "trainer_tokens_per_s_replayed": sum(length for length in map(_length, seqs)) / replay_s,
+            "trainer_tokens_per_s_free": scored_tokens / free_s,
+            "trainer_tokens_per_s_replayed": scored_tokens / replay_s,
             "classes": {c: _stats(classes[c], tokens) for c in CLASSES}}
-
-
-def _length(s: Sequence) -> int:
-    return len(s.prompt_ids) + len(s.response_ids)
 
 
 def _stats(tokens: list[tuple[float, float]], total: int) -> dict:
