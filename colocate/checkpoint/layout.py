@@ -76,7 +76,16 @@ def model_signature(model_path: str | Path) -> dict:
 def job_signature(cfg: JobConfig, model_path: str | Path) -> dict:
     """The facts a checkpoint must share with the job resuming from it."""
     return {"model": model_signature(model_path), "num_trainer_ranks": cfg.placement.num_trainer_ranks,
-            "num_samples": cfg.rollout.num_samples, "multi_turn": bool(cfg.rollout.env), "lora": _lora(cfg)}
+            "num_samples": cfg.rollout.num_samples, "multi_turn": bool(cfg.rollout.env), "lora": _lora(cfg),
+            "critic": _critic(cfg)}
+
+
+_NO_CRITIC = "no critic (critic.model_path empty)"
+
+
+def _critic(cfg: JobConfig) -> str:
+    """Whether the checkpoint holds a value model's state, and which model it started from."""
+    return f"a critic (critic.model_path={cfg.critic.model_path})" if cfg.critic.enabled else _NO_CRITIC
 
 
 _NO_LORA = "no LoRA (trainer.lora.rank=0)"
@@ -130,6 +139,10 @@ def check_compatible(path: Path, mine: dict) -> None:
         kinds = {True: "multi-turn episodes (rollout.env set)", False: "single-turn answers (rollout.env empty)"}
         raise ConfigError(f"checkpoint.resume={str(path)!r} is invalid: it was saved with "
                           f"{kinds[theirs.get('multi_turn', False)]}, this job has {kinds[mine['multi_turn']]}")
+    theirs_critic = theirs.get("critic", _NO_CRITIC)  # an earlier release's: no critic
+    if theirs_critic != mine["critic"]:
+        raise ConfigError(f"checkpoint.resume={str(path)!r} is invalid: it was saved with {theirs_critic}, this job "
+                          f"has {mine['critic']}")
     theirs_lora = theirs.get("lora", _NO_LORA)  # a checkpoint of an earlier release: it trained every weight
     if theirs_lora != mine["lora"]:
         raise ConfigError(f"checkpoint.resume={str(path)!r} is invalid: it was saved with {theirs_lora}, this job "

@@ -38,17 +38,20 @@ def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
 
 
 def save_rank_state(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                    rank: int) -> None:
+                    rank: int, name: str = "trainer") -> None:
+    """`name`: the DCP directory; the policy's ("trainer") also writes the rank's RNG states, a second model
+    (the critic's, "critic") its shards alone."""
     import torch.distributed.checkpoint as dcp
 
     directory = Path(directory)
     assert optimizer.state, "checkpoint before the first optimizer step: AdamW has no state yet"
-    dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(directory / "trainer"))
-    (directory / f"rng_rank{rank}.json").write_text(json.dumps(rng_state()))
+    dcp.save(_state_dicts(model, optimizer), checkpoint_id=str(directory / name))
+    if name == "trainer":
+        (directory / f"rng_rank{rank}.json").write_text(json.dumps(rng_state()))
 
 
 def load_rank_state(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                    rank: int) -> None:
+                    rank: int, name: str = "trainer") -> None:
     """Read the checkpoint into the live model and optimizer. The optimizer's state must exist (the caller
     creates it first, inside its memory region); DCP then overwrites it in place."""
     import torch.distributed.checkpoint as dcp
@@ -57,13 +60,16 @@ def load_rank_state(directory: str | Path, model: torch.nn.Module, optimizer: to
     assert optimizer.state, "create the optimizer state before loading into it"
     state = _state_dicts(model, optimizer)
     before = {name: t.to_local().data_ptr() for name, t in state[MODEL_KEY].items()}
-    dcp.load(state, checkpoint_id=str(directory / "trainer"))
+    if not (directory / name).is_dir():
+        raise FileNotFoundError(f"{directory} holds no {name} state (a checkpoint of a job without a critic?)")
+    dcp.load(state, checkpoint_id=str(directory / name))
     # The in-place promise above, checked: a DCP that returned new tensors would leave the model untouched.
     assert all(t.to_local().data_ptr() == before[name] for name, t in state[MODEL_KEY].items())
     for group, loaded in zip(optimizer.param_groups, state[OPTIMIZER_KEY]["param_groups"]):
         # hyperparameters come from this run's config (a resume may lower the learning rate on purpose)
         assert len(group["params"]) == len(loaded["params"])
-    load_rng_state(json.loads((directory / f"rng_rank{rank}.json").read_text()))
+    if name == "trainer":
+        load_rng_state(json.loads((directory / f"rng_rank{rank}.json").read_text()))
 
 
 def rng_state() -> dict:

@@ -20,10 +20,12 @@ from colocate.config.schema import (
                                     chat_template_kwargs,
                                     engine_extra_args,
 )
+from colocate.config.critic import CriticConfig
 from colocate.config.reward_model import RewardModelConfig
 from colocate.errors import ConfigError
 
-__all__ = ["AlgoConfig", "CheckpointConfig", "ConfigError", "DataConfig", "EngineConfig", "EvalConfig", "FaultConfig",
+__all__ = ["AlgoConfig", "CheckpointConfig", "ConfigError", "CriticConfig", "DataConfig", "EngineConfig", "EvalConfig",
+           "FaultConfig",
            "JobConfig", "LoggingConfig", "ModelConfig", "PlacementConfig", "RewardModelConfig", "RolloutConfig",
            "SyncConfig", "TrainerConfig", "chat_template_kwargs", "config_docs_markdown", "engine_extra_args",
            "field_docs", "from_dict", "load_config", "to_dict"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from colocate.config.fields import bad, non_negative, one_of, positive
 
-ADVANTAGES = ["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+ADVANTAGES = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"]
 GROUP_ADVANTAGES = {"grpo", "dr_grpo", "rloo"}  # a baseline from the prompt's own group: need >= 2 samples
 LOSS_AGGREGATIONS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 POLICY_LOSSES = ["ppo", "gspo", "cispo"]
@@ -41,7 +41,14 @@ class AlgoConfig:
     """Advantage estimator: grpo (reward minus its group's mean, over the group's std: Shao et al. 2024, DeepSeekMath),
     dr_grpo (minus the group's mean only: Liu et al. 2025, Dr. GRPO), rloo (minus the mean of the group's other samples:
     Ahmadian et al. 2024), reinforce_pp (REINFORCE++, Hu 2025: normalised over the whole batch's response tokens, no
-    group needed; with algo.kl_in_reward the KL is folded into each token's return first)."""
+    group needed; with algo.kl_in_reward the KL is folded into each token's return first), gae (PPO's generalised
+    advantage estimation against a learned value model, Schulman et al. 2016: needs critic.model_path; algo.gamma and
+    algo.lam set it, and the advantages are whitened over the step's tokens)."""
+    gamma: float = 1.0
+    """gae: the discount per token (1: none, as verl's and OpenRLHF's LLM recipes use)."""
+    lam: float = 0.95
+    """gae: lambda, the bias/variance trade of the advantage (1: the Monte-Carlo return minus the value; 0: the one-step
+    TD error)."""
     policy_loss: str = "ppo"
     """ppo (the clipped token ratio, Schulman et al. 2017; with algo.clip_ratio_c the dual clip of Ye et al. 2020), gspo
     (one ratio per sequence, the length-normalised geometric mean of its token ratios, clipped: Zheng et al. 2025,
@@ -136,6 +143,9 @@ class AlgoConfig:
         one_of(self, "algo", "kl_estimator", ["k1", "k2", "k3"])
         one_of(self, "algo", "old_logprobs", OLD_LOGPROBS)
         positive(self, "algo", "num_mini_batches", "num_epochs")
+        for key in ("gamma", "lam"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise bad(f"algo.{key}", getattr(self, key), "must be in [0, 1]")
         self._check_old_logprobs()
         self._check_clip()
         if self.kl_in_reward and self.advantage != "reinforce_pp":

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from colocate.config.algo import GREEDY_TEMPERATURE, GROUP_ADVANTAGES, OVERLAPPED_MODES, AlgoConfig
+from colocate.config.critic import POLICY, CriticConfig
 from colocate.config.fields import bad, non_negative, one_of, overrides, positive
 from colocate.config.reward_model import RewardModelConfig, reward_model_spec, reward_models_in
 from colocate.errors import ConfigError
@@ -667,6 +668,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -721,6 +723,7 @@ class JobConfig:
                        "data.max_prompt_tokens + rollout.max_tokens)",
                        fix={"trainer.max_tokens_per_micro_batch": longest})
         self._check_algo_against_sampling()
+        self._check_critic()
         if self.rollout.source_rewards and not self.data.train_files:
             raise bad("rollout.source_rewards", self.rollout.source_rewards, "picks rewards by the data.source_key "
                       "column of data.train_files' rows, and there are none (a toy task); give data.train_files, or "
@@ -799,6 +802,29 @@ class JobConfig:
                       f"must be smaller than the judge's context, {max_len} tokens (reward_model.max_model_len, "
                       "else engine.max_model_len)")
 
+    def _check_critic(self) -> None:
+        algo, critic = self.algo, self.critic
+        if algo.advantage == "gae" and not critic.enabled:
+            raise bad("critic.model_path", "", f"algo.advantage=gae estimates each token's advantage against a value "
+                      f"model, and none is given; valid: critic.model_path={POLICY} (a copy of the policy with a "
+                      "scalar head) or a model's path; or a critic-free estimator (grpo, rloo, reinforce_pp)",
+                      fix={"critic.model_path": POLICY})
+        if critic.enabled and algo.advantage != "gae":
+            raise bad("critic.model_path", critic.model_path, f"a critic trains for algo.advantage=gae alone, and "
+                      f"algo.advantage={algo.advantage} takes no value; valid with it: empty (no critic)",
+                      fix={"critic.model_path": ""})
+        defaults = AlgoConfig()
+        for key in ("gamma", "lam"):
+            if algo.advantage != "gae" and getattr(algo, key) != getattr(defaults, key):
+                raise bad(f"algo.{key}", getattr(algo, key), f"sets GAE (algo.advantage=gae), and algo.advantage="
+                          f"{algo.advantage} does not read it; valid with it: {getattr(defaults, key)}",
+                          fix={f"algo.{key}": getattr(defaults, key)})
+        if critic.enabled and self.trainer.lora.rank:
+            raise bad("trainer.lora.rank", self.trainer.lora.rank, f"trains adapters, and the critic "
+                      f"(critic.model_path={critic.model_path}) is a full fine-tune beside the policy: a LoRA critic "
+                      "is not built. Valid with a critic: 0; or a critic-free estimator (grpo, rloo, reinforce_pp)",
+                      fix={"trainer.lora.rank": 0})
+
     def _check_algo_against_sampling(self) -> None:
         """What makes every advantage 0, so that nothing can learn: one sample per group for a group baseline, or
         greedy sampling (every sample of a group the same answer)."""
@@ -812,8 +838,9 @@ class JobConfig:
                       f"the same answer, so algo.advantage={algo.advantage} makes every advantage 0; valid: > 0 "
                       "(e.g. 1.0)", fix={"rollout.temperature": 1.0})
         if algo.dynamic_sampling and algo.advantage not in GROUP_ADVANTAGES:
+            baseline = "a learned value baseline" if algo.advantage == "gae" else "a batch baseline"
             raise bad("algo.dynamic_sampling", True, f"drops groups whose rewards are all equal, which a group "
-                      f"baseline gives no gradient; algo.advantage={algo.advantage} has a batch baseline, so such a "
+                      f"baseline gives no gradient; algo.advantage={algo.advantage} has {baseline}, so such a "
                       "group still carries one. Valid with it: false; or a group estimator (grpo, dr_grpo, rloo)",
                       fix={"algo.dynamic_sampling": False})
         if algo.mask_truncated and rollout.ignore_eos:

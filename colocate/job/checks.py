@@ -64,6 +64,7 @@ def check_sources(cfg: JobConfig, *, writes_here: bool = True) -> tuple[Task, Mo
     dims = model_dims(cfg)
     check_experts(cfg, dims)
     check_lora(cfg, dims)
+    check_critic(cfg, dims)
     task = make_task(cfg.rollout.task, length=cfg.rollout.task_length)
     if cfg.rollout.env and not cfg.data.train_files:  # on data rows, read_inputs checks it with the first one
         _check_env(cfg, task.sample(random.Random(0)))
@@ -184,6 +185,33 @@ def check_lora(cfg: JobConfig, dims: ModelDims | None) -> None:
                   f"{', '.join(missing)} {'matches' if len(missing) == 1 else 'match'} no linear layer of {model}; "
                   "valid: all-linear, "
                   + ", ".join(have), fix={"trainer.lora.target_modules": "all-linear"})
+
+
+def check_critic(cfg: JobConfig, dims: ModelDims | None) -> None:
+    """critic.model_path, when it is a model of its own: a local causal LM whose tokens are the policy's, and whose
+    value head, when it carries one, fits its hidden size (trainer/critic.py loads it)."""
+    from colocate.config.critic import POLICY
+    from colocate.trainer.critic import saved_value_head
+
+    path = cfg.critic.model_path
+    if not path or path == POLICY:
+        return
+    local, key = Path(path).expanduser(), "critic.model_path"
+    if not (local / "config.json").is_file():
+        raise bad(key, path, "not a local Hugging Face model directory (no config.json there); valid: policy (a copy "
+                  "of the policy with a value head), or such a directory", fix={key: POLICY})
+    config = json.loads((local / "config.json").read_text())
+    name = (config.get("architectures") or ["(none)"])[0]
+    if not name.endswith("ForCausalLM"):
+        raise bad(key, path, f"{name} is not a causal LM (*ForCausalLM), whose backbone the value head sits on")
+    vocab = config.get("vocab_size")
+    if dims is not None and vocab is not None and vocab != dims.vocab_size:
+        raise bad(key, path, f"its vocabulary has {vocab} tokens and the policy's {dims.vocab_size}: the critic "
+                  "reads the policy's token ids, so the two must share a tokenizer")
+    head, hidden = saved_value_head(local), config.get("hidden_size")
+    if head is not None and head[1] != (1, hidden):
+        raise bad(key, path, f"its value head {head[0]}.weight has shape {list(head[1])}, and its hidden size "
+                  f"{hidden} needs [1, {hidden}]")
 
 
 def check_turn_stop(turn_stop: str, tokenizer) -> None:

@@ -56,6 +56,16 @@ class TrainerGroup(ActorGroup):
         by_id = {id(s): lp for share, rows in zip(shares, scored) for s, lp in zip(share, rows)}
         return [by_id[id(s)] for s in sequences]
 
+    def values(self, sequences: list[Sequence], cfg: TrainerConfig) -> list[list[float]]:
+        """The critic's value of every response token (algo.advantage=gae: TrainerActor.values), in the order
+        given; dealt and micro-batched as train_step deals them."""
+        shares = deal(sequences, len(self))
+        num_micro_batches = max(len(trainer_micro_batches(share, cfg)) for share in shares)
+        valued = ray.get([t.values.remote(share, num_micro_batches=num_micro_batches)
+                          for share, t in zip(shares, self)])
+        by_id = {id(s): v for share, rows in zip(shares, valued) for s, v in zip(share, rows)}
+        return [by_id[id(s)] for s in sequences]
+
     def offload(self) -> None:
         self.call("offload")
 

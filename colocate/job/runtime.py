@@ -23,6 +23,7 @@ import logging
 import ray
 
 from colocate.config import JobConfig
+from colocate.config.critic import resolved_critic
 from colocate.config.reward_model import reward_models_in
 from colocate.engine.actor import CONCURRENCY_GROUPS, EngineActor, engine_env, speculative_config
 from colocate.engine.reward_engine import RewardEngineActor, reward_engine_config
@@ -187,7 +188,8 @@ class Runtime:
                           **actor_options(self.group, rank, cpu_share=TRAINER_SHARE, gpu_share=gpu_share,
                                           env=env_vars)).remote(
                 rank, world, cfg.trainer, self.model_path, device=self.device, pad_id=pad,
-                algo=cfg.algo, sampling=cfg.rollout, engine_lora_rank=cfg.engine.max_lora_rank)
+                algo=cfg.algo, sampling=cfg.rollout, engine_lora_rank=cfg.engine.max_lora_rank,
+                critic=resolved_critic(cfg.critic))
             for rank in range(world)
         ])
 

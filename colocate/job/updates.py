@@ -10,6 +10,10 @@ with the trainer before the first update (one forward pass, no gradient: Trainer
 Sequence's `old_logprobs`; the loss anchors the clip there (trainer/loss.py). With one optimizer step, `decoupled`
 needs no pass (the forward's own log-probs, detached, are that policy) and is today's corrected loss.
 
+algo.advantage=gae: the critic scores every sequence before the first update too (TrainerGroup.values), and
+rl/gae.py turns each answer's reward into per-token advantages and returns; every mini-batch then steps the policy
+and the critic (trainer/critic.py), the critic's value clipping anchored at these values.
+
 The shuffle is a function of (rollout.seed, step, epoch) and of the sequences' order, which the controller makes
 deterministic: a run resumed from a checkpoint shuffles its steps as the uninterrupted one did, with no state.
 """
@@ -20,6 +24,7 @@ import dataclasses
 import random
 
 from colocate.config import JobConfig
+from colocate.rl.gae import value_fit, with_gae
 from colocate.rl.samples import Sequence
 from colocate.trainer.stats import TrainStats
 
@@ -61,9 +66,14 @@ class PolicyUpdate:
             proximal = self.trainers.score(sequences, self.cfg.trainer, temperature=rollout.temperature,
                                            top_p=rollout.top_p)
             sequences = [dataclasses.replace(s, old_logprobs=lp) for s, lp in zip(sequences, proximal)]
+        if self.algo.advantage == "gae":  # the critic's values before any update: GAE's, and value clipping's anchor
+            values = self.trainers.values(sequences, self.cfg.trainer)
+            sequences = with_gae(sequences, values, gamma=self.algo.gamma, lam=self.algo.lam)
         batches = mini_batches(sequences, num_mini_batches=self.algo.num_mini_batches,
                                num_epochs=self.algo.num_epochs, seed=self.cfg.rollout.seed, step=step)
         total, updates = TrainStats(), []
+        if self.algo.advantage == "gae":
+            total.value_loss_before, total.value_loss_of_zero = value_fit(sequences)
         for k, batch in enumerate(batches):
             part = self.trainers.train_step(batch, self.cfg.trainer, step=step, update=k)
             updates.append(part.update_record())

@@ -12,6 +12,9 @@ Every estimator but REINFORCE++ takes its baseline from the prompt's own group o
                                                             *token* of the step (each sample's reward counted once
                                                             per token, as its tokens' returns are)
 
+gae (PPO with a critic) is per token and needs the critic's values: this passes each sample's raw reward on, and
+job/updates.py turns it into per-token advantages (rl/gae.py) before the step's first update.
+
 A group whose rewards are all equal gets 0 everywhere (its std is 0: eps keeps the division finite). With
 `algo.kl_in_reward` REINFORCE++'s returns hold a per-token KL term that only the trainer can compute (it needs the
 reference's logprobs): the driver then passes each sample's raw reward, and trainer/token_returns.py folds the KL
@@ -35,6 +38,8 @@ def estimate_advantages(rewards: list[list[float]], *, estimator: str,
         return [_group(g, divide_by_std=False) for g in rewards]
     if estimator == "rloo":
         return [_leave_one_out(g) for g in rewards]
+    if estimator == "gae":  # per token, against the critic's values: job/updates.py (rl/gae.py) estimates it
+        return [list(g) for g in rewards]
     assert estimator == "reinforce_pp", estimator
     if kl_in_reward:
         return [list(g) for g in rewards]

@@ -82,6 +82,14 @@ class Sequence:
     old_logprobs: list[float] | None = None
     """algo.old_logprobs=recompute|decoupled: the trainer's logprob of each response token before the step's first
     update (the proximal policy); None: the ratio's old policy is the engine's (`logprobs`)."""
+    token_advantages: list[float] | None = None
+    """algo.advantage=gae: each response token's advantage (rl/gae.py, whitened; 0 on observations); None: every
+    token takes `advantage`."""
+    returns: list[float] | None = None
+    """algo.advantage=gae: each response token's return, the critic's regression target."""
+    old_values: list[float] | None = None
+    """algo.advantage=gae: the critic's value of each response token before the step's first update (value
+    clipping's anchor)."""
 
     @property
     def num_trained_tokens(self) -> int:

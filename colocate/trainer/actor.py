@@ -21,7 +21,7 @@ from datetime import timedelta
 
 import torch
 
-from colocate.config import AlgoConfig, RolloutConfig
+from colocate.config import AlgoConfig, CriticConfig, RolloutConfig
 from colocate.host.devices import cpu_bf16_features, device_memory, device_name, local_cuda_device
 from colocate.host.memory import map_large_blocks, process_rss_bytes, return_free_memory_to_os
 from colocate.sync.buckets import TensorSpec
@@ -33,7 +33,7 @@ from colocate.trainer.fsdp import checkpoint_layers, shard_by_layer
 from colocate.trainer.logprobs import install_chunked_head
 from colocate.trainer.loss import Sequence, policy_loss, token_scale
 from colocate.trainer.lr_schedule import learning_rate
-from colocate.trainer.offload import make_offloader
+from colocate.trainer.offload import create_optimizer_state, make_offloader
 from colocate.trainer.scoring_passes import ScoringPasses, dummy_sequence
 from colocate.trainer.stats import TrainStats
 from colocate.trainer.token_returns import kl_returns, whiten_over_ranks
@@ -43,7 +43,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 class TrainerActor(ScoringPasses):
     def __init__(self, rank: int, world_size: int, cfg, model_path: str, *, device: str, pad_id: int,
-                 algo: AlgoConfig | None = None, sampling: RolloutConfig | None = None, engine_lora_rank: int = 0):
+                 algo: AlgoConfig | None = None, sampling: RolloutConfig | None = None, engine_lora_rank: int = 0,
+                 critic: CriticConfig | None = None):
         self.rank, self.world_size = rank, world_size
         self.cfg = cfg
         self.model_path = model_path
@@ -58,6 +59,8 @@ class TrainerActor(ScoringPasses):
         self._offloader = None
         self.reference = None  # the frozen reference policy, built in setup when algo.kl_coef > 0
         self.replay = None  # algo.router_replay: the engine's routing replayed (trainer/router_replay.py)
+        self.critic_cfg = critic or CriticConfig()
+        self.critic = None  # algo.advantage=gae: the value model (trainer/critic.py), built in setup
         self._offloaded = False
 
     def rendezvous(self, host: str | None = None) -> tuple[str, int]:
@@ -118,6 +121,13 @@ class TrainerActor(ScoringPasses):
             # copy of the initial weights, built offloaded, before the engine starts and measures the free memory
             self.reference = BaseReference(model) if lora.rank else \
                 ReferencePolicy(self.model_path, mesh=mesh, device=self.device, cfg=self.cfg)
+        if self.critic_cfg.enabled:
+            from colocate.config.critic import POLICY
+            from colocate.trainer.critic import Critic
+
+            path = self.model_path if self.critic_cfg.model_path == POLICY else self.critic_cfg.model_path
+            self.critic = Critic(path, mesh=mesh, device=self.device, cfg=self.cfg, critic=self.critic_cfg,
+                                 offloader=self._offloader)
         self.params = dict(model.named_parameters())
         # what the optimizer steps, the guards check and the gradients hold: with LoRA the adapters alone
         self.trained = {name: p for name, p in self.params.items() if p.requires_grad}
@@ -140,6 +150,7 @@ class TrainerActor(ScoringPasses):
                 "num_trained_params": sum(p.numel() for p in self.trained.values()),
                 "local_param_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters()),
                 "reference_local_bytes": self.reference.local_bytes if self.reference else 0,
+                "critic_local_bytes": self.critic.local_bytes if self.critic else 0,
                 "attention": self.attention,
                 # which path ran: bf16 compute (FSDP2 mixed precision) or fp32, and on the CPU its native bf16
                 "compute_dtype": "bfloat16" if self.cfg.mixed_precision else "float32",
@@ -211,7 +222,40 @@ class TrainerActor(ScoringPasses):
         check_weights(self.trained, step=step, rank=self.rank)
         if self.scaled_b is not None:
             self.scaled_b.refresh()
+        if self.critic is not None:
+            totals += self._train_critic(chunks, batches, step=step, update=update, num_tokens=num_tokens_all_ranks)
         return totals
+
+    def _train_critic(self, chunks: list[list[Sequence]], batches: list[MicroBatch], *, step: int, update: int,
+                      num_tokens: int) -> TrainStats:
+        """The critic's optimizer step on the policy's micro-batches, after the policy's step: the policy's
+        gradients go first (its optimizer has stepped on them), so the two never hold gradients at once."""
+        for p in self.trained.values():
+            p.grad = None
+        totals = TrainStats()
+        for chunk, batch in zip(chunks, batches):
+            loss, stats = self.critic.loss(batch, scale=batch.target_mask / max(num_tokens, 1))
+            (loss * (0.0 if not chunk else self.world_size)).backward()
+            if chunk:
+                totals += stats
+        totals.critic_grad_norm, totals.critic_lr = self.critic.step(
+            step=step, update=update, num_updates=self.algo.num_updates, num_steps=self.algo.num_steps,
+            rank=self.rank)
+        return totals
+
+    @torch.no_grad()
+    def values(self, seqs: list[Sequence], *, num_micro_batches: int) -> list[list[float]]:
+        """The critic's value of every response token of `seqs` (algo.advantage=gae), in order, without training.
+        A collective, like score: every rank runs `num_micro_batches`."""
+        assert self.critic is not None and not self._offloaded, "values need the critic, onloaded"
+        self.critic.model.eval()
+        out, index = {}, {id(s): i for i, s in enumerate(seqs)}
+        for chunk in self._micro_batches(seqs, num_micro_batches):
+            batch = self._collate(chunk or [dummy_sequence(self.pad_id)])
+            values = self.critic.values(batch).cpu()
+            for s, (row, first, num) in zip(chunk, batch.spans):
+                out[index[id(s)]] = values[row, first:first + num].tolist()
+        return [out[i] for i in range(len(seqs))]
 
     def _token_advantages(self, chunks: list[list[Sequence]], batches: list[MicroBatch],
                           ref_logprobs: list) -> list[torch.Tensor | None]:
@@ -226,17 +270,11 @@ class TrainerActor(ScoringPasses):
         return whiten_over_ranks(returns, masks)
 
     def _create_optimizer_state(self) -> None:
-        """AdamW's lazy state, created by hand inside the offloader's region (torch_memory_saver pauses it with
-        the parameters), exactly as `Adam._init_group` creates it (torch/optim/adam.py: step a CPU scalar, the
-        moments zeros like the parameter), so the step itself and its temporaries run outside the region."""
-        with self._offloader.allocation_region():
-            for group in self.optimizer.param_groups:
-                assert not (group["fused"] or group["capturable"] or group["amsgrad"]), "mirror Adam._init_group"
-                for p in group["params"]:
-                    self.optimizer.state[p].update(
-                        step=torch.tensor(0.0, dtype=torch.float32),
-                        exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
-                        exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+        """The policy's AdamW state, and the critic's, in the offloader's region (trainer/offload.py
+        create_optimizer_state)."""
+        create_optimizer_state(self._offloader, self.optimizer)
+        if self.critic is not None and not self.critic.optimizer.state:
+            create_optimizer_state(self._offloader, self.critic.optimizer)
 
     # ---------------------------------------------------------------------------------------- weight sync
 
@@ -313,6 +351,8 @@ class TrainerActor(ScoringPasses):
             if not self.optimizer.state:  # no step trained yet (dynamic sampling kept no group): AdamW's zero state
                 self._create_optimizer_state()
             save_rank_state(directory, self.model, self.optimizer, rank=self.rank)
+            if self.critic is not None:
+                save_rank_state(directory, self.critic.model, self.critic.optimizer, rank=self.rank, name="critic")
 
     def load_checkpoint(self, directory: str) -> None:
         """Read a checkpoint into the live shards (a collective). The optimizer's state is created first, in the
@@ -323,6 +363,8 @@ class TrainerActor(ScoringPasses):
             if not self.optimizer.state:
                 self._create_optimizer_state()
             load_rank_state(directory, self.model, self.optimizer, rank=self.rank)
+            if self.critic is not None:
+                load_rank_state(directory, self.critic.model, self.critic.optimizer, rank=self.rank, name="critic")
             if self.scaled_b is not None:
                 self.scaled_b.refresh()
 
@@ -369,7 +411,7 @@ class TrainerActor(ScoringPasses):
         tensors = [p.to_local() for p in self.model.parameters()]
         for state in self.optimizer.state.values():
             tensors += [v.to_local() if hasattr(v, "to_local") else v for v in state.values() if torch.is_tensor(v)]
-        return tensors
+        return tensors + (self.critic.state_tensors() if self.critic is not None else [])
 
     def pid(self) -> int:
         return os.getpid()

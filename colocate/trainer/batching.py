@@ -49,6 +49,10 @@ class MicroBatch:
     routing: torch.Tensor | None = None
     """algo.router_replay: [rows, T, layers, top_k] long, the engine's experts of each input position, -1 where
     the router chooses (padding, each sequence's last token); None: no sequence carries a routing."""
+    returns: torch.Tensor | None = None
+    """algo.advantage=gae: [rows, T-1] each target's return (the critic's target); None: no critic."""
+    old_values: torch.Tensor | None = None
+    """algo.advantage=gae: [rows, T-1] each target's value before the step's first update; None: no critic."""
 
     @property
     def num_seqs(self) -> int:
@@ -92,6 +96,9 @@ def collate(seqs: list[Sequence], *, pad_id: int, device: torch.device, packed: 
     advantages = torch.zeros((rows, width - 1))
     seq_ids = torch.zeros((rows, width - 1), dtype=torch.long)
     prox = torch.zeros((rows, width - 1)) if any(s.old_logprobs is not None for s in seqs) else None
+    valued = any(s.returns is not None for s in seqs)
+    returns = torch.zeros((rows, width - 1)) if valued else None
+    old_values = torch.zeros((rows, width - 1)) if valued else None
     routed = [s.routing for s in seqs if s.routing is not None]
     routing = torch.full((rows, width, *routed[0].shape[1:]), -1, dtype=torch.long) if routed else None
     spans, num_trained, offset = [], [], 0
@@ -109,7 +116,12 @@ def collate(seqs: list[Sequence], *, pad_id: int, device: torch.device, packed: 
         if prox is not None:
             assert s.old_logprobs is not None, "a micro-batch's sequences all have a proximal policy or none do"
             prox[row, first:first + num] = torch.tensor(s.old_logprobs)
-        advantages[row, first:first + num] = s.advantage
+        advantages[row, first:first + num] = s.advantage if s.token_advantages is None else \
+            torch.tensor(s.token_advantages)
+        if valued:
+            assert s.returns is not None and s.old_values is not None, "a micro-batch's sequences all have values"
+            returns[row, first:first + num] = torch.tensor(s.returns)
+            old_values[row, first:first + num] = torch.tensor(s.old_values)
         seq_ids[row, first:first + num] = i
         if routing is not None:
             routing[row, start:start + length] = torch.from_numpy(
@@ -118,9 +130,11 @@ def collate(seqs: list[Sequence], *, pad_id: int, device: torch.device, packed: 
         num_trained.append(s.num_trained_tokens)
         offset += length
     tensors = (input_ids, attention_mask, position_ids, target_mask, old_logprobs, advantages, seq_ids)
-    return MicroBatch(*(t.to(device) if t is not None else None for t in tensors), spans=spans,
-                      num_trained=num_trained, routing=None if routing is None else routing.to(device),
-                      prox_logprobs=None if prox is None else prox.to(device))
+    def moved(t):
+        return None if t is None else t.to(device)
+
+    return MicroBatch(*(moved(t) for t in tensors), spans=spans, num_trained=num_trained, routing=moved(routing),
+                      prox_logprobs=moved(prox), returns=moved(returns), old_values=moved(old_values))
 
 
 def micro_batch_tokens(lengths: list[int], *, packed: bool) -> int:

@@ -67,6 +67,19 @@ class Offloader(Protocol):
     def close(self) -> None: ...
 
 
+def create_optimizer_state(offloader: Offloader, optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's lazy state, created by hand inside the offloader's region (torch_memory_saver pauses it with the
+    parameters), exactly as `Adam._init_group` creates it (torch/optim/adam.py: step a CPU scalar, the moments
+    zeros like the parameter), so the step itself and its temporaries run outside the region."""
+    with offloader.allocation_region():
+        for group in optimizer.param_groups:
+            assert not (group["fused"] or group["capturable"] or group["amsgrad"]), "mirror Adam._init_group"
+            for p in group["params"]:
+                optimizer.state[p].update(step=torch.tensor(0.0, dtype=torch.float32),
+                                          exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                                          exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+
+
 def make_offloader(device: torch.device, *, backend: str = "auto", directory: str | None = None,
                    tag: str = MEMORY_SAVER_TAG, owner: str = "this process") -> Offloader:
     """The offloader for `device`: `backend` ("auto", "pinned", "torch_memory_saver") chooses among the CUDA

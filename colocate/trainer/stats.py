@@ -23,7 +23,12 @@ from colocate.rl.corrections import mismatch_stats
 
 
 # sums recorded under another name than their own less "_sum" (older records' keys), or inside `correction`
-RECORD_NAMES = {"mismatch_abs_sum": "mismatch", "clipped_sum": "clip_fraction"}
+RECORD_NAMES = {"mismatch_abs_sum": "mismatch", "clipped_sum": "clip_fraction",
+                "value_clipped_sum": "value_clip_fraction", "return_sum": "return"}
+# one value for the whole step: kept, not added
+ONE_PER_STEP = ("grad_norm", "lr", "critic_grad_norm", "critic_lr", "value_loss_before", "value_loss_of_zero")
+CRITIC_SUMS = ("value_loss_sum", "value_clipped_sum", "value_sum", "return_sum", "return_sq_sum",
+               "value_error_sq_sum")
 CORRECTION_SUMS = {"corrected_sum": "fraction_affected", "weight_sum": "weight_mean"}
 
 
@@ -58,6 +63,18 @@ class TrainStats:
     routing_flipped_sum: float = 0.0
     """algo.router_replay: response tokens predicted from a position the trainer's routers would have sent to other
     experts than the engine's, in any layer (the flips the replay removed); 0 without it."""
+    value_loss_sum: float = 0.0
+    """algo.advantage=gae: the critic's clipped value loss (0.5 x squared error) summed over response tokens."""
+    value_clipped_sum: float = 0.0
+    """algo.advantage=gae: tokens whose value loss took the clipped term."""
+    value_sum: float = 0.0
+    """algo.advantage=gae: the critic's values summed over response tokens (as they were trained on)."""
+    return_sum: float = 0.0
+    """algo.advantage=gae: the returns (the critic's targets) summed over response tokens."""
+    return_sq_sum: float = 0.0
+    """algo.advantage=gae: the returns squared, summed (the explained variance's denominator)."""
+    value_error_sq_sum: float = 0.0
+    """algo.advantage=gae: (return - value)^2 summed (the explained variance's numerator)."""
     token_log_w: np.ndarray = field(default_factory=_empty)
     """Every response token's log(p_trainer / p_engine), for the mismatch monitor."""
     seq_log_w: np.ndarray = field(default_factory=_empty)
@@ -66,6 +83,15 @@ class TrainStats:
     """The total gradient norm before clipping (the same on every rank; None without clipping)."""
     lr: float | None = None
     """The step's learning rate (trainer/lr_schedule.py; the same on every rank)."""
+    critic_grad_norm: float | None = None
+    """algo.advantage=gae: the critic's total gradient norm before clipping (None: no critic)."""
+    critic_lr: float | None = None
+    """algo.advantage=gae: the critic's learning rate this optimizer step."""
+    value_loss_before: float | None = None
+    """algo.advantage=gae: the critic's loss on the step's returns before the step's first update, 0.5 (V - R)^2 per
+    trained token (rl/gae.py value_fit)."""
+    value_loss_of_zero: float | None = None
+    """algo.advantage=gae: the loss a critic answering 0 (the zero-initialised one) would have there, 0.5 R^2."""
     updates: list = field(default_factory=list)
     """With several optimizer steps a step (algo.num_updates): each one's update_record(), in order."""
 
@@ -74,7 +100,7 @@ class TrainStats:
         values = {}
         for f in dataclasses.fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if f.name in ("grad_norm", "lr"):
+            if f.name in ONE_PER_STEP:
                 values[f.name] = mine if mine is not None else theirs
             elif isinstance(mine, np.ndarray):
                 values[f.name] = np.concatenate([mine, theirs])
@@ -85,8 +111,27 @@ class TrainStats:
     def update_record(self) -> dict:
         """One optimizer step's figures: its tokens, loss, clip fraction, KL to the step's proximal policy, learning
         rate and gradient norm."""
-        return {"tokens": self.tokens, "loss": self.per_token("loss_sum"), "clip_fraction": self.per_token(
+        record = {"tokens": self.tokens, "loss": self.per_token("loss_sum"), "clip_fraction": self.per_token(
             "clipped_sum"), "kl_old": self.per_token("kl_old_sum"), "lr": self.lr, "grad_norm": self.grad_norm}
+        if self.critic_lr is not None:
+            record.update(value_loss=self.per_token("value_loss_sum"), critic_grad_norm=self.critic_grad_norm)
+        return record
+
+    def critic_record(self) -> dict:
+        """The critic's figures (algo.advantage=gae): its loss, clip fraction, mean value and return, and the share
+        of the returns' variance its values explain (1 - Var(R - V) / Var(R): 1 perfect, 0 no better than a
+        constant, below 0 worse); {} without a critic."""
+        if self.critic_lr is None:
+            return {}
+        figures = {RECORD_NAMES.get(name, name.removesuffix("_sum")): self.per_token(name)
+                   for name in CRITIC_SUMS[:4]}
+        mean_return = self.per_token("return_sum")
+        error = self.per_token("value_error_sq_sum") - (mean_return - self.per_token("value_sum")) ** 2
+        variance = self.per_token("return_sq_sum") - mean_return ** 2
+        explained = 1 - error / variance if variance > 1e-12 else 0.0
+        return {"critic": {**figures, "explained_variance": explained, "grad_norm": self.critic_grad_norm or 0.0,
+                           "lr": self.critic_lr, "value_loss_before": self.value_loss_before,
+                           "value_loss_of_zero": self.value_loss_of_zero}}
 
     def per_token(self, name: str) -> float:
         return getattr(self, name) / (self.tokens or 1.0)
@@ -94,7 +139,7 @@ class TrainStats:
     def record(self, algo: AlgoConfig) -> dict:
         """The step record's training figures: every sum per response token, the loss as optimised, the learning
         rate (None: the step trained nothing), the mismatch monitor and the correction's effect."""
-        sums = [f.name for f in dataclasses.fields(self) if f.name.endswith("_sum")]
+        sums = [f.name for f in dataclasses.fields(self) if f.name.endswith("_sum") and f.name not in CRITIC_SUMS]
         record = {RECORD_NAMES.get(name, name.removesuffix("_sum")): self.per_token(name) for name in sums
                   if name not in CORRECTION_SUMS}
         monitor = mismatch_stats(torch.from_numpy(self.token_log_w), torch.from_numpy(self.seq_log_w),
@@ -103,4 +148,4 @@ class TrainStats:
                       **{key: self.per_token(name) for name, key in CORRECTION_SUMS.items()}}
         return {**record, "objective": self.objective, "lr": self.lr, "mismatch_monitor": monitor,
                 "correction": correction, "grad_norm": self.grad_norm or 0.0,
-                **({"updates": self.updates} if self.updates else {})}
+                **self.critic_record(), **({"updates": self.updates} if self.updates else {})}

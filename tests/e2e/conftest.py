@@ -144,16 +144,17 @@ def sigint_ignored() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def checkpoint_tensors(checkpoint: Path) -> dict:
-    """Every tensor of a checkpoint's trainer state (model and optimizer), assembled from the ranks' shards."""
+def checkpoint_tensors(checkpoint: Path, name: str = "trainer") -> dict:
+    """Every tensor of a checkpoint's trainer state (model and optimizer), assembled from the ranks' shards;
+    `name` critic: the critic's (algo.advantage=gae)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    metadata = FileSystemReader(str(checkpoint / "trainer")).read_metadata()
+    metadata = FileSystemReader(str(checkpoint / name)).read_metadata()
     state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype)
              for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
-    dcp.load(state, checkpoint_id=str(checkpoint / "trainer"), no_dist=True)
+    dcp.load(state, checkpoint_id=str(checkpoint / name), no_dist=True)
     return state
 
 

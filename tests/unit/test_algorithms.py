@@ -320,6 +320,7 @@ PRESETS = {  # each preset's defining keys, as its paper sets them
     "cispo": dict(policy_loss="cispo", clip_low=1.0, clip_high=0.28, loss_aggregation="token_mean"),
     "rloo": dict(advantage="rloo"),
     "reinforce_pp": dict(advantage="reinforce_pp", kl_in_reward=True, kl_estimator="k1"),
+    "ppo": dict(advantage="gae", gamma=1.0, lam=0.95, num_epochs=2, old_logprobs="recompute"),
 }
 
 

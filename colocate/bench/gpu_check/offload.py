@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gc
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -136,11 +135,12 @@ def trainer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> l
 
 
 def create_optimizer_state(offloader, optimizer: torch.optim.Optimizer) -> None:
-    """AdamW's state created the trainer's own way (`TrainerActor._create_optimizer_state`: by hand, inside the
-    offloader's region, so that no step's temporaries come from torch_memory_saver's pool)."""
-    from colocate.trainer.actor import TrainerActor
+    """AdamW's state created the trainer's own way (trainer/offload.py `create_optimizer_state`, which
+    TrainerActor calls: by hand, inside the offloader's region, so that no step's temporaries come from
+    torch_memory_saver's pool)."""
+    from colocate.trainer.offload import create_optimizer_state as trainers_way
 
-    TrainerActor._create_optimizer_state(SimpleNamespace(_offloader=offloader, optimizer=optimizer))
+    trainers_way(offloader, optimizer)
 
 
 def offload_before_optimizer_state(device: torch.device, *, backend: str, size: int) -> dict:
