@@ -238,6 +238,10 @@ def _run_bench(args, cfg: JobConfig, *, only: list[str] | None, lengths: list[in
         from colocate.bench.switch import run_switch_bench
 
         run_switch_bench(cfg, num_cycles=args.repeats, out_dir=args.out, name=args.name or "switch")
+    elif args.which == "train" and args.updates:
+        from colocate.bench.train_updates import run_updates_bench
+
+        run_updates_bench(cfg, num_updates=args.updates, out_dir=args.out, name=args.name or "train_updates")
     elif args.which == "train":
         from colocate.bench.train import DEFAULT_LENGTHS, run_train_bench
 
@@ -442,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--lengths", default="",
                        help="train: longest answer lengths, ascending (default 128,512,1024,2048,4096); "
                        "train-memory: sequence lengths in tokens, ascending (default 256,512,1024,2048)")
+    bench.add_argument("--updates", type=int, default=0,
+                       help="train: instead of the answer lengths, one step of this many optimizer steps, with and "
+                       "without PPO's critic: their cost, and the critic's share of time and memory")
     bench.set_defaults(func=cmd_bench, command="bench")
 
     plot = sub.add_parser("plot", help="draw a run's metrics (reward, mismatch, phase times, memory) as a PNG",

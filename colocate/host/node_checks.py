@@ -43,12 +43,15 @@ MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # the MPS control daemon's default (CUDA
 MODE_NAMES = {0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process"}
 
 
-def host_needs(cfg: JobConfig, dims, *, offload: bool) -> dict[str, int]:
-    """Host bytes of a one-node CUDA job: at start-up, and what offloading keeps there."""
+def host_needs(cfg: JobConfig, dims, *, offload: bool, critic_params: int = 0) -> dict[str, int]:
+    """Host bytes of a one-node CUDA job: at start-up, and what offloading keeps there (`critic_params`: the
+    critic's, algo.advantage=gae, offloaded with the policy's state)."""
     num_ranks = cfg.placement.num_trainer_ranks
     needs = {"checkpoint loaded in fp32 by every rank (start-up)": num_ranks * 4 * dims.num_params}
     if offload:
         needs["trainer state's host copy (offload)"] = 12 * dims.num_params
+        if critic_params:  # offloaded with the policy's (trainer/critic.py)
+            needs["critic state's host copy (offload)"] = 12 * critic_params
     return needs
 
 

@@ -186,8 +186,9 @@ class Controller:
             self.trace.event("trainer.onload")
 
     def train(self, scored: Scored, step: int) -> dict:
-        self.dump.write(step, scored, self.rt.trainers, self.cfg)  # before the update: the policy's log-probs
-        total = self.update.run(scored.sequences, step=step)
+        sequences = self.update.prepare(scored.sequences)  # the proximal policy, the critic's values: once
+        self.dump.write(step, scored, sequences, self.rt.trainers, self.cfg)  # before the update
+        total = self.update.train(sequences, step=step)
         self.trace.event("train")
         return total.record(self.cfg.algo)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from colocate.config import JobConfig
 from colocate.config.reward_model import reward_models_in
-from colocate.models.dims import ModelDims, trainer_state_bytes
+from colocate.models.dims import ModelDims, critic_params, num_adapter_params, trainer_state_bytes
 from colocate.job.placement import sync_in_place, sync_method
 from colocate.job.train_peaks import TrainPeaks, predict_train_peaks
 
@@ -81,7 +81,44 @@ def train_phase_parts(peaks: TrainPeaks) -> dict[str, int]:
     return {"trainer params + grads + optimizer": peaks.resident_bytes + grads, **parts}
 
 
+CRITIC_KEPT = "critic params + optimizer"
+
+
+def critic_parts(cfg: JobConfig, dims: ModelDims, *, ranks: int) -> dict[str, dict[str, int]]:
+    """The value model's parts (algo.advantage=gae; empty without a critic) in each phase, for `ranks` of the
+    world's trainer ranks (CPU: all of them, the host holds every rank; CUDA: 1, a GPU holds one), keyed by phase.
+    It lives in the trainer's processes and moves with the policy's state (trainer/critic.py): resident where the
+    policy's is, offloaded with it for the rollout. In training the policy's step runs, its gradients are dropped,
+    then the critic's: the critic's pass is the policy's without the vocabulary's logits, beside the policy's
+    resident state, so the train phase's peak is the policy step's plus the critic's state, and the critic's
+    gradients where they outgrow the policy's (a critic model of its own larger than the policy)."""
+    n = critic_params(cfg, dims)
+    if not n:
+        return {}
+    world = cfg.placement.num_trainer_ranks
+    trained = num_adapter_params(cfg, dims) if cfg.trainer.lora.rank else dims.num_params
+    share = ranks / world
+    kept = {CRITIC_KEPT: int(12 * n * share)}
+    return {"startup": {"critic params (fp32 shards)": int(4 * n * share)}, "rollout": kept, "sync": kept,
+            "train": {**kept, "critic gradients beyond the policy's": int(4 * max(0, n - trained) * share)}}
+
+
+def with_critic(phases: list[Phase], critic: dict[str, dict[str, int]], *, offloaded: bool) -> list[Phase]:
+    """`phases` with the critic's parts added to those it is resident in (the rollout only when not offloaded)."""
+    for phase in phases:
+        parts = critic.get(phase.name, {})
+        if phase.name == "rollout" and offloaded:
+            parts = {key: 0 for key in parts}
+        phase.parts.update(parts)
+    return phases
+
+
 def cpu_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan) -> list[Phase]:
+    return with_critic(_cpu_phases(cfg, dims, plan), critic_parts(cfg, dims, ranks=cfg.placement.num_trainer_ranks),
+                       offloaded=plan.trainer_offload)
+
+
+def _cpu_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan) -> list[Phase]:
     world, tp, engines = cfg.placement.num_trainer_ranks, cfg.engine.tp, cfg.num_engines
     params = dims.num_params * 4  # fp32 master weights
     kept, _ = trainer_state_bytes(cfg, dims)
@@ -200,8 +237,13 @@ def _split_cuda_phases(cfg: JobConfig, dims: ModelDims, gpu_bytes: int) -> list[
 
 def cuda_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan, gpu_bytes: int) -> list[Phase]:
     """One GPU = one slot: trainer rank (an FSDP2 shard of 1/world) + one engine TP worker (1/tp of the weights)."""
+    critic = critic_parts(cfg, dims, ranks=1)
     if cfg.placement.split:
-        return _split_cuda_phases(cfg, dims, gpu_bytes)
+        return with_critic(_split_cuda_phases(cfg, dims, gpu_bytes), critic, offloaded=False)
+    return with_critic(_colocated_cuda_phases(cfg, dims, plan, gpu_bytes), critic, offloaded=plan.trainer_offload)
+
+
+def _colocated_cuda_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan, gpu_bytes: int) -> list[Phase]:
     world, tp = cfg.placement.num_slots, cfg.engine.tp
     engine_dtype = DTYPE_BYTES[cfg.engine.dtype]
     shard = 4 * dims.num_params // world  # fp32 params

@@ -31,6 +31,7 @@ from colocate.errors import ConfigError
 from colocate.host.node_checks import host_needs
 from colocate.models.dims import (  # noqa: F401
     ModelDims,
+    critic_params,
     model_config_file,
     model_dims,
     num_adapter_params,
@@ -295,7 +296,8 @@ def preflight(cfg: JobConfig, dims: ModelDims | None, *, device: str, available_
     plan = plan_switch(cfg, dims, device=device, available_bytes=available)
     phases = predict_phases(cfg, dims, device=device, plan=plan, gpu_bytes=available)
     check_fits(phases, available_bytes=available, cfg=cfg, device=device, plan=plan)
-    host = host_needs(cfg, dims, offload=plan.trainer_offload) if device == "cuda" else {}
+    host = host_needs(cfg, dims, offload=plan.trainer_offload, critic_params=critic_params(cfg, dims)) \
+        if device == "cuda" else {}
     if host and cfg.algo.kl_coef > 0 and not cfg.trainer.lora.rank:
         # the reference policy waits offloaded (pinned or torch_memory_saver's host copy) but for its forwards:
         # every rank's shard in the compute dtype (trainer/reference.py)

@@ -59,8 +59,15 @@ class PolicyUpdate:
         return self.runtime.trainers
 
     def run(self, sequences: list[Sequence], *, step: int) -> TrainStats:
+        """The step's update: prepare, then train."""
+        return self.train(self.prepare(sequences), step=step)
+
+    def prepare(self, sequences: list[Sequence]) -> list[Sequence]:
+        """What every update reads, computed once before the first: the proximal policy's log-probs
+        (algo.old_logprobs), and with algo.advantage=gae the critic's values, per-token advantages and returns.
+        The sequences in the order given (the rollout dump reads them as trained)."""
         if not sequences:
-            return TrainStats()
+            return []
         if self.algo.recomputes_proximal:
             rollout = self.cfg.rollout
             proximal = self.trainers.score(sequences, self.cfg.trainer, temperature=rollout.temperature,
@@ -69,6 +76,12 @@ class PolicyUpdate:
         if self.algo.advantage == "gae":  # the critic's values before any update: GAE's, and value clipping's anchor
             values = self.trainers.values(sequences, self.cfg.trainer)
             sequences = with_gae(sequences, values, gamma=self.algo.gamma, lam=self.algo.lam)
+        return sequences
+
+    def train(self, sequences: list[Sequence], *, step: int) -> TrainStats:
+        """num_mini_batches x num_epochs optimizer steps on prepared sequences; their stats added up."""
+        if not sequences:
+            return TrainStats()
         batches = mini_batches(sequences, num_mini_batches=self.algo.num_mini_batches,
                                num_epochs=self.algo.num_epochs, seed=self.cfg.rollout.seed, step=step)
         total, updates = TrainStats(), []

@@ -115,6 +115,31 @@ def trainer_state_bytes(cfg: JobConfig, dims: ModelDims) -> tuple[int, int]:
     return params + 8 * trained, params + 12 * trained
 
 
+def critic_params(cfg: JobConfig, dims: ModelDims) -> int:
+    """The value model's parameters (algo.advantage=gae; 0 without a critic): its backbone (the policy's, or the
+    critic.model_path model's) with a [hidden -> 1] head instead of the LM head. An untied head's vocab x hidden
+    goes; a tied one stays as the input embeddings. A path whose config.json cannot be read counts as the policy."""
+    if not cfg.critic.enabled:
+        return 0
+    critic = dims
+    if cfg.critic.model_path != "policy":
+        config_file = model_config_file(cfg.critic.model_path)
+        if config_file is not None:
+            try:
+                critic = ModelDims.from_config_dict(json.loads(config_file.read_text()))
+            except (OSError, ValueError, KeyError):
+                critic = dims
+    head = 0 if critic.tie_word_embeddings else critic.vocab_size * critic.hidden_size
+    return critic.num_params - head + critic.hidden_size + 1
+
+
+def critic_state_bytes(cfg: JobConfig, dims: ModelDims) -> tuple[int, int]:
+    """(params + optimizer, params + grads + optimizer) of the whole critic, fp32 with AdamW's two moments, as
+    trainer_state_bytes counts the policy's; (0, 0) without a critic."""
+    n = critic_params(cfg, dims)
+    return 12 * n, 16 * n
+
+
 def num_routed_experts(config: dict) -> int:
     """A model config's routed experts per layer, under the names the MoE families use (Qwen2/3-MoE, transformers
     5's saved configs, Mixtral, DeepSeek); 0 for a dense model."""

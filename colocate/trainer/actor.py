@@ -16,6 +16,7 @@ decoder layer, then the root, with `fully_shard` on dim 0. As job/runtime.py and
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -232,6 +233,7 @@ class TrainerActor(ScoringPasses):
         gradients go first (its optimizer has stepped on them), so the two never hold gradients at once."""
         for p in self.trained.values():
             p.grad = None
+        started = time.perf_counter()
         totals = TrainStats()
         for chunk, batch in zip(chunks, batches):
             loss, stats = self.critic.loss(batch, scale=batch.target_mask / max(num_tokens, 1))
@@ -241,6 +243,7 @@ class TrainerActor(ScoringPasses):
         totals.critic_grad_norm, totals.critic_lr = self.critic.step(
             step=step, update=update, num_updates=self.algo.num_updates, num_steps=self.algo.num_steps,
             rank=self.rank)
+        totals.critic_seconds = time.perf_counter() - started
         return totals
 
     @torch.no_grad()

@@ -83,6 +83,9 @@ class TrainStats:
     """The total gradient norm before clipping (the same on every rank; None without clipping)."""
     lr: float | None = None
     """The step's learning rate (trainer/lr_schedule.py; the same on every rank)."""
+    critic_seconds: float = 0.0
+    """algo.advantage=gae: seconds the critic's forward, backward and optimizer step took (summed over updates and
+    ranks: rank-seconds; bench train --updates reads it on one rank)."""
     critic_grad_norm: float | None = None
     """algo.advantage=gae: the critic's total gradient norm before clipping (None: no critic)."""
     critic_lr: float | None = None

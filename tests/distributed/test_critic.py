@@ -151,3 +151,20 @@ def test_the_critic_never_reaches_the_policy_and_round_trips(tmp_path):
     with_critic, without = torch.load(tmp_path / "with.pt"), torch.load(tmp_path / "without.pt")
     assert with_critic.keys() == without.keys()
     assert all(torch.equal(with_critic[n], without[n]) for n in without)  # the policy's update, bit for bit
+
+
+def test_bench_train_updates_measures_the_critics_share(tmp_path):
+    """`colocate bench train --updates N` on the tiny model: its three variants run their optimizer steps, and the
+    critic's share of time and state is measured, not assumed (the bench preset's figures: benchmarks/results)."""
+    from colocate.bench.train_updates import run_updates_bench
+    from colocate.config import JobConfig
+
+    cfg = JobConfig(model=ModelConfig(preset="tiny", cache_dir=str(tmp_path / "models")))
+    result = run_updates_bench(cfg, num_updates=2, out_dir=str(tmp_path), name="updates")
+    rows = result["rows"]
+    assert [rows[v]["optimizer_steps"] for v in ("one_update", "n_updates", "ppo")] == [1, 2, 2]
+    assert rows["one_update"]["critic_state_bytes"] == rows["n_updates"]["critic_state_bytes"] == 0
+    assert rows["ppo"]["critic_state_bytes"] > 0 and rows["ppo"]["critic_update_s"] > 0
+    assert "values_s" in rows["ppo"] and "recompute_s" in rows["n_updates"] and "recompute_s" not in rows["one_update"]
+    assert 0 < result["critic_share_of_step_time"] < 1 and 0.3 < result["critic_share_of_resident_state"] < 0.6
+    assert (tmp_path / "updates.json").is_file()

@@ -17,6 +17,7 @@ import yaml
 
 import torch
 
+from colocate.job.rollout_dump import read_rollouts
 from tests.e2e.conftest import checkpoint_tensors, launch
 
 pytestmark = pytest.mark.e2e
@@ -57,8 +58,16 @@ def test_the_ppo_preset_learns_and_a_killed_run_continues_exactly(tmp_path):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     job = (f"algo.num_steps={NUM_STEPS}", "logging.progress=false", "checkpoint.every_steps=4", *ONE_SLOT)
     config = ("configs/default.yaml", "configs/algos/ppo.yaml")
-    result = launch(whole, *job, config=config, small=False)
+    result = launch(whole, *job, "logging.rollouts=1", config=config, small=False)
     assert result.returncode == 0, result.stderr[-3000:]
+    # the dump: each answer's advantages, returns and the critic's values as trained, and the recomputed proximal
+    # log-probs as the trainer's (not scored a second time)
+    dumped = read_rollouts(whole / "out" / "rollouts.jsonl")
+    assert len(dumped) == NUM_STEPS * 8 and all(len(d["token_advantages"]) == len(d["returns"]) == len(d["values"])
+                                                == len(d["response_ids"]) == len(d["trainer_logprobs"])
+                                                for d in dumped)
+    assert all(v == 0.0 for d in dumped if d["step"] == 0 for v in d["values"])  # the head starts at 0
+    assert any(v != 0.0 for d in dumped if d["step"] == NUM_STEPS - 1 for v in d["values"])
     steps = [json.loads(line) for line in (whole / "out" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in steps if "event" not in r]
     assert [r["step"] for r in steps] == list(range(NUM_STEPS))

@@ -251,6 +251,8 @@ def test_resume_from_an_unfinished_save(tmp_path):
     pytest.param({"lora": "LoRA (trainer.lora.rank=8, alpha=16, target_modules=all-linear)"},
                  "saved with LoRA (trainer.lora.rank=8, alpha=16, target_modules=all-linear), this job has no LoRA "
                  "(trainer.lora.rank=0)", id="lora_into_full"),
+    pytest.param({"critic": "a critic (critic.model_path=policy)"}, "saved with a critic (critic.model_path=policy), "
+                 "this job has no critic (critic.model_path empty)", id="ppo_into_grpo"),
 ])
 def test_resume_from_a_checkpoint_of_another_job(changes, needle, tmp_path):
     cfg = load_config(None, [])

@@ -380,3 +380,44 @@ def test_the_switch_bench_predicts_the_sequences_it_trained():
     assert as_run(cfg, []) is cfg
     bound, trained = (predict_train_peaks(c, model_dims(c), device="cpu") for c in (cfg, ran))
     assert trained.forward_backward_bytes < bound.forward_backward_bytes
+
+
+# ------------------------------------------------------------------------------------------- the critic
+
+PPO_PRESET = str(Path(__file__).resolve().parents[2] / "configs" / "algos" / "ppo.yaml")
+
+
+def test_validate_prints_the_critics_parts_for_the_readme_7b_job_with_the_ppo_preset(capsys):
+    code = main(["validate", PPO_PRESET, f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2",
+                 "engine.max_model_len=4096", "rollout.max_tokens=1024", "trainer.micro_batch_size=1",
+                 "--gpus", "8", "--gpu-memory-gib", "79.6"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    lines = {name: next(line for line in out.splitlines() if line.startswith(f"#   {name} "))
+             for name in ("startup", "rollout", "train", "sync")}
+    # Qwen2.5-7B less its untied 152064 x 3584 head, plus a 3585-parameter value head: 7.07B, 12 bytes each
+    # (fp32 and AdamW's moments) over 8 ranks
+    critic = 7_615_616_512 - 152_064 * 3584 + 3585
+    assert f"critic params + optimizer {12 * critic / 8 / GIB:.2f}" in lines["rollout"]
+    for name in ("train", "sync"):
+        assert f"critic params + optimizer {12 * critic / 8 / GIB:.2f}" in lines[name], name
+    assert f"critic params (fp32 shards) {4 * critic / 8 / GIB:.2f}" in lines["startup"]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_critic_is_counted_in_every_phase_and_offloaded_with_the_policy(device):
+    from colocate.job.phases import critic_parts
+
+    base = [f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2"]
+    ppo = [*base, "algo.advantage=gae", "critic.model_path=policy"]
+    plan = SwitchPlan(2, True, "test")
+    configs = [load_config(None, o) for o in (base, ppo)]
+    without, with_ = (predict_phases(cfg, model_dims(cfg), device=device, plan=plan, gpu_bytes=H200)
+                      for cfg in configs)
+    parts = critic_parts(configs[1], model_dims(configs[1]), ranks=1 if device == "cuda" else 8)
+    assert set(parts) == {"startup", "rollout", "train", "sync"}
+    for a, b in zip(without, with_):
+        added = {k: v for k, v in b.parts.items() if k not in a.parts}
+        expected = {k: 0 for k in parts["rollout"]} if a.name == "rollout" else parts.get(a.name, {})
+        assert added == expected, a.name  # offloaded: nothing of it beside the engine in the rollout
+        assert b.total - a.total == sum(expected.values()), a.name

@@ -165,7 +165,7 @@ def test_the_rollout_dump_is_bounded_and_a_resume_cuts_the_steps_it_trains_again
     dump = RolloutDump(LoggingConfig(output_dir=str(tmp_path), rollouts=2, rollouts_max_mb=1.0))
     trainers = Trainers()
     for step in range(3):
-        dump.write(step, scored, trainers, cfg)
+        dump.write(step, scored, scored.sequences, trainers, cfg)
     lines = read_rollouts(tmp_path / "rollouts.jsonl")
     assert [(line["step"], line["group"], line["answer"]) for line in lines] == [
         (s, g, a) for s in range(3) for g in range(2) for a in range(2)]  # the first two groups, each answer
@@ -175,7 +175,7 @@ def test_the_rollout_dump_is_bounded_and_a_resume_cuts_the_steps_it_trains_again
     assert {line["step"] for line in read_rollouts(tmp_path / "rollouts.jsonl")} == {0}
     tiny = RolloutDump(LoggingConfig(output_dir=str(tmp_path / "tiny"), rollouts=-1, rollouts_max_mb=1e-4))
     for step in range(3):
-        tiny.write(step, scored, trainers, cfg)
+        tiny.write(step, scored, scored.sequences, trainers, cfg)
     lines = read_rollouts(tmp_path / "tiny" / "rollouts.jsonl")
     assert lines[-1]["event"] == "rollouts_stopped" and {line.get("step") for line in lines} == {0}
     assert len(lines) == 6 + 1  # every group of step 0, then the line that says it stopped
