@@ -259,9 +259,16 @@ class SyncConfig:
     rank writes its rows into every worker's ring; broadcast (split placement, placement.engine_slots > 0): the
     trainers all-gather each layer and one rank per TP rank broadcasts its slice to that TP worker of every engine
     over a process group; auto: broadcast when split, else in_place on CPU and gather on CUDA."""
+    delta: str = "auto"
+    """Send only what changed (docs/delta.md): true (the broadcast sends each bucket slice's changed elements since the
+    last sync, found bit for bit against a weight store in host memory on both sides, applied by selective
+    overwrite), false (every byte, every sync), auto (true for the split placement's broadcast, where the bytes cross
+    devices or nodes; false co-located, where the copy runs at memory bandwidth and finding the changes costs more than
+    it saves: measured in docs/delta.md)."""
 
     def check(self) -> None:
         positive(self, "sync", "num_bucket_slots")
+        one_of(self, "sync", "delta", ["auto", "true", "false"])
         non_negative(self, "sync", "bucket_mb")
         one_of(self, "sync", "verify", ["checksum", "full", "none"])
         one_of(self, "sync", "method", ["auto", "broadcast", "gather", "in_place", "ring"])
@@ -709,6 +716,11 @@ class JobConfig:
         elif self.sync.method == "broadcast":
             raise bad("sync.method", "broadcast", "is the split placement's sync (placement.engine_slots > 0); "
                       "valid co-located: auto, gather, in_place, ring", fix={"sync.method": "auto"})
+        elif self.sync.delta == "true":
+            raise bad("sync.delta", "true", "sends the changes over the split placement's broadcast "
+                      "(placement.engine_slots > 0); a co-located sync (gather, in_place, ring) copies at memory "
+                      "bandwidth, where finding the changes costs more than it saves (docs/delta.md); valid "
+                      "co-located: auto or false", fix={"sync.delta": "auto"})
         for key, value in (("rollout.max_tokens", self.rollout.max_tokens),
                            ("data.max_prompt_tokens", self.data.max_prompt_tokens),
                            ("eval.max_tokens", self.eval.max_tokens)):
@@ -767,6 +779,9 @@ class JobConfig:
 
     def _check_lora(self) -> None:
         rank, engine_rank = self.trainer.lora.rank, self.engine.max_lora_rank
+        if rank and self.sync.delta == "true":
+            raise bad("sync.delta", "true", f"a LoRA job (trainer.lora.rank={rank}) syncs its adapters alone, every "
+                      "tensor of which changes at every step; valid with it: auto or false", fix={"sync.delta": "auto"})
         if rank and engine_rank and rank > engine_rank:
             raise bad("trainer.lora.rank", rank, f"is above engine.max_lora_rank={engine_rank}, the largest adapter "
                       f"rank the engine holds; valid: 1 to {engine_rank}, or engine.max_lora_rank=0 (then "

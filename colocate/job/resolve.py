@@ -103,6 +103,11 @@ def resolve_job(cfg: JobConfig, *, switch: SwitchPlan | None = None, device: str
                        "the gather protocol: every handover stays on its rank's node" if multi_node else
                        ("in place: every rank writes into the engine's shared memory" if device == "cpu" else
                         "all-gathered, each rank feeding the engine worker on its GPU"))
+    delta = decide("sync.delta", "true" if method == "broadcast" and not cfg.trainer.lora.rank else "false",
+                   "the broadcast sends each slice's changes since the last sync (its bytes cross devices)"
+                   if method == "broadcast" and not cfg.trainer.lora.rank else
+                   "a LoRA job syncs its adapters alone" if cfg.trainer.lora.rank else
+                   "co-located: the copy runs at memory bandwidth, finding the changes would cost more (docs/delta.md)")
     offload_backend = cfg.trainer.offload_backend  # the CPU has one tier, a file: the key does not apply there
     if device == "cuda" and not described:  # this process's environment is the one the actors inherit
         offload_backend = decide("trainer.offload_backend", _cuda_offload_backend(cfg),
@@ -114,7 +119,7 @@ def resolve_job(cfg: JobConfig, *, switch: SwitchPlan | None = None, device: str
                                    # a LoRA job's: given, or the smallest of vLLM's ranks that holds the trainer's
                                    max_lora_rank=engine_lora_rank(cfg.trainer.lora.rank, cfg.engine.max_lora_rank)),
         trainer=dataclasses.replace(cfg.trainer, offload=offload, offload_backend=offload_backend),
-        sync=dataclasses.replace(cfg.sync, method=method))
+        sync=dataclasses.replace(cfg.sync, method=method, delta=delta))
     return ResolvedJob(config, device, switch, tuple(decisions))
 
 

@@ -183,12 +183,17 @@ class BroadcastFeeder:
     of this rank's own (one per TP rank it feeds), and the groups it sends them over."""
 
     def __init__(self, plan: SyncPlan, writer, channels: dict[int, BroadcastChannel],
-                 staging: dict[int, torch.Tensor]):
+                 staging: dict[int, torch.Tensor], senders: dict | None = None):
         self.plan, self.writer, self.channels, self.staging = plan, writer, channels, staging
+        self.senders = senders  # sync.delta: each fed TP rank's DeltaSender (sync/delta_channel.py); None: off
+        self.version = -1  # the sync being written (its first bucket starts the next)
 
     @classmethod
     def create(cls, plan: SyncPlan, groups: dict, *, rank: int, world_size: int, device: torch.device,
-               channels: dict[int, BroadcastChannel], checksum: bool) -> BroadcastFeeder:
+               channels: dict[int, BroadcastChannel], checksum: bool, delta: bool = False,
+               element_size: int = 2) -> BroadcastFeeder:
+        """`delta`: send each slice's changes since the last sync (sync/delta_channel.py), `element_size` the
+        engine dtype's width its bits are compared in."""
         from colocate.sync.gather import GatherWriter
 
         # Hazard (buffer reuse): a staging slot is refilled num_slots buckets later, by this same rank, after
@@ -197,19 +202,50 @@ class BroadcastFeeder:
         staging = {t: torch.empty(plan.ring_bytes, dtype=torch.uint8, device=device) for t in channels}
         writer = GatherWriter(plan, groups, rank=rank, world_size=world_size, device=device,
                               targets=sorted(staging.items()), checksum=checksum)
-        return cls(plan, writer, channels, staging)
+        senders = None
+        if delta:
+            from colocate.sync.delta_channel import DeltaSender
+
+            senders = {t: DeltaSender(c, element_size=element_size, pinned=device.type == "cuda")
+                       for t, c in channels.items()}
+        return cls(plan, writer, channels, staging, senders)
 
     def write(self, index: int, shards: dict) -> list[tuple[int, int, int, int]]:
         """Bucket `index`: gather (every rank), cast each fed TP rank's slice into its staging slot, broadcast
         it to that TP rank's workers. Returns the checksums of what was sent, for the workers' loads."""
         written = self.writer.write(index, shards)
+        if index == 0:
+            self.version += 1
         for tp_rank, channel in sorted(self.channels.items()):  # every member's order: no two groups cross
             start, end = slot_extent(self.plan, index, tp_rank)
-            channel.broadcast(self.staging[tp_rank][start:end])
+            if self.senders is None:
+                channel.broadcast(self.staging[tp_rank][start:end])
+            else:
+                self.senders[tp_rank].send(index, self.staging[tp_rank][start:end], version=self.version)
         return written
 
+    def take_delta_stats(self) -> dict | None:
+        """sync.delta: the last sync's figures, every fed TP rank's together (DeltaStats.record); None: off."""
+        if self.senders is None:
+            return None
+        from colocate.sync.delta_channel import DeltaStats
 
-def receive(plan: SyncPlan, index: int, ring: torch.Tensor, channel: BroadcastChannel, worker: int) -> None:
-    """An engine worker's receive of bucket `index` into its ring slot (the same bytes the feeder staged)."""
+        total = DeltaStats()
+        for sender in self.senders.values():
+            part = sender.take_stats()
+            for name in ("elements", "changed", "sent_bytes", "full_bytes", "full_slices"):
+                setattr(total, name, getattr(total, name) + getattr(part, name))
+            total.encode_s += part.encode_s
+        return {**total.record(), "store_bytes": sum(s.store.nbytes for s in self.senders.values()),
+                "store_version": self.version}
+
+
+def receive(plan: SyncPlan, index: int, ring: torch.Tensor, channel: BroadcastChannel, worker: int,
+            receiver=None) -> None:
+    """An engine worker's receive of bucket `index` into its ring slot (the same bytes the feeder staged).
+    `receiver`: sync.delta's DeltaReceiver (sync/delta_channel.py), which receives the slice's changes."""
     start, end = slot_extent(plan, index, worker)
-    channel.broadcast(ring[start:end])
+    if receiver is None:
+        channel.broadcast(ring[start:end])
+    else:
+        receiver.receive(index, ring[start:end])

@@ -50,6 +50,7 @@ class WorkerRing:
     engine: int | None  # this engine's index in the sync, named by its verification errors
     shared: bool  # the engine's workers share it (full plan on the CPU): checksummed under worker 0
     channel: object | None = None  # broadcast: the BroadcastChannel of this worker's TP rank
+    receiver: object | None = None  # sync.delta: the DeltaReceiver over that channel (sync/delta_channel.py)
 
 
 class WorkerEnd:
@@ -76,7 +77,7 @@ class WorkerEnd:
         Returns the handle the trainers map (None for a broadcast: nobody maps it). `broadcast`: {"addresses":
         {TP rank: StoreAddress}, "num_members", "timeout_s"}; joins as member 1 + engine_index, and returns once
         the feeders joined too."""
-        owner = channel = None
+        owner = channel = receiver = None
         if broadcast is not None:
             from colocate.sync.broadcast import BroadcastChannel
 
@@ -84,6 +85,11 @@ class WorkerEnd:
             channel = BroadcastChannel.join(broadcast["addresses"][tp_rank], rank=1 + engine_index,
                                             size=broadcast["num_members"], device=self.device,
                                             timeout_s=broadcast["timeout_s"])
+            if broadcast.get("delta"):
+                from colocate.sync.delta_channel import DeltaReceiver
+
+                receiver = DeltaReceiver(channel, element_size=broadcast["element_size"],
+                                         pinned=self.device.type == "cuda")
         elif plan.in_place:
             ring, handle = self.arena.tensor, self.arena.handle
         elif shared_handle is None:
@@ -91,7 +97,7 @@ class WorkerEnd:
             ring, handle = owner.tensor, owner.handle
         else:
             ring, handle = attach(shared_handle), shared_handle
-        self.rings[key] = WorkerRing(plan, ring, owner, engine_index, shared_handle is not None, channel)
+        self.rings[key] = WorkerRing(plan, ring, owner, engine_index, shared_handle is not None, channel, receiver)
         self.tp_rank, self.params = tp_rank, params
         return handle
 
@@ -119,7 +125,7 @@ class WorkerEnd:
         started = time.perf_counter()
         s = self.rings[key]
         try:
-            receive(s.plan, index, s.ring, s.channel, self.tp_rank)
+            receive(s.plan, index, s.ring, s.channel, self.tp_rank, s.receiver)
         except RuntimeError as e:  # gloo/NCCL: a member died or the group's timeout passed
             return time.perf_counter() - started, f"the broadcast of bucket {index} failed: {e}"
         return time.perf_counter() - started, None

@@ -155,7 +155,7 @@ class TrainerEnd:
         return {t: address for t, (_, address) in stores.items()}
 
     def attach_broadcast(self, key: str, plan: SyncPlan, groups: dict, *, num_members: int, timeout_s: float,
-                         checksum: bool) -> None:
+                         checksum: bool, delta: bool = False, element_size: int = 2) -> None:
         """Second half: join the groups (this blocks until their engine workers join too: call it beside the
         engines' open_ring) and stage the fed TP ranks' slices. A rank that feeds none gathers only."""
         from colocate.sync.broadcast import BroadcastChannel, BroadcastFeeder
@@ -164,7 +164,12 @@ class TrainerEnd:
                                              timeout_s=timeout_s, store=store)
                     for t, (store, address) in self._broadcast_stores.pop(key).items()}
         self._feeders[key] = BroadcastFeeder.create(plan, groups, rank=self.rank, world_size=self.world_size,
-                                                    device=self.device, channels=channels, checksum=checksum)
+                                                    device=self.device, channels=channels, checksum=checksum,
+                                                    delta=delta, element_size=element_size)
+
+    def take_delta_stats(self, key: str) -> dict | None:
+        """sync.delta: the last broadcast sync's figures on this rank (BroadcastFeeder.take_delta_stats)."""
+        return self._feeders[key].take_delta_stats()
 
     def broadcast_write(self, key: str, index: int, shards: dict) -> Checksums:
         """Bucket `index` of a broadcast sync: gather (every rank), then send each fed TP rank its slice; returns

@@ -162,10 +162,14 @@ class WeightSync:
             addresses.update(stores)
         assert sorted(addresses) == list(range(tp)), addresses
         self.hosts = sorted({a.host for a in addresses.values()})
-        broadcast = {"addresses": addresses, "num_members": members, "timeout_s": self.timeout_s}
+        delta = self.cfg.delta == "true"
+        element_size = self.specs[0].dtype.itemsize if self.specs else 2  # the engine dtype's: its bits compared
+        broadcast = {"addresses": addresses, "num_members": members, "timeout_s": self.timeout_s, "delta": delta,
+                     "element_size": element_size}
         # every member joins at once: each join blocks until its whole group has joined
         ray.get([t.attach_broadcast.remote(self.key, self.plan, groups, num_members=members,
-                                           timeout_s=self.timeout_s, checksum=checksum) for t in self.trainers]
+                                           timeout_s=self.timeout_s, checksum=checksum, delta=delta,
+                                           element_size=element_size) for t in self.trainers]
                 + [engine.open_ring.remote(self.key, self.plan, engine_index=e, broadcast=broadcast)
                    for e, engine in enumerate(self.engines)])
 
@@ -196,7 +200,21 @@ class WeightSync:
                 # calls into each engine: one per bucket (or one check in place), and the post-load step;
                 # never one per tensor or per expert
                 "sync_round_trips": len(per_bucket[0]) + (0 if plan.in_place else 1),
-                "sync_mode": plan.mode, "sync_method": self.method}
+                "sync_mode": plan.mode, "sync_method": self.method,
+                **({"sync_delta": self._delta_record()} if self.method == "broadcast" and self.cfg.delta == "true"
+                   else {})}
+
+    def _delta_record(self) -> dict:
+        """sync.delta: the sync's density, bytes sent against the full sync's, encode seconds, the stores' bytes
+        and version, every feeding rank's together (sync/delta_channel.py)."""
+        parts = [p for p in ray.get([t.take_delta_stats.remote(self.key) for t in self.trainers]) if p]
+        total = {k: sum(p[k] for p in parts) for k in ("changed", "elements", "sent_bytes", "full_bytes",
+                                                        "full_slices", "store_bytes")}
+        versions = {p["store_version"] for p in parts}
+        assert len(versions) == 1, f"the feeders' stores disagree on the version: {sorted(versions)}"
+        return {**total, "density": total["changed"] / max(total["elements"], 1),
+                "sent_fraction": total["sent_bytes"] / max(total["full_bytes"], 1),
+                "encode_s": max(p["encode_s"] for p in parts), "store_version": versions.pop()}
 
     def _schedule_in_place(self) -> list[list]:
         """Engine e's check (and its post-load step) overlaps the writes into engine e + 1."""

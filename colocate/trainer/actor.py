@@ -317,6 +317,9 @@ class TrainerActor(ScoringPasses):
     def attach_broadcast(self, *args, **kwargs) -> None:
         self.sync_end.attach_broadcast(*args, **kwargs)
 
+    def take_delta_stats(self, key: str) -> dict | None:
+        return self.sync_end.take_delta_stats(key)
+
     def broadcast_write(self, key: str, index: int) -> Checksums:
         return self.sync_end.broadcast_write(key, index, self._resident_shards())
 

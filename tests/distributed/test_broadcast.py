@@ -20,7 +20,25 @@ from tests.unit.test_reshard import hf_state
 TIMEOUT_S = 60
 
 
-def _member(rank: int, world_size: int, port: int, num_trainers: int, tp: int, num_engines: int, sliced: bool):
+# sync.delta: the share of the trainer's elements each sync changes, after the first (which sends everything): none,
+# a few, many, all. A seeded mask each (the same on every rank: each changes its own shard's part of it)
+DENSITIES = [0.0, 0.01, 0.3, 1.0]
+
+
+def _change(params: dict, sync: int, delta: bool) -> None:
+    """Training changed the weights: the next sync must carry the new values."""
+    with torch.no_grad():
+        for i, p in enumerate(params.values()):
+            local = p.to_local()
+            if not delta or sync == 0:
+                local.add_(0.25 * (sync + 1))
+                continue
+            mask = torch.rand(local.shape, generator=torch.Generator().manual_seed(100 * sync + i))
+            local.add_(torch.where(mask < DENSITIES[sync - 1], 0.125 * sync, 0.0))
+
+
+def _member(rank: int, world_size: int, port: int, num_trainers: int, tp: int, num_engines: int, sliced: bool,
+            delta: bool = False):
     """Processes 0 .. num_trainers - 1: trainer ranks; the rest: engine e's worker t, in engine-major order."""
     import torch.distributed as dist
     from torch.distributed import PrefixStore, TCPStore
@@ -34,6 +52,7 @@ def _member(rank: int, world_size: int, port: int, num_trainers: int, tp: int, n
     full = hf_state(VOCAB, tied=False, num_layers=2)
     plan, specs, layouts = _plan(full, tp, False, 0, sliced)
     size = 1 + num_engines
+    num_syncs = 1 + len(DENSITIES) if delta else 2
     if rank < num_trainers:
         from colocate.sync.gather import plan_gather
         from colocate.sync.shards import local_shards
@@ -50,16 +69,22 @@ def _member(rank: int, world_size: int, port: int, num_trainers: int, tp: int, n
                     for t, (store, address) in stores.items()}
         feeder = BroadcastFeeder.create(plan, plan_gather(plan, specs, world_size=num_trainers), rank=rank,
                                         world_size=num_trainers, device=torch.device("cpu"), channels=channels,
-                                        checksum=True)
-        for sync in range(2):
-            with torch.no_grad():  # training changed the weights: the next sync must carry the new values
-                for p in params.values():
-                    p.to_local().add_(0.25 * (sync + 1))
+                                        checksum=True, delta=delta, element_size=2)
+        for sync in range(num_syncs):
+            _change(params, sync, delta)
             shards = local_shards(params)
             for index in range(len(plan.buckets)):
                 written = feeder.write(index, shards)
                 for t in channels:
                     board.set(f"sums{sync}/{index}/{t}", repr(written))
+            if delta and channels:
+                stats = feeder.take_delta_stats()
+                assert stats["store_version"] == sync
+                if sync == 0:  # nothing stored: every slice whole
+                    assert stats["sent_bytes"] >= stats["full_bytes"] and stats["density"] == 1.0
+                elif DENSITIES[sync - 1] == 0.0:  # nothing changed: headers and empty payloads alone
+                    assert stats["changed"] == 0 and stats["sent_bytes"] < 0.01 * stats["full_bytes"] + 1000
+                board.set(f"stats{sync}/{rank}", repr(stats))
             current = {n: p.full_tensor() for n, p in params.items()}  # a collective of the trainers
             if rank == 0:
                 for t in range(tp):
@@ -76,14 +101,19 @@ def _member(rank: int, world_size: int, port: int, num_trainers: int, tp: int, n
     address = StoreAddress("127.0.0.1", int(board.get(f"port{worker}")), f"t{worker}")
     channel = BroadcastChannel.join(address, rank=1 + engine, size=size, device=torch.device("cpu"),
                                     timeout_s=TIMEOUT_S)
+    receiver = None
+    if delta:
+        from colocate.sync.delta_channel import DeltaReceiver
+
+        receiver = DeltaReceiver(channel, element_size=2)
     ring = torch.zeros(plan.ring_bytes, dtype=torch.uint8)
     weights = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s, _ in layouts[worker]["params"]}
-    for sync in range(2):
+    for sync in range(num_syncs):
         for v in weights.values():
             v.zero_()
         received = {}  # full mode: the full tensors as each bucket delivered them
         for index in range(len(plan.buckets)):
-            receive(plan, index, ring, channel, worker)
+            receive(plan, index, ring, channel, worker, receiver)
             board.wait([f"sums{sync}/{index}/{worker}"])
             sums = eval(board.get(f"sums{sync}/{index}/{worker}").decode())  # noqa: S307 (the test's own repr)
             assert sums, "the feeder checksums what it sends"
@@ -102,6 +132,8 @@ def _member(rank: int, world_size: int, port: int, num_trainers: int, tp: int, n
         for name, values in expected.items():
             want = torch.tensor(values).to(torch.bfloat16)
             assert torch.equal(weights[name][:want.shape[0]], want), (sync, engine, worker, name)
+        if receiver is not None:
+            assert receiver.store.version == sync  # the store's version is the engine's after every sync
     if board.add("finished", 1) == world_size - num_trainers:
         board.set("done", "1")
 
@@ -114,6 +146,19 @@ def _member(rank: int, world_size: int, port: int, num_trainers: int, tp: int, n
 ])
 def test_broadcast_sync_is_bit_exact_after_every_sync(num_trainers, tp, num_engines, sliced):
     run_distributed(_member, num_trainers, tp, num_engines, sliced, world_size=num_trainers + tp * num_engines,
+                    init=False)
+
+
+@pytest.mark.parametrize("num_trainers, tp, num_engines", [
+    pytest.param(1, 1, 1, id="tp1"),
+    pytest.param(2, 2, 1, id="tp2_engine_two_feeders"),
+    pytest.param(2, 1, 2, id="tp1_two_engines_one_broadcast"),
+])
+def test_a_delta_sync_reproduces_the_full_sync_bit_for_bit(num_trainers, tp, num_engines):
+    """sync.delta over the broadcast: after a first sync of everything, syncs that change none, 1%, 30% and all of
+    the elements (seeded random masks) leave every worker bit-equal to the trainer's weights, the checksums of the
+    staged bytes holding against the ring's, and both stores at the sync's version."""
+    run_distributed(_member, num_trainers, tp, num_engines, True, True, world_size=num_trainers + tp * num_engines,
                     init=False)
 
 

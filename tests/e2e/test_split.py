@@ -70,6 +70,13 @@ def test_split_sync_is_bit_exact_after_every_step(four_slots, tmp_path, num_slot
     assert placement["pairs"] == [None] * len(trainer_devices)
     steps = [r for r in records if "event" not in r]
     assert [r["step"] for r in steps] == [0, 1] and all(r["sync_method"] == "broadcast" for r in steps)
+    # sync.delta=auto is on over the broadcast: every record has the sync's density and bytes; the first sync sends
+    # every slice whole (nothing stored), the next its changes (at the default job's lr of 1e-3 most weights change:
+    # docs/delta.md), and the stores' version is the step's; verify=full held after each (the job would have failed)
+    deltas = [r["sync_delta"] for r in steps]
+    assert [d["store_version"] for d in deltas] == [0, 1]
+    assert deltas[0]["sent_fraction"] >= 1.0 and deltas[0]["density"] == 1.0
+    assert 0 < deltas[1]["density"] <= 1.0 and deltas[1]["sent_bytes"] > 0 and deltas[1]["encode_s"] > 0
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["passes", "streamed"])

@@ -14,7 +14,7 @@ from colocate.job.preflight import SwitchPlan
 from colocate.job.resolve import resolve_job
 
 AUTO_KEYS = ["placement.device", "engine.sleep_level", "trainer.offload", "engine.sleep_backend",
-             "engine.enforce_eager", "sync.method"]
+             "engine.enforce_eager", "sync.method", "sync.delta"]
 
 
 def values(cfg, keys):
@@ -27,7 +27,8 @@ def test_on_the_cpu_every_auto_is_decided_and_said_why():
     resolved = resolve_job(cfg, switch=SwitchPlan(2, True, "engine sleeps (level 2): ...; trainer state offloaded"))
     assert values(resolved.config, AUTO_KEYS) == {
         "placement.device": "cpu", "engine.sleep_level": "2", "trainer.offload": "true",
-        "engine.sleep_backend": "portable", "engine.enforce_eager": "true", "sync.method": "in_place"}
+        "engine.sleep_backend": "portable", "engine.enforce_eager": "true", "sync.method": "in_place",
+        "sync.delta": "false"}
     assert [d.key for d in resolved.decisions] == AUTO_KEYS
     why = {d.key: d.why for d in resolved.decisions}
     assert why["engine.sleep_level"] == "engine sleeps (level 2): ..." and why["trainer.offload"] == \
@@ -41,7 +42,7 @@ def test_what_the_user_chose_is_kept_and_not_listed():
     resolved = resolve_job(cfg)
     assert values(resolved.config, AUTO_KEYS)["engine.sleep_level"] == "1"
     assert resolved.switch.engine_sleep_level == 1 and not resolved.switch.trainer_offload
-    assert [d.key for d in resolved.decisions] == ["engine.sleep_backend"]
+    assert [d.key for d in resolved.decisions] == ["engine.sleep_backend", "sync.delta"]
     assert resolved.config.engine.enforce_eager == "false" and resolved.sync_method == "gather"
 
 
@@ -51,7 +52,8 @@ def test_across_nodes_the_gather_protocol():
 
 
 CUDA_VALUES = {"placement.device": "cuda", "engine.sleep_level": "0", "trainer.offload": "false",
-               "engine.sleep_backend": "vllm", "engine.enforce_eager": "false", "sync.method": "gather"}
+               "engine.sleep_backend": "vllm", "engine.enforce_eager": "false", "sync.method": "gather",
+               "sync.delta": "false"}
 
 
 @pytest.mark.parametrize("problem, backend", [(None, "torch_memory_saver"), ("not installed", "pinned")])
@@ -80,5 +82,5 @@ def test_the_resolved_job_is_frozen():
 def test_validate_prints_the_decisions(capsys):
     assert main(["validate"]) == 0
     out = capsys.readouterr().out
-    decided = out[out.index("# decided"):].splitlines()[1:7]
+    decided = out[out.index("# decided"):].splitlines()[1:1 + len(AUTO_KEYS)]
     assert [line.split(":")[0].strip("# ") for line in decided] == AUTO_KEYS
