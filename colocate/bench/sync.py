@@ -33,17 +33,16 @@ import ray
 
 from colocate.bench.common import memcpy_floor_s, summary, write_result
 from colocate.config import JobConfig
-from colocate.errors import ConfigError
 from colocate.job.preflight import num_routed_experts
 from colocate.job.runtime import Runtime
 from colocate.sync.weight_sync import WeightSync
 
 
 def run_sync_bench(cfg: JobConfig, *, num_syncs: int, num_warmup: int, out_dir: str, name: str) -> dict:
-    if cfg.placement.split:  # its methods pair each engine worker with the trainer rank on its device
-        raise ConfigError(f"placement.engine_slots={cfg.placement.engine_slots} is invalid for colocate bench sync: "
-                          "it times the co-located sync methods side by side; a split placement's broadcast sync is "
-                          "timed in a job's metrics (sync_s) and by colocate bench async; valid: 0")
+    if cfg.placement.split:  # the broadcast, with and without sync.delta, after real steps
+        from colocate.bench.sync_broadcast import run_broadcast_bench
+
+        return run_broadcast_bench(cfg, num_steps=num_syncs, out_dir=out_dir, name=name)
     with Runtime(cfg) as rt:
         if cfg.trainer.lora.rank:  # the adapter-only sync against the whole model's (bench/lora_sync.py)
             from colocate.bench.lora_sync import run_lora_sync_bench

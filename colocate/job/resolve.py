@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from colocate.config import JobConfig
 from colocate.config.schema import AUTO, engine_lora_rank
 from colocate.job.placement import resolve_device, sleep_backend, sync_method
+from colocate.sync.delta_channel import uses_delta
 from colocate.job.preflight import SwitchPlan, plan_switch
 from colocate.job.split import SplitPredictor, choose_engine_slots
 from colocate.models.dims import model_dims
@@ -103,9 +104,9 @@ def resolve_job(cfg: JobConfig, *, switch: SwitchPlan | None = None, device: str
                        "the gather protocol: every handover stays on its rank's node" if multi_node else
                        ("in place: every rank writes into the engine's shared memory" if device == "cpu" else
                         "all-gathered, each rank feeding the engine worker on its GPU"))
-    delta = decide("sync.delta", "true" if method == "broadcast" and not cfg.trainer.lora.rank else "false",
-                   "the broadcast sends each slice's changes since the last sync (its bytes cross devices)"
-                   if method == "broadcast" and not cfg.trainer.lora.rank else
+    on = uses_delta(cfg.sync.delta, method=method, adapter_only=bool(cfg.trainer.lora.rank))
+    delta = decide("sync.delta", str(on).lower(),
+                   "the broadcast sends each slice's changes since the last sync (its bytes cross devices)" if on else
                    "a LoRA job syncs its adapters alone" if cfg.trainer.lora.rank else
                    "co-located: the copy runs at memory bandwidth, finding the changes would cost more (docs/delta.md)")
     offload_backend = cfg.trainer.offload_backend  # the CPU has one tier, a file: the key does not apply there

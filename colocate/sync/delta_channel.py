@@ -34,6 +34,12 @@ HEADER = 7  # kind, base version, version, payload bytes, changed elements, 4-by
 _VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def uses_delta(setting: str, *, method: str, adapter_only: bool) -> bool:
+    """sync.delta's rule: true where asked (the config's checks refuse it where it cannot run), and under auto on
+    the split placement's broadcast, unless the sync carries a LoRA job's adapters alone (each changes every step)."""
+    return setting == "true" or (setting == "auto" and method == "broadcast" and not adapter_only)
+
+
 class DeltaMismatch(RuntimeError):
     """A delta taken against another store version than the receiver holds."""
 

@@ -162,7 +162,7 @@ class WeightSync:
             addresses.update(stores)
         assert sorted(addresses) == list(range(tp)), addresses
         self.hosts = sorted({a.host for a in addresses.values()})
-        delta = self.cfg.delta == "true"
+        delta = self.delta
         element_size = self.specs[0].dtype.itemsize if self.specs else 2  # the engine dtype's: its bits compared
         broadcast = {"addresses": addresses, "num_members": members, "timeout_s": self.timeout_s, "delta": delta,
                      "element_size": element_size}
@@ -201,8 +201,14 @@ class WeightSync:
                 # never one per tensor or per expert
                 "sync_round_trips": len(per_bucket[0]) + (0 if plan.in_place else 1),
                 "sync_mode": plan.mode, "sync_method": self.method,
-                **({"sync_delta": self._delta_record()} if self.method == "broadcast" and self.cfg.delta == "true"
-                   else {})}
+                **({"sync_delta": self._delta_record()} if self.method == "broadcast" and self.delta else {})}
+
+    @property
+    def delta(self) -> bool:
+        """sync.delta, decided for this sync (a Runtime started on a config that still says auto decides here)."""
+        from colocate.sync.delta_channel import uses_delta
+
+        return uses_delta(self.cfg.delta, method=self.method, adapter_only=all(is_adapter(s.name) for s in self.specs))
 
     def _delta_record(self) -> dict:
         """sync.delta: the sync's density, bytes sent against the full sync's, encode seconds, the stores' bytes

@@ -79,6 +79,23 @@ def test_split_sync_is_bit_exact_after_every_step(four_slots, tmp_path, num_slot
     assert 0 < deltas[1]["density"] <= 1.0 and deltas[1]["sent_bytes"] > 0 and deltas[1]["encode_s"] > 0
 
 
+def test_bench_sync_times_the_broadcast_with_and_without_the_delta(four_slots, tmp_path):
+    """`colocate bench sync` on a split placement (bench/sync_broadcast.py): after each real step, the broadcast sync
+    with every byte and with sync.delta, the delta's result verified against the trainers' weights in full."""
+    cli = Path(sys.executable).parent / "colocate"
+    done = subprocess.run([str(cli), "bench", "sync", "configs/default.yaml", f"placement.ray_address={four_slots}",
+                           "placement.num_slots=2", "placement.engine_slots=1", "engine.tp=1", "rollout.num_prompts=4",
+                           "rollout.num_samples=4", "checkpoint.at_end=false", f"logging.output_dir={tmp_path / 'out'}",
+                           f"model.cache_dir={ROOT / '.cache' / 'models'}", "--repeats", "2", "--out", str(tmp_path),
+                           "--name", "broadcast"], cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = json.loads((tmp_path / "broadcast.json").read_text())["steps"]
+    assert [s["step"] for s in steps] == [0, 1, 2] and steps[0]["sent_fraction"] >= 1.0  # the stores start empty
+    assert all(0 < s["density"] <= 1 and s["full_sync_s"] > 0 and s["delta_sync_s"] > 0 for s in steps[1:])
+    assert [s["store_version"] for s in steps] == [0, 1, 2]
+    assert "after the first sync the delta sends at most" in done.stdout
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["passes", "streamed"])
 def test_split_async_with_updates_inside_passes_killed_and_resumed_counts_every_group(four_slots, tmp_path, stream):
     """Split async with weight updates inside the passes (rollout.update_in_pass=keep), its rollout in passes or

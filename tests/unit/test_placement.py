@@ -165,11 +165,3 @@ def test_a_bad_split_is_one_line(overrides, message):
     with pytest.raises(ConfigError) as raised:
         load_config(None, overrides)
     assert str(raised.value) == message
-
-
-def test_bench_sync_refuses_a_split_before_any_actor(tmp_path):
-    from colocate.bench.sync import run_sync_bench
-
-    cfg = load_config(None, ["placement.num_slots=2", "placement.engine_slots=1", "engine.tp=1"])
-    with pytest.raises(ConfigError, match=r"^placement.engine_slots=1 is invalid for colocate bench sync: .*valid: 0$"):
-        run_sync_bench(cfg, num_syncs=1, num_warmup=0, out_dir=str(tmp_path), name="x")
