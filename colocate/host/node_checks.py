@@ -19,8 +19,9 @@
   64 MiB breaks NCCL at its first collective. Run containers with `--ipc=host` or `--shm-size=16g`.
 - **Host memory at start-up.** Every rank loads the whole checkpoint in fp32 on the host before it moves and
   shards it (trainer/actor.py setup), so a node with N ranks briefly holds N x 4 bytes per parameter; a trainer
-  that offloads (`trainer.offload`) keeps its state's host copy (12 bytes per parameter, over the node's ranks)
-  from then on. The two never coexist (the checkpoint copies are freed once sharded): the larger must fit.
+  that offloads (`trainer.offload`) keeps its state's host copy (12 bytes per parameter, over the node's ranks,
+  a critic's with it) from then on, and sync.delta's weight stores are held from the first sync on. The
+  start-up copies never coexist with those (they are freed once sharded): the larger must fit.
 On the CPU the job's host memory is the preflight's budget already, and /dev/shm holds the sync's segments,
 sized by the same prediction; only the GPU node's requirements are checked here.
 """
@@ -43,15 +44,23 @@ MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # the MPS control daemon's default (CUDA
 MODE_NAMES = {0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process"}
 
 
-def host_needs(cfg: JobConfig, dims, *, offload: bool, critic_params: int = 0) -> dict[str, int]:
+def host_needs(cfg: JobConfig, dims, *, offload: bool, critic_params: int = 0,
+               delta_store_bytes: int = 0) -> dict[str, int]:
     """Host bytes of a one-node CUDA job: at start-up, and what offloading keeps there (`critic_params`: the
-    critic's, algo.advantage=gae, offloaded with the policy's state)."""
+    critic's, algo.advantage=gae, offloaded with the policy's state), and sync.delta's weight stores (always)."""
     num_ranks = cfg.placement.num_trainer_ranks
     needs = {"checkpoint loaded in fp32 by every rank (start-up)": num_ranks * 4 * dims.num_params}
+    # after start-up, held together: the offloaded state's host copy (the critic's with the policy's) and the
+    # delta sync's weight stores
+    steady = {}
     if offload:
-        needs["trainer state's host copy (offload)"] = 12 * dims.num_params
-        if critic_params:  # offloaded with the policy's (trainer/critic.py)
-            needs["critic state's host copy (offload)"] = 12 * critic_params
+        steady["trainer state's host copy (offload)"] = 12 * (dims.num_params + critic_params)
+    if delta_store_bytes:
+        steady["delta weight stores (sync.delta)"] = delta_store_bytes
+    if len(steady) == 1:
+        needs.update(steady)
+    elif steady:
+        needs[" + ".join(steady)] = sum(steady.values())
     return needs
 
 

@@ -113,9 +113,28 @@ def with_critic(phases: list[Phase], critic: dict[str, dict[str, int]], *, offlo
     return phases
 
 
+DELTA_STORES = "delta weight stores (host)"
+
+
+def delta_store_bytes(cfg: JobConfig, dims: ModelDims) -> int:
+    """sync.delta's weight stores (sync/delta_channel.py), all in host memory: the feeders hold every TP rank's
+    slice once (the whole model in the engine dtype), and every engine worker its own slice (each engine the
+    whole model); 0 where the job sends no delta."""
+    from colocate.sync.delta_channel import uses_delta
+
+    if not cfg.placement.split or not uses_delta(cfg.sync.delta, method="broadcast",
+                                                 adapter_only=bool(cfg.trainer.lora.rank)):
+        return 0
+    return (1 + cfg.num_engines) * dims.num_params * DTYPE_BYTES[cfg.engine.dtype]
+
+
 def cpu_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan) -> list[Phase]:
-    return with_critic(_cpu_phases(cfg, dims, plan), critic_parts(cfg, dims, ranks=cfg.placement.num_trainer_ranks),
-                       offloaded=plan.trainer_offload)
+    phases = with_critic(_cpu_phases(cfg, dims, plan), critic_parts(cfg, dims, ranks=cfg.placement.num_trainer_ranks),
+                         offloaded=plan.trainer_offload)
+    if stores := delta_store_bytes(cfg, dims):  # held from the first sync on, in every phase after it
+        for phase in phases[1:]:
+            phase.parts[DELTA_STORES] = stores
+    return phases
 
 
 def _cpu_phases(cfg: JobConfig, dims: ModelDims, plan: SwitchPlan) -> list[Phase]:

@@ -59,6 +59,7 @@ from colocate.job.phases import (  # noqa: F401
     communicator_bytes,
     cpu_phases,
     cuda_phases,
+    delta_store_bytes,
     train_phase_parts,
 )
 from colocate.job.train_peaks import (  # noqa: F401
@@ -296,8 +297,8 @@ def preflight(cfg: JobConfig, dims: ModelDims | None, *, device: str, available_
     plan = plan_switch(cfg, dims, device=device, available_bytes=available)
     phases = predict_phases(cfg, dims, device=device, plan=plan, gpu_bytes=available)
     check_fits(phases, available_bytes=available, cfg=cfg, device=device, plan=plan)
-    host = host_needs(cfg, dims, offload=plan.trainer_offload, critic_params=critic_params(cfg, dims)) \
-        if device == "cuda" else {}
+    host = host_needs(cfg, dims, offload=plan.trainer_offload, critic_params=critic_params(cfg, dims),
+                      delta_store_bytes=delta_store_bytes(cfg, dims)) if device == "cuda" else {}
     if host and cfg.algo.kl_coef > 0 and not cfg.trainer.lora.rank:
         # the reference policy waits offloaded (pinned or torch_memory_saver's host copy) but for its forwards:
         # every rank's shard in the compute dtype (trainer/reference.py)

@@ -421,3 +421,25 @@ def test_the_critic_is_counted_in_every_phase_and_offloaded_with_the_policy(devi
         expected = {k: 0 for k in parts["rollout"]} if a.name == "rollout" else parts.get(a.name, {})
         assert added == expected, a.name  # offloaded: nothing of it beside the engine in the rollout
         assert b.total - a.total == sum(expected.values()), a.name
+
+
+def test_the_delta_sync_stores_are_counted_on_the_host():
+    from colocate.job.phases import DELTA_STORES
+    from colocate.host.node_checks import host_needs
+    from colocate.job.phases import delta_store_bytes
+
+    split = [f"model.path={QWEN_7B}", "placement.num_slots=8", "placement.engine_slots=4", "engine.tp=2"]
+    for delta, expected in (("auto", True), ("true", True), ("false", False)):
+        cfg = load_config(None, [*split, f"sync.delta={delta}"])
+        dims = model_dims(cfg)
+        stores = delta_store_bytes(cfg, dims)
+        # the feeders' copy of the whole model in bf16, and each of the 2 engines' own
+        assert stores == (3 * dims.num_params * 2 if expected else 0), delta
+        cpu = predict_phases(cfg, dims, device="cpu", plan=SwitchPlan(0, False, "split"))
+        assert [p.parts.get(DELTA_STORES, 0) for p in cpu] == [0] + [stores] * 3, delta
+        needs = host_needs(cfg, dims, offload=True, delta_store_bytes=stores)
+        if expected:  # held beside the offloaded state's host copy, from the first sync on
+            assert needs["trainer state's host copy (offload) + delta weight stores (sync.delta)"] == \
+                12 * dims.num_params + stores
+    colocated = load_config(None, [f"model.path={QWEN_7B}", "placement.num_slots=8", "engine.tp=2"])
+    assert delta_store_bytes(colocated, model_dims(colocated)) == 0  # auto is off co-located
