@@ -266,9 +266,20 @@ class SyncConfig:
     devices or nodes; false co-located, where the copy runs at memory bandwidth and finding the changes costs more than
     it saves: measured in docs/delta.md)."""
 
+    carrier: str = "group"
+    """The split placement's broadcast travels over: group (a process group per TP rank: gloo on the CPU, NCCL on
+    GPUs), or directory (files in sync.carrier_dir, which the trainers and every engine worker share: for engines
+    that reach the trainers only through shared storage; each file checksummed, a torn one refused)."""
+    carrier_dir: str = ""
+    """sync.carrier=directory: the shared directory the sync's files go through (sync/directory_carrier.py)."""
+
     def check(self) -> None:
         positive(self, "sync", "num_bucket_slots")
         one_of(self, "sync", "delta", ["auto", "true", "false"])
+        one_of(self, "sync", "carrier", ["group", "directory"])
+        if self.carrier == "directory" and not self.carrier_dir:
+            raise bad("sync.carrier_dir", "", "sync.carrier=directory sends the sync through files in this "
+                      "directory, and none is given; valid: a directory the trainers and engines share")
         non_negative(self, "sync", "bucket_mb")
         one_of(self, "sync", "verify", ["checksum", "full", "none"])
         one_of(self, "sync", "method", ["auto", "broadcast", "gather", "in_place", "ring"])
@@ -716,6 +727,10 @@ class JobConfig:
         elif self.sync.method == "broadcast":
             raise bad("sync.method", "broadcast", "is the split placement's sync (placement.engine_slots > 0); "
                       "valid co-located: auto, gather, in_place, ring", fix={"sync.method": "auto"})
+        elif self.sync.carrier == "directory":
+            raise bad("sync.carrier", "directory", "carries the split placement's broadcast "
+                      "(placement.engine_slots > 0); a co-located sync hands its bytes over on the device; valid "
+                      "co-located: group", fix={"sync.carrier": "group"})
         elif self.sync.delta == "true":
             raise bad("sync.delta", "true", "sends the changes over the split placement's broadcast "
                       "(placement.engine_slots > 0); a co-located sync (gather, in_place, ring) copies at memory "

@@ -247,6 +247,8 @@ def written_paths(cfg: JobConfig) -> dict[str, Path]:
         paths["trainer.offload_dir"] = Path(cfg.trainer.offload_dir).expanduser()
     if not cfg.model.path:  # the embedded preset is built there once
         paths["model.cache_dir"] = Path(cfg.model.cache_dir).expanduser()
+    if cfg.sync.carrier == "directory" and cfg.placement.split:  # the feeders write the sync's files there
+        paths["sync.carrier_dir"] = Path(cfg.sync.carrier_dir).expanduser()
     return paths
 
 

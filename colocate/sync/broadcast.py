@@ -216,6 +216,9 @@ class BroadcastFeeder:
         written = self.writer.write(index, shards)
         if index == 0:
             self.version += 1
+            for channel in self.channels.values():  # the directory carrier removes what no engine reads again
+                if hasattr(channel, "begin_version"):
+                    channel.begin_version(self.version)
         for tp_rank, channel in sorted(self.channels.items()):  # every member's order: no two groups cross
             start, end = slot_extent(self.plan, index, tp_rank)
             if self.senders is None:

@@ -82,9 +82,15 @@ class WorkerEnd:
             from colocate.sync.broadcast import BroadcastChannel
 
             ring, handle = torch.zeros(plan.ring_bytes, dtype=torch.uint8, device=self.device), None
-            channel = BroadcastChannel.join(broadcast["addresses"][tp_rank], rank=1 + engine_index,
-                                            size=broadcast["num_members"], device=self.device,
-                                            timeout_s=broadcast["timeout_s"])
+            if broadcast.get("directory"):  # sync.carrier=directory: the feeder's files (sync/directory_carrier.py)
+                from colocate.sync.directory_carrier import DirectoryChannel
+
+                channel = DirectoryChannel(broadcast["directory"], name=f"{key}-tp{tp_rank}", rank=1 + engine_index,
+                                           timeout_s=broadcast["timeout_s"])
+            else:
+                channel = BroadcastChannel.join(broadcast["addresses"][tp_rank], rank=1 + engine_index,
+                                                size=broadcast["num_members"], device=self.device,
+                                                timeout_s=broadcast["timeout_s"])
             if broadcast.get("delta"):
                 from colocate.sync.delta_channel import DeltaReceiver
 

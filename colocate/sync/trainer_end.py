@@ -155,14 +155,22 @@ class TrainerEnd:
         return {t: address for t, (_, address) in stores.items()}
 
     def attach_broadcast(self, key: str, plan: SyncPlan, groups: dict, *, num_members: int, timeout_s: float,
-                         checksum: bool, delta: bool = False, element_size: int = 2) -> None:
+                         checksum: bool, delta: bool = False, element_size: int = 2, directory: str = "",
+                         tp: int = 0) -> None:
         """Second half: join the groups (this blocks until their engine workers join too: call it beside the
         engines' open_ring) and stage the fed TP ranks' slices. A rank that feeds none gathers only."""
         from colocate.sync.broadcast import BroadcastChannel, BroadcastFeeder
 
-        channels = {t: BroadcastChannel.join(address, rank=0, size=num_members, device=self.device,
-                                             timeout_s=timeout_s, store=store)
-                    for t, (store, address) in self._broadcast_stores.pop(key).items()}
+        if directory:  # sync.carrier=directory: files in a shared directory, no process group (no stores opened)
+            from colocate.sync.broadcast import fed_by
+            from colocate.sync.directory_carrier import DirectoryChannel
+
+            channels = {t: DirectoryChannel(directory, name=f"{key}-tp{t}", rank=0, timeout_s=timeout_s)
+                        for t in fed_by(self.rank, tp=tp, num_trainer_ranks=self.world_size)}
+        else:
+            channels = {t: BroadcastChannel.join(address, rank=0, size=num_members, device=self.device,
+                                                 timeout_s=timeout_s, store=store)
+                        for t, (store, address) in self._broadcast_stores.pop(key).items()}
         self._feeders[key] = BroadcastFeeder.create(plan, groups, rank=self.rank, world_size=self.world_size,
                                                     device=self.device, channels=channels, checksum=checksum,
                                                     delta=delta, element_size=element_size)

@@ -53,6 +53,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from pathlib import Path
 
 import ray
 
@@ -156,20 +157,25 @@ class WeightSync:
         tp = self.tp_size
         members = 1 + len(self.engines)
         addresses = {}
-        for stores in ray.get([t.open_broadcast_stores.remote(self.key, tp=tp, num_members=members,
-                                                                loopback=self.loopback, timeout_s=self.timeout_s)
-                               for t in self.trainers]):
-            addresses.update(stores)
-        assert sorted(addresses) == list(range(tp)), addresses
-        self.hosts = sorted({a.host for a in addresses.values()})
+        directory = self.cfg.carrier_dir if self.cfg.carrier == "directory" else ""
+        if directory:  # files in a shared directory: no process group, no store to open
+            directory = str(Path(directory).expanduser().resolve())
+        else:
+            for stores in ray.get([t.open_broadcast_stores.remote(self.key, tp=tp, num_members=members,
+                                                                    loopback=self.loopback, timeout_s=self.timeout_s)
+                                   for t in self.trainers]):
+                addresses.update(stores)
+            assert sorted(addresses) == list(range(tp)), addresses
+            self.hosts = sorted({a.host for a in addresses.values()})
         delta = self.delta
         element_size = self.specs[0].dtype.itemsize if self.specs else 2  # the engine dtype's: its bits compared
         broadcast = {"addresses": addresses, "num_members": members, "timeout_s": self.timeout_s, "delta": delta,
-                     "element_size": element_size}
+                     "element_size": element_size, "directory": directory}
         # every member joins at once: each join blocks until its whole group has joined
         ray.get([t.attach_broadcast.remote(self.key, self.plan, groups, num_members=members,
                                            timeout_s=self.timeout_s, checksum=checksum, delta=delta,
-                                           element_size=element_size) for t in self.trainers]
+                                           element_size=element_size, directory=directory, tp=tp)
+                 for t in self.trainers]
                 + [engine.open_ring.remote(self.key, self.plan, engine_index=e, broadcast=broadcast)
                    for e, engine in enumerate(self.engines)])
 

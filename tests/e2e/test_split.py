@@ -79,6 +79,26 @@ def test_split_sync_is_bit_exact_after_every_step(four_slots, tmp_path, num_slot
     assert 0 < deltas[1]["density"] <= 1.0 and deltas[1]["sent_bytes"] > 0 and deltas[1]["encode_s"] > 0
 
 
+def test_the_directory_carrier_syncs_through_shared_files(four_slots, tmp_path):
+    """sync.carrier=directory: the engines reach the trainers' weights only through files (each checksummed), the
+    delta's changes among them; sync.verify=full after every step; the files of old syncs removed."""
+    carrier = tmp_path / "shared"
+    result = launch(tmp_path, f"placement.ray_address={four_slots}", "placement.num_slots=3",
+                    "placement.engine_slots=2", "engine.tp=2", "sync.verify=full", "algo.num_steps=3",
+                    "sync.carrier=directory", f"sync.carrier_dir={carrier}", "logging.progress=false",
+                    "checkpoint.at_end=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [r for r in records(tmp_path / "out") if "event" not in r]
+    assert [r["step"] for r in steps] == [0, 1, 2]
+    assert [r["sync_delta"]["store_version"] for r in steps] == [0, 1, 2]
+    assert steps[0]["sync_delta"]["sent_fraction"] >= 1.0
+    channels = sorted(p.name for p in carrier.iterdir())
+    assert len(channels) == 2 and all(name.endswith(("-tp0", "-tp1")) for name in channels)  # one per TP rank
+    for channel in channels:  # the last two syncs' files, no older
+        files = sorted(int(p.stem) for p in (carrier / channel).glob("*.bin"))
+        assert files and files[0] > 0
+
+
 def test_bench_sync_times_the_broadcast_with_and_without_the_delta(four_slots, tmp_path):
     """`colocate bench sync` on a split placement (bench/sync_broadcast.py): after each real step, the broadcast sync
     with every byte and with sync.delta, the delta's result verified against the trainers' weights in full."""

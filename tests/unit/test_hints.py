@@ -130,6 +130,7 @@ HINTED = [
     (["algo.old_logprobs=decoupled"], validate(), None),
     (["algo.advantage=gae"], validate(), None),
     (["sync.delta=true"], validate(), None),
+    (["sync.carrier=directory", "sync.carrier_dir=/tmp/colocate-carrier"], validate(), None),
     (["sync.delta=true", "placement.num_slots=2", "placement.engine_slots=1", "engine.tp=1", "trainer.lora.rank=8"],
      validate(), None),
     (["critic.model_path=policy"], validate(), None),
