@@ -28,14 +28,12 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import multiprocessing as mp
 import os
-import socket
 import time
 from pathlib import Path
 
 from colocate.bench.common import machine, write_result
-from colocate.bench.train_memory import TOLERANCE, _next_reading, peak_rss_bytes, reset_peak_rss
+from colocate.bench.train_memory import TOLERANCE, measured_readings, peak_rss_bytes, reset_peak_rss
 from colocate.config import JobConfig
 from colocate.host.devices import cpu_bf16_features
 from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
@@ -145,20 +143,7 @@ def _measure(cfg: JobConfig, keys: dict, model_path: str, lengths: list[int], po
 
 
 def _run_variant(cfg: JobConfig, keys: dict, model_path: str, lengths: list[int]) -> list[dict]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    # daemon: goes with this process (Ctrl-C), never left to compete for the memory the next variant measures
-    worker = ctx.Process(target=_measure, args=(cfg, keys, model_path, lengths, port, queue), daemon=True)
-    worker.start()
-    readings = []
-    while (reading := _next_reading(queue, worker)) is not None:
-        readings.append(reading)
-    worker.join()
-    assert worker.exitcode == 0, f"the measuring process exited with {worker.exitcode}"
-    return readings
+    return list(measured_readings(_measure, cfg, keys, model_path, lengths))
 
 
 def run_train_bench(cfg: JobConfig, *, lengths: list[int], out_dir: str, name: str,

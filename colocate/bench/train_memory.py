@@ -123,6 +123,22 @@ def _next_reading(queue, worker) -> dict | None:
                                    "of memory): use shorter --lengths or a smaller model") from None
 
 
+def measured_readings(target, *args):
+    """`target(*args, port, queue)` in a fresh daemon process (it goes with this one on Ctrl-C, never left to compete
+    for the memory it measures): each reading it puts on the queue, until it puts None; then it must exit 0."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    worker = ctx.Process(target=target, args=(*args, port, queue), daemon=True)
+    worker.start()
+    while (reading := _next_reading(queue, worker)) is not None:
+        yield reading
+    worker.join()
+    assert worker.exitcode == 0, f"the measuring process exited with {worker.exitcode}"
+
+
 def run_train_memory_bench(cfg: JobConfig, *, lengths: list[int], out_dir: str, name: str) -> dict:
     from colocate.job.preflight import model_dims, predict_train_peaks
     from colocate.models.sources import ensure_model
@@ -131,16 +147,8 @@ def run_train_memory_bench(cfg: JobConfig, *, lengths: list[int], out_dir: str, 
     model_path = ensure_model(cfg.model)
     dims = model_dims(cfg)
     runs = cases(cfg, lengths)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    # daemon: the measuring process goes with this one (Ctrl-C), never left to compete for the memory it measures
-    worker = ctx.Process(target=_measure, args=(cfg, model_path, runs, port, queue), daemon=True)
-    worker.start()
     rows = []
-    while (reading := _next_reading(queue, worker)) is not None:
+    for reading in measured_readings(_measure, cfg, model_path, runs):
         job = _config_for(cfg, reading["length"], reading["rows"], reading["top_p"])
         peaks = predict_train_peaks(job, dims, device="cpu")
         backward = peaks.forward_backward_bytes >= peaks.optimizer_step_bytes  # the larger of the step's two
@@ -156,8 +164,6 @@ def run_train_memory_bench(cfg: JobConfig, *, lengths: list[int], out_dir: str, 
         print(f"length {row['length']:>6} x{row['rows']} top_p {row['top_p']:<4} measured "
               f"{measured / 2**30:6.2f} GiB  predicted {predicted / 2**30:6.2f} GiB  ratio {row['ratio']:.3f}"
               f"  ({row['step_s']:.1f} s)", flush=True)
-    worker.join()
-    assert worker.exitcode == 0, f"the measuring process exited with {worker.exitcode}"
     result = {"bench": "train-memory", "model": dataclasses.asdict(dims), "tolerance": TOLERANCE,
               "trainer": dataclasses.asdict(cfg.trainer), "rows": rows,
               "all_within_tolerance": all(r["within_tolerance"] for r in rows)}

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import multiprocessing as mp
 import os
-import socket
 import time
 
 from colocate.bench.common import machine, write_result
 from colocate.bench.train import PROMPT, _sequences
-from colocate.bench.train_memory import _next_reading, peak_rss_bytes, reset_peak_rss
+from colocate.bench.train_memory import measured_readings, peak_rss_bytes, reset_peak_rss
 from colocate.config import CriticConfig, JobConfig
 from colocate.host.memory import process_rss_bytes, return_free_memory_to_os
 
@@ -109,18 +107,8 @@ def _measure(cfg: JobConfig, keys: dict, model_path: str, port: int, queue) -> N
 
 
 def _run(cfg: JobConfig, keys: dict, model_path: str) -> dict:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    worker = ctx.Process(target=_measure, args=(cfg, keys, model_path, port, queue), daemon=True)
-    worker.start()
-    readings = []
-    while (reading := _next_reading(queue, worker)) is not None:
-        readings.append(reading)
-    worker.join()
-    assert worker.exitcode == 0 and len(readings) == 1, f"the measuring process exited with {worker.exitcode}"
+    readings = list(measured_readings(_measure, cfg, keys, model_path))
+    assert len(readings) == 1, readings
     return readings[0]
 
 

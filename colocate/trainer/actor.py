@@ -16,7 +16,6 @@ decoder layer, then the root, with `fully_shard` on dim 0. As job/runtime.py and
 from __future__ import annotations
 
 import os
-import time
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -224,41 +223,14 @@ class TrainerActor(ScoringPasses):
         if self.scaled_b is not None:
             self.scaled_b.refresh()
         if self.critic is not None:
-            totals += self._train_critic(chunks, batches, step=step, update=update, num_tokens=num_tokens_all_ranks)
+            # after the policy's step, its gradients dropped: the two never hold gradients at once
+            for p in self.trained.values():
+                p.grad = None
+            totals += self.critic.train_step([bool(c) for c in chunks], batches, num_tokens=num_tokens_all_ranks,
+                                             world_size=self.world_size, step=step, update=update,
+                                             num_updates=self.algo.num_updates, num_steps=self.algo.num_steps,
+                                             rank=self.rank)
         return totals
-
-    def _train_critic(self, chunks: list[list[Sequence]], batches: list[MicroBatch], *, step: int, update: int,
-                      num_tokens: int) -> TrainStats:
-        """The critic's optimizer step on the policy's micro-batches, after the policy's step: the policy's
-        gradients go first (its optimizer has stepped on them), so the two never hold gradients at once."""
-        for p in self.trained.values():
-            p.grad = None
-        started = time.perf_counter()
-        totals = TrainStats()
-        for chunk, batch in zip(chunks, batches):
-            loss, stats = self.critic.loss(batch, scale=batch.target_mask / max(num_tokens, 1))
-            (loss * (0.0 if not chunk else self.world_size)).backward()
-            if chunk:
-                totals += stats
-        totals.critic_grad_norm, totals.critic_lr = self.critic.step(
-            step=step, update=update, num_updates=self.algo.num_updates, num_steps=self.algo.num_steps,
-            rank=self.rank)
-        totals.critic_seconds = time.perf_counter() - started
-        return totals
-
-    @torch.no_grad()
-    def values(self, seqs: list[Sequence], *, num_micro_batches: int) -> list[list[float]]:
-        """The critic's value of every response token of `seqs` (algo.advantage=gae), in order, without training.
-        A collective, like score: every rank runs `num_micro_batches`."""
-        assert self.critic is not None and not self._offloaded, "values need the critic, onloaded"
-        self.critic.model.eval()
-        out, index = {}, {id(s): i for i, s in enumerate(seqs)}
-        for chunk in self._micro_batches(seqs, num_micro_batches):
-            batch = self._collate(chunk or [dummy_sequence(self.pad_id)])
-            values = self.critic.values(batch).cpu()
-            for s, (row, first, num) in zip(chunk, batch.spans):
-                out[index[id(s)]] = values[row, first:first + num].tolist()
-        return [out[i] for i in range(len(seqs))]
 
     def _token_advantages(self, chunks: list[list[Sequence]], batches: list[MicroBatch],
                           ref_logprobs: list) -> list[torch.Tensor | None]:

@@ -25,6 +25,7 @@ models) keeps it. The critic's gradient never reaches the policy: they share no 
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import torch
@@ -122,6 +123,22 @@ class Critic:
                                return_sq_sum=float((returns.square() * mask).sum()),
                                value_error_sq_sum=float(((returns - values).square() * mask).sum()))
         return loss, stats
+
+    def train_step(self, real: list[bool], batches: list[MicroBatch], *, num_tokens: int, world_size: int,
+                   **step) -> TrainStats:
+        """One optimizer step of the critic on the policy's micro-batches (`real`: False for a rank's zero-weighted
+        passes, run so every rank makes the same collectives), its loss summed over every rank's `num_tokens`;
+        `step`: step()'s keywords. Its stats, with the grad norm, the lr and the seconds it took."""
+        started = time.perf_counter()
+        totals = TrainStats()
+        for counted, batch in zip(real, batches):
+            loss, stats = self.loss(batch, scale=batch.target_mask / max(num_tokens, 1))
+            (loss * (world_size if counted else 0.0)).backward()
+            if counted:
+                totals += stats
+        totals.critic_grad_norm, totals.critic_lr = self.step(**step)
+        totals.critic_seconds = time.perf_counter() - started
+        return totals
 
     def step(self, *, step: int, update: int, num_updates: int, num_steps: int,
              rank: int) -> tuple[float | None, float]:

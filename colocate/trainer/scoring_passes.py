@@ -1,10 +1,11 @@
 """The trainer's forward passes that are not a train step's, and the pieces every forward shares: the loss's
 log-probs without training (score: bench mismatch, the proximal policy of job/updates.py, the rollout dump), the
-same with each position's routing (score_routing: router replay's bench and tests), the policy's forward with its
+same with each position's routing (score_routing: router replay's bench and tests), the critic's values (values:
+algo.advantage=gae, before a step's first update), the policy's forward with its
 routers replaying the batch's routing (_logprobs), and a rank's micro-batches (_micro_batches, _collate).
 
-A mixin of TrainerActor (trainer/actor.py), whose state it reads: `model`, `cfg`, `pad_id`, `device`, `replay`
-and `_offloaded`.
+A mixin of TrainerActor (trainer/actor.py), whose state it reads: `model`, `cfg`, `pad_id`, `device`, `replay`,
+`critic` and `_offloaded`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,20 @@ class ScoringPasses:
                                          used[row, start:end])
         finally:
             self.replay.record(False)
+        return [out[i] for i in range(len(seqs))]
+
+    @torch.no_grad()
+    def values(self, seqs: list[Sequence], *, num_micro_batches: int) -> list[list[float]]:
+        """The critic's value of every response token of `seqs` (algo.advantage=gae: trainer/critic.py), in order,
+        without training. A collective, like score: every rank runs `num_micro_batches`."""
+        assert self.critic is not None and not self._offloaded, "values need the critic, onloaded"
+        self.critic.model.eval()
+        out, index = {}, {id(s): i for i, s in enumerate(seqs)}
+        for chunk in self._micro_batches(seqs, num_micro_batches):
+            batch = self._collate(chunk or [dummy_sequence(self.pad_id)])
+            values = self.critic.values(batch).cpu()
+            for s, (row, first, num) in zip(chunk, batch.spans):
+                out[index[id(s)]] = values[row, first:first + num].tolist()
         return [out[i] for i in range(len(seqs))]
 
     def _logprobs(self, batch: MicroBatch, **kwargs):
