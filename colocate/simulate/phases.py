@@ -122,13 +122,17 @@ class EngineModel:
 
 
 def train_s(work: Work, gpu: Hardware, *, ranks: int, tokens: int, micro_batch_tokens: int,
-            sequence_tokens: float, num_updates: int = 1, num_epochs: int = 1, recompute: bool = False) -> dict:
+            sequence_tokens: float, num_updates: int = 1, num_epochs: int = 1, recompute: bool = False,
+            critic: bool = False) -> dict:
     """A step's training over `tokens` (prompts and answers) on `ranks` FSDP2 ranks: each micro-batch's compute
     at the MFU of its tokens, or FSDP's all-gathers (twice, with checkpointing's recompute) and reduce-scatter
     where they are longer (they overlap the compute), once an epoch (algo.num_epochs); then AdamW's pass over each
     rank's shard (memory-bound) once an optimizer step (algo.num_mini_batches x num_epochs: `num_updates`). With
     `recompute` (algo.old_logprobs), a forward pass before: a third of the compute (2 of 6 FLOPs a parameter) and
-    one of FSDP's three weight passes."""
+    one of FSDP's three weight passes. With `critic` (algo.advantage=gae: trainer/critic.py, the policy's backbone
+    with a scalar head) the same again for the critic: its values' forward before the first update, its forward and
+    backward every epoch, its AdamW every update (bench train --updates measured it at 44% of a PPO step, against
+    the policy's 56% with its recompute pass)."""
     per_rank = tokens / ranks
     micro = max(1.0, min(per_rank, micro_batch_tokens))
     num_micro = max(1, round(per_rank / micro))
@@ -136,10 +140,14 @@ def train_s(work: Work, gpu: Hardware, *, ranks: int, tokens: int, micro_batch_t
     gathered = 3 * BF16 * work.params + FP32 * work.trained_params  # all-gathers, and the trained grads' reduce
     comm = 0.0 if ranks == 1 else gathered * (ranks - 1) / ranks / gpu.link_bytes_per_s
     optimizer = 4 * 4 * 2 * work.trained_params / ranks / gpu.hbm_bytes_per_s  # params, grads, moments: r + w
-    forward = num_micro * max(compute / 3, comm / 3) if recompute else 0.0
-    return {"seconds": num_epochs * num_micro * max(compute, comm) + num_updates * optimizer + forward,
+    one_forward = num_micro * max(compute / 3, comm / 3)
+    forward = one_forward if recompute else 0.0
+    policy = num_epochs * num_micro * max(compute, comm) + num_updates * optimizer
+    critic_s = policy + one_forward if critic else 0.0
+    return {"seconds": policy + forward + critic_s,
             "compute_s": num_epochs * num_micro * compute, "comm_s": num_epochs * num_micro * comm,
-            "optimizer_s": num_updates * optimizer, "recompute_s": forward, "micro_batches": num_epochs * num_micro}
+            "optimizer_s": num_updates * optimizer, "recompute_s": forward, "critic_s": critic_s,
+            "micro_batches": num_epochs * num_micro}
 
 
 def sync_s(work: Work, gpu: Hardware, *, ranks: int, engine_tp: int, split: bool) -> float:

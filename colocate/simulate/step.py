@@ -117,7 +117,7 @@ def predict(load, keys: dict[str, str], label: str, gpu: Hardware, *, gpus: int,
     micro = cfg.trainer.max_tokens_per_micro_batch or cfg.trainer.micro_batch_size * mean_sequence
     train = train_s(work, gpu, ranks=ranks, tokens=int(tokens), micro_batch_tokens=int(micro),
                     sequence_tokens=mean_sequence, num_updates=cfg.algo.num_updates, num_epochs=cfg.algo.num_epochs,
-                    recompute=cfg.algo.recomputes_proximal)
+                    recompute=cfg.algo.recomputes_proximal, critic=cfg.critic.enabled)
     phases = {"rollout": generating, "train": train["seconds"],
               "sync": sync_s(work, gpu, ranks=ranks, engine_tp=cfg.engine.tp, split=split)}
     training = phases["train"] + phases["sync"]

@@ -79,6 +79,21 @@ def test_split_sync_is_bit_exact_after_every_step(four_slots, tmp_path, num_slot
     assert 0 < deltas[1]["density"] <= 1.0 and deltas[1]["sent_bytes"] > 0 and deltas[1]["encode_s"] > 0
 
 
+def test_the_default_task_learns_on_a_split_with_the_delta_verified_every_step(four_slots, tmp_path):
+    """The default job (16 prompts x 8 answers) on a split placement with sync.delta (auto: on) and sync.verify=full
+    after every step: it learns, and every record has the sync's density and bytes."""
+    result = launch(tmp_path, f"placement.ray_address={four_slots}", "placement.num_slots=3",
+                    "placement.engine_slots=2", "engine.tp=2", "sync.verify=full", "algo.num_steps=12",
+                    "logging.progress=false", "checkpoint.at_end=false", small=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [r for r in records(tmp_path / "out") if "event" not in r]
+    assert [r["step"] for r in steps] == list(range(12))
+    assert all(0 < r["sync_delta"]["density"] <= 1 and r["sync_delta"]["sent_bytes"] > 0 for r in steps)
+    first = sum(r["reward_mean"] for r in steps[:4]) / 4
+    last = sum(r["reward_mean"] for r in steps[-4:]) / 4
+    assert last > first + 0.01, (first, last, [round(r["reward_mean"], 3) for r in steps])
+
+
 def test_the_directory_carrier_syncs_through_shared_files(four_slots, tmp_path):
     """sync.carrier=directory: the engines reach the trainers' weights only through files (each checksummed), the
     delta's changes among them; sync.verify=full after every step; the files of old syncs removed."""

@@ -176,3 +176,14 @@ def test_mini_batches_epochs_and_the_recompute_add_their_share_of_a_train_phase(
     assert many["recompute_s"] > 0 == one["recompute_s"]
     assert many["seconds"] == pytest.approx(2 * (one["seconds"] - one["optimizer_s"]) + many["optimizer_s"]
                                             + many["recompute_s"])
+
+
+def test_the_critic_adds_its_own_forward_backward_optimizer_and_values_pass():
+    config = json.loads(open(f"{QWEN_7B}/config.json").read())
+    work = Work.of(load_config(None, [f"model.path={QWEN_7B}"]), ModelDims.from_config_dict(config), prompt_tokens=512)
+    kwargs = dict(ranks=8, tokens=64 * 8 * 1024, micro_batch_tokens=8192, sequence_tokens=1024, num_updates=4,
+                  num_epochs=2, recompute=True)
+    policy = train_s(work, hardware("h100"), **kwargs)
+    ppo = train_s(work, hardware("h100"), **kwargs, critic=True)
+    assert policy["critic_s"] == 0 and ppo["critic_s"] == pytest.approx(policy["seconds"])  # with its values pass
+    assert ppo["seconds"] == pytest.approx(2 * policy["seconds"])
