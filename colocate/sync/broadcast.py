@@ -124,6 +124,10 @@ class BroadcastChannel:
         prefixed = PrefixStore(f"colocate-broadcast/{address.name}", store)
         return cls(_process_group(prefixed, rank, size, device, timeout), store, rank, size, address.name)
 
+    def begin_version(self, version: int) -> None:
+        """The feeder starts sync `version`: nothing to do for a process group (the directory carrier removes the
+        files no engine reads again: sync/directory_carrier.py)."""
+
     def broadcast(self, data: torch.Tensor) -> None:
         """Rank 0's `data` into every member's `data` (same size on every member; a collective). Raises
         BroadcastError if a member is lost (see the module's hazards), and at once on any call after that."""
@@ -216,9 +220,8 @@ class BroadcastFeeder:
         written = self.writer.write(index, shards)
         if index == 0:
             self.version += 1
-            for channel in self.channels.values():  # the directory carrier removes what no engine reads again
-                if hasattr(channel, "begin_version"):
-                    channel.begin_version(self.version)
+            for channel in self.channels.values():
+                channel.begin_version(self.version)
         for tp_rank, channel in sorted(self.channels.items()):  # every member's order: no two groups cross
             start, end = slot_extent(self.plan, index, tp_rank)
             if self.senders is None:
@@ -233,12 +236,7 @@ class BroadcastFeeder:
             return None
         from colocate.sync.delta_channel import DeltaStats
 
-        total = DeltaStats()
-        for sender in self.senders.values():
-            part = sender.take_stats()
-            for name in ("elements", "changed", "sent_bytes", "full_bytes", "full_slices"):
-                setattr(total, name, getattr(total, name) + getattr(part, name))
-            total.encode_s += part.encode_s
+        total = sum((sender.take_stats() for sender in self.senders.values()), DeltaStats())
         return {**total.record(), "store_bytes": sum(s.store.nbytes for s in self.senders.values()),
                 "store_version": self.version}
 

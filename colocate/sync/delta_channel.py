@@ -22,8 +22,9 @@ host side. The feeder compares on the host, after one copy of the staged slice (
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -53,15 +54,14 @@ class DeltaStats:
     sent_bytes: int = 0
     full_bytes: int = 0
     encode_s: float = 0.0
-    apply_s: float = 0.0
     full_slices: int = 0
-    by_slice: list = field(default_factory=list)  # (bucket index, changed, elements) per slice
+
+    def __add__(self, other: DeltaStats) -> DeltaStats:
+        return DeltaStats(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
 
     def record(self) -> dict:
-        return {"density": self.changed / max(self.elements, 1), "changed": self.changed, "elements": self.elements,
-                "sent_bytes": self.sent_bytes,
-                "full_bytes": self.full_bytes, "sent_fraction": self.sent_bytes / max(self.full_bytes, 1),
-                "encode_s": self.encode_s, "apply_s": self.apply_s, "full_slices": self.full_slices}
+        return {**dataclasses.asdict(self), "density": self.changed / max(self.elements, 1),
+                "sent_fraction": self.sent_bytes / max(self.full_bytes, 1)}
 
 
 def element_view(data: torch.Tensor, element_size: int) -> torch.Tensor:
@@ -110,19 +110,15 @@ class DeltaSender:
         """Slice `index` (uint8, on the channel's device) as version `version`: its delta against the store, or
         whole. A collective of the slice's broadcast group, as the plain broadcast is."""
         started = time.perf_counter()
-        host = data.cpu() if data.device.type != "cpu" else data
+        host = data.cpu()  # the tensor itself on the CPU; one copy from a GPU
+        elements = element_view(host, self.element_size)
         base = self.store.versions.get(index, -1)
-        delta = None
-        if base >= 0:
-            delta = encode(element_view(self.store.slices[index], self.element_size),
-                           element_view(host, self.element_size))
+        delta = encode(element_view(self.store.slices[index], self.element_size), elements) if base >= 0 else None
         self.stats.encode_s += time.perf_counter() - started
-        count = delta.count if delta is not None else host.numel() // self.element_size
-        numel = element_view(host, self.element_size).numel()
-        self.stats.elements += numel
+        count = delta.count if delta is not None else elements.numel()
+        self.stats.elements += elements.numel()
         self.stats.changed += count
         self.stats.full_bytes += host.numel()
-        self.stats.by_slice.append((index, count, numel))
         whole = delta is None or delta.full
         header = torch.tensor([FULL if whole else DELTA, base, version, 0 if whole else len(delta.payload),
                                count, 0 if whole else delta.num_large, int(not whole and delta.compressed)],
@@ -147,7 +143,6 @@ class DeltaReceiver:
     def __init__(self, channel, *, element_size: int, pinned: bool = False):
         self.channel, self.element_size = channel, element_size
         self.store = WeightStore(pinned)
-        self.apply_s = 0.0
 
     def receive(self, index: int, data: torch.Tensor) -> None:
         """Slice `index` into `data` (uint8, this worker's ring slot): whole, or the store's copy with the delta
@@ -157,7 +152,7 @@ class DeltaReceiver:
         kind, base, version, nbytes, count, num_large, compressed = header.tolist()
         if kind == FULL:
             self.channel.broadcast(data)
-            self.store.put(index, data.cpu() if data.device.type != "cpu" else data, version)
+            self.store.put(index, data.cpu(), version)
             return
         held = self.store.versions.get(index, -1)
         payload = torch.empty(nbytes, dtype=torch.uint8, device=data.device)
@@ -165,7 +160,6 @@ class DeltaReceiver:
         if held != base:
             raise DeltaMismatch(f"bucket {index}: a delta against version {base} reached a store holding version "
                                 f"{held}; nothing applied")
-        started = time.perf_counter()
         stored = self.store.slices[index]
         target = element_view(stored, self.element_size)
         delta = Delta(numel=target.numel(), element_size=target.element_size(), count=count,
@@ -174,4 +168,3 @@ class DeltaReceiver:
         apply(target, delta)
         self.store.versions[index] = version
         data.copy_(stored)
-        self.apply_s += time.perf_counter() - started
