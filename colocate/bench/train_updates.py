@@ -42,9 +42,10 @@ def variants(num_updates: int) -> dict[str, dict]:
 
 
 def _state_bytes(optimizer, model) -> int:
-    tensors = [p.to_local() for p in model.parameters()]
-    tensors += [v for s in optimizer.state.values() for v in s.values() if hasattr(v, "numel") and v.dim()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """The resident state as the offloader moves it (trainer/offload.py local_state), less AdamW's step scalars."""
+    from colocate.trainer.offload import local_state
+
+    return sum(t.numel() * t.element_size() for t in local_state(model, optimizer) if t.dim())
 
 
 def _measure(cfg: JobConfig, keys: dict, model_path: str, port: int, queue) -> None:

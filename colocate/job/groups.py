@@ -46,24 +46,23 @@ class TrainerGroup(ActorGroup):
     def score(self, sequences: list[Sequence], cfg: TrainerConfig, *, temperature: float, top_p: float,
               method: str = "score") -> list:
         """Every sequence's response logprobs under the trainers' current weights (TrainerActor.score, the loss's
-        path, no gradient), in the order given; dealt and micro-batched as train_step deals them. `method`
-        score_routing: each with its routing (TrainerActor.score_routing, algo.router_replay)."""
-        shares = deal(sequences, len(self))
-        num_micro_batches = max(len(trainer_micro_batches(share, cfg)) for share in shares)
-        scored = ray.get([getattr(t, method).remote(share, num_micro_batches=num_micro_batches,
-                                                    temperature=temperature, top_p=top_p)
-                          for share, t in zip(shares, self)])
-        by_id = {id(s): lp for share, rows in zip(shares, scored) for s, lp in zip(share, rows)}
-        return [by_id[id(s)] for s in sequences]
+        path, no gradient), in the order given. `method` score_routing: each with its routing
+        (TrainerActor.score_routing, algo.router_replay)."""
+        return self._per_sequence(method, sequences, cfg, temperature=temperature, top_p=top_p)
 
     def values(self, sequences: list[Sequence], cfg: TrainerConfig) -> list[list[float]]:
         """The critic's value of every response token (algo.advantage=gae: TrainerActor.values), in the order
-        given; dealt and micro-batched as train_step deals them."""
+        given."""
+        return self._per_sequence("values", sequences, cfg)
+
+    def _per_sequence(self, method: str, sequences: list[Sequence], cfg: TrainerConfig, **kwargs) -> list:
+        """A forward pass of every rank (`method`, no gradient) over `sequences` dealt and micro-batched as
+        train_step deals them, every rank running the same micro-batch count: each sequence's result, in order."""
         shares = deal(sequences, len(self))
         num_micro_batches = max(len(trainer_micro_batches(share, cfg)) for share in shares)
-        valued = ray.get([t.values.remote(share, num_micro_batches=num_micro_batches)
-                          for share, t in zip(shares, self)])
-        by_id = {id(s): v for share, rows in zip(shares, valued) for s, v in zip(share, rows)}
+        results = ray.get([getattr(t, method).remote(share, num_micro_batches=num_micro_batches, **kwargs)
+                           for share, t in zip(shares, self)])
+        by_id = {id(s): r for share, rows in zip(shares, results) for s, r in zip(share, rows)}
         return [by_id[id(s)] for s in sequences]
 
     def offload(self) -> None:

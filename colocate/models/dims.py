@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from colocate.config import JobConfig
+from colocate.config.critic import POLICY
 from colocate.config.fields import bad
 from colocate.models.sources import PRESETS, is_hub_id
 
@@ -122,7 +123,7 @@ def critic_params(cfg: JobConfig, dims: ModelDims) -> int:
     if not cfg.critic.enabled:
         return 0
     critic = dims
-    if cfg.critic.model_path != "policy":
+    if cfg.critic.model_path != POLICY:
         config_file = model_config_file(cfg.critic.model_path)
         if config_file is not None:
             try:
@@ -131,13 +132,6 @@ def critic_params(cfg: JobConfig, dims: ModelDims) -> int:
                 critic = dims
     head = 0 if critic.tie_word_embeddings else critic.vocab_size * critic.hidden_size
     return critic.num_params - head + critic.hidden_size + 1
-
-
-def critic_state_bytes(cfg: JobConfig, dims: ModelDims) -> tuple[int, int]:
-    """(params + optimizer, params + grads + optimizer) of the whole critic, fp32 with AdamW's two moments, as
-    trainer_state_bytes counts the policy's; (0, 0) without a critic."""
-    n = critic_params(cfg, dims)
-    return 12 * n, 16 * n
 
 
 def num_routed_experts(config: dict) -> int:

@@ -28,12 +28,12 @@ from colocate.sync.buckets import TensorSpec
 from colocate.sync.shards import local_shards
 from colocate.sync.trainer_end import Checksums, TrainerEnd
 from colocate.trainer.batching import MicroBatch, attention_implementation
-from colocate.trainer.finite import check_weights, clip_checked
+from colocate.trainer.finite import guarded_step
 from colocate.trainer.fsdp import checkpoint_layers, shard_by_layer
 from colocate.trainer.logprobs import install_chunked_head
 from colocate.trainer.loss import Sequence, policy_loss, token_scale
 from colocate.trainer.lr_schedule import learning_rate
-from colocate.trainer.offload import create_optimizer_state, make_offloader
+from colocate.trainer.offload import create_optimizer_state, local_state, make_offloader
 from colocate.trainer.scoring_passes import ScoringPasses, dummy_sequence
 from colocate.trainer.stats import TrainStats
 from colocate.trainer.token_returns import kl_returns, whiten_over_ranks
@@ -211,15 +211,10 @@ class TrainerActor(ScoringPasses):
                 totals += stats
         # NaN/Inf guards (trainer/finite.py): every rank raises together, naming the parameter, before a bad
         # gradient is stepped or a bad weight is synced; the controller then never reaches the sync.
-        totals.grad_norm = clip_checked(self.trained, self.cfg.grad_clip, step=step, rank=self.rank)
-        if not self.optimizer.state:
-            self._create_optimizer_state()
         per_step = self.algo.num_updates
         totals.lr = learning_rate(step * per_step + update, self.cfg, num_steps=self.algo.num_steps * per_step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = totals.lr
-        self.optimizer.step()
-        check_weights(self.trained, step=step, rank=self.rank)
+        totals.grad_norm = guarded_step(self.optimizer, self.trained, max_norm=self.cfg.grad_clip, lr=totals.lr,
+                                        step=step, rank=self.rank, create_state=self._create_optimizer_state)
         if self.scaled_b is not None:
             self.scaled_b.refresh()
         if self.critic is not None:
@@ -386,10 +381,9 @@ class TrainerActor(ScoringPasses):
             self.offload()
 
     def _state_tensors(self) -> list[torch.Tensor]:
-        tensors = [p.to_local() for p in self.model.parameters()]
-        for state in self.optimizer.state.values():
-            tensors += [v.to_local() if hasattr(v, "to_local") else v for v in state.values() if torch.is_tensor(v)]
-        return tensors + (self.critic.state_tensors() if self.critic is not None else [])
+        """The policy's state and the critic's: one offloader moves both (trainer/critic.py)."""
+        tensors = local_state(self.model, self.optimizer)
+        return tensors + (local_state(self.critic.model, self.critic.optimizer) if self.critic is not None else [])
 
     def pid(self) -> int:
         return os.getpid()

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from colocate.trainer.batching import MicroBatch, attention_implementation
-from colocate.trainer.finite import check_weights, clip_checked
+from colocate.trainer.finite import guarded_step
 from colocate.trainer.fsdp import checkpoint_layers, shard_by_layer
 from colocate.trainer.lr_schedule import learning_rate
 from colocate.trainer.offload import create_optimizer_state
@@ -144,21 +144,10 @@ class Critic:
              rank: int) -> tuple[float | None, float]:
         """Clip (NaN-guarded, every rank together), set the scheduled learning rate, step AdamW, check the weights;
         then drop the gradients (the policy's backward never needs them). Returns (grad norm, lr)."""
-        grad_norm = clip_checked(self.params, self.critic.grad_clip, step=step, rank=rank)
-        if not self.optimizer.state:
-            create_optimizer_state(self._offloader, self.optimizer)
         schedule = dataclasses.replace(self.cfg, lr=self.critic.lr)  # the policy's schedule, the critic's peak
         lr = learning_rate(step * num_updates + update, schedule, num_steps=num_steps * num_updates)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        check_weights(self.params, step=step, rank=rank)
+        grad_norm = guarded_step(self.optimizer, self.params, max_norm=self.critic.grad_clip, lr=lr, step=step,
+                                 rank=rank, create_state=lambda: create_optimizer_state(self._offloader,
+                                                                                        self.optimizer))
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, lr
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """What the shared offloader moves: the critic's shards and AdamW moments."""
-        tensors = [p.to_local() for p in self.model.parameters()]
-        for state in self.optimizer.state.values():
-            tensors += [v.to_local() if hasattr(v, "to_local") else v for v in state.values() if torch.is_tensor(v)]
-        return tensors

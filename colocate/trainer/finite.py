@@ -5,6 +5,8 @@ name, on every rank at once, before anything reaches the engine.
     optimizer.step()
     check_weights(params, step=step, rank=rank)                        # raises NonFiniteError (e.g. lr too high)
 
+    grad_norm = guarded_step(optimizer, params, max_norm=m, lr=lr, step=s, rank=r, create_state=f)  # all of it
+
 Agreement: every rank must raise, or none. A rank that raised alone would leave the others waiting in the next
 collective (the next step's FSDP all-gather, or the sync's gather) until the process-group timeout. So each
 decision is taken on a value every rank holds identically after a collective: the all-reduced total gradient
@@ -28,6 +30,22 @@ import math
 import torch
 
 from colocate.errors import NonFiniteError
+
+
+def guarded_step(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor], *, max_norm: float, lr: float,
+                 step: int, rank: int, create_state) -> float | None:
+    """One optimizer step between the guards: clip (every rank raising together on a non-finite gradient), create
+    the optimizer's state where it has none yet (`create_state()`: in the offloader's region), set `lr`, step, and
+    check the weights. The policy's step and the critic's (trainer/actor.py, trainer/critic.py). Returns the
+    total gradient norm before clipping (None without clipping)."""
+    grad_norm = clip_checked(params, max_norm, step=step, rank=rank)
+    if not optimizer.state:
+        create_state()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    check_weights(params, step=step, rank=rank)
+    return grad_norm
 
 
 def clip_checked(params: dict[str, torch.Tensor], max_norm: float, *, step: int, rank: int) -> float | None:

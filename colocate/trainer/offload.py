@@ -67,6 +67,15 @@ class Offloader(Protocol):
     def close(self) -> None: ...
 
 
+def local_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """What an FSDP2 model's owner moves out and back: this rank's parameter shards and its optimizer's state (the
+    moments' local shards, and AdamW's `step` scalars)."""
+    tensors = [p.to_local() for p in model.parameters()]
+    for state in optimizer.state.values():
+        tensors += [v.to_local() if hasattr(v, "to_local") else v for v in state.values() if torch.is_tensor(v)]
+    return tensors
+
+
 def create_optimizer_state(offloader: Offloader, optimizer: torch.optim.Optimizer) -> None:
     """AdamW's lazy state, created by hand inside the offloader's region (torch_memory_saver pauses it with the
     parameters), exactly as `Adam._init_group` creates it (torch/optim/adam.py: step a CPU scalar, the moments
