@@ -430,6 +430,12 @@ class EngineActor:
             self.sync_end.seal_ring(key)
 
     @ray.method(concurrency_group=CONTROL)
+    def close_ring(self, key: str) -> None:
+        """Drop sync `key`'s rings and groups (reopened under a new key for a replaced engine)."""
+        with self._gate.exclusive():
+            self.sync_end.close_ring(key)
+
+    @ray.method(concurrency_group=CONTROL)
     def load_bucket(self, key: str, index: int, *per_rank_checksums) -> dict:
         """Load bucket `index` into every worker. Ray passes the trainers' write results as arguments, so this
         runs only after every rank has written its part of the bucket. Each worker verifies its ranges before it

@@ -105,6 +105,9 @@ class ColocateWorkerExtension:
     def colocate_seal_ring(self, key: str) -> None:
         self._colocate_sync().seal(key)
 
+    def colocate_close_ring(self, key: str) -> None:
+        self._colocate_sync().close(key)
+
     # Verification failures are returned, not raised (sync/engine_end.py says why): (seconds..., error or None).
 
     def colocate_load(self, key: str, index: int, checksums: list[tuple[int, int, int, int]]):

@@ -230,6 +230,33 @@ class BroadcastFeeder:
                 self.senders[tp_rank].send(index, self.staging[tp_rank][start:end], version=self.version)
         return written
 
+    def adopt(self, old: BroadcastFeeder) -> None:
+        """Take over `old`'s weight stores and version (the same plan, new groups: fault.engine_restarts reopens the
+        broadcast for a replaced engine), so the next sync is a delta against what every engine holds."""
+        assert self.senders is not None and old.senders is not None and set(self.senders) == set(old.senders)
+        assert len(self.plan.buckets) == len(old.plan.buckets) and self.plan.ring_bytes == old.plan.ring_bytes
+        for t, sender in self.senders.items():
+            sender.store = old.senders[t].store
+        self.version = old.version
+
+    def replay(self, index: int) -> list[tuple[int, int, int, int]]:
+        """Bucket `index` from the weight stores, whole, to every member (a restarted engine loads it; the others
+        only receive it, into their stores), with no gather: the trainers' shards are not read. Returns the
+        checksums of the staged bytes, which the loads check as after a write."""
+        from colocate.sync.buffers import range_checksums
+
+        assert self.senders is not None, "a replay needs the weight stores of sync.delta"
+        written = []
+        for tp_rank, channel in sorted(self.channels.items()):  # every member's order, as in write
+            start, end = slot_extent(self.plan, index, tp_rank)  # an empty slice too: its header is a collective
+            slot = self.staging[tp_rank]
+            slot[start:end].copy_(self.senders[tp_rank].store.slices[index])
+            self.senders[tp_rank].resend(index, slot[start:end])
+            spans = tensor_spans(self.plan, index, tp_rank)
+            sums = range_checksums([slot[s.start:s.start + s.num_bytes] for s in spans])
+            written += [(tp_rank, s.start, s.num_bytes, total) for s, total in zip(spans, sums)]
+        return written
+
     def take_delta_stats(self) -> dict | None:
         """sync.delta: the last sync's figures, every fed TP rank's together (DeltaStats.record); None: off."""
         if self.senders is None:

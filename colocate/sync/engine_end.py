@@ -107,6 +107,10 @@ class WorkerEnd:
         self.tp_rank, self.params = tp_rank, params
         return handle
 
+    def close(self, key: str) -> None:
+        """Drop sync `key`'s ring and channel (a broadcast reopened under a new key for a replaced engine)."""
+        self.rings.pop(key, None)
+
     def seal(self, key: str) -> None:
         """Every party has mapped the ring: drop its name (shared memory), so no crash can leak it."""
         session = self.rings[key]
@@ -187,6 +191,9 @@ class EngineEnd:
         if key in self._shared_rings:
             self._shared_rings[key].unlink()
         self.rpc("colocate_seal_ring", args=(key,))
+
+    def close_ring(self, key: str) -> None:
+        self.rpc("colocate_close_ring", args=(key,))
 
     def receive_bucket(self, key: str, index: int) -> float:
         """Every worker's receive of bucket `index`; the slowest worker's seconds."""

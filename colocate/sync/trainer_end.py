@@ -156,9 +156,11 @@ class TrainerEnd:
 
     def attach_broadcast(self, key: str, plan: SyncPlan, groups: dict, *, num_members: int, timeout_s: float,
                          checksum: bool, delta: bool = False, element_size: int = 2, directory: str = "",
-                         tp: int = 0) -> None:
+                         tp: int = 0, inherit: str = "") -> None:
         """Second half: join the groups (this blocks until their engine workers join too: call it beside the
-        engines' open_ring) and stage the fed TP ranks' slices. A rank that feeds none gathers only."""
+        engines' open_ring) and stage the fed TP ranks' slices. A rank that feeds none gathers only. `inherit`: the
+        key of a sync of the same plan whose weight stores and version this one takes over, and which is closed
+        (fault.engine_restarts reopens the groups for a replaced engine)."""
         from colocate.sync.broadcast import BroadcastChannel, BroadcastFeeder
 
         if directory:  # sync.carrier=directory: files in a shared directory, no process group (no stores opened)
@@ -174,6 +176,19 @@ class TrainerEnd:
         self._feeders[key] = BroadcastFeeder.create(plan, groups, rank=self.rank, world_size=self.world_size,
                                                     device=self.device, channels=channels, checksum=checksum,
                                                     delta=delta, element_size=element_size)
+        if inherit:
+            self._feeders[key].adopt(self._feeders.pop(inherit))
+
+    def replay_bucket(self, key: str, index: int) -> Checksums:
+        """Bucket `index` of sync `key` sent whole from the weight stores (BroadcastFeeder.replay): no gather."""
+        return self._feeders[key].replay(index)
+
+    def store_version(self, key: str) -> int:
+        """The version the weight stores of sync `key` hold (-1: nothing synced yet, or no store: sync.delta off)."""
+        feeder = self._feeders[key]
+        versions = {s.store.version for s in (feeder.senders or {}).values()}
+        assert len(versions) <= 1, versions
+        return versions.pop() if versions else -1
 
     def take_delta_stats(self, key: str) -> dict | None:
         """sync.delta: the last broadcast sync's figures on this rank (BroadcastFeeder.take_delta_stats)."""

@@ -114,7 +114,7 @@ class WeightSync:
         # In place, writer and engine share the very pages: a checksum re-read on the engine would compare the
         # memory with itself. What can go wrong there is a parameter leaving the arena, and verify_in_place
         # checks that on every sync. Through a ring, checksums guard the slot reuse and torn or stale writes.
-        checksum = self.cfg.verify != "none" and not self.plan.in_place
+        checksum = self.checksum = self.cfg.verify != "none" and not self.plan.in_place
         if self.method in ("gather", "broadcast"):
             self._open_gather(checksum) if self.method == "gather" else self._open_broadcast(checksum)
             return self.plan
@@ -150,7 +150,7 @@ class WeightSync:
                  for t, pair in zip(self.trainers, self.pairs)])
         ray.get([engine.seal_ring.remote(self.key) for engine in self.engines])
 
-    def _open_broadcast(self, checksum: bool) -> None:
+    def _open_broadcast(self, checksum: bool, inherit: str = "") -> None:
         from colocate.sync.gather import plan_gather
 
         groups = plan_gather(self.plan, self.specs, world_size=len(self.trainers))
@@ -174,7 +174,8 @@ class WeightSync:
         # every member joins at once: each join blocks until its whole group has joined
         ray.get([t.attach_broadcast.remote(self.key, self.plan, groups, num_members=members,
                                            timeout_s=self.timeout_s, checksum=checksum, delta=delta,
-                                           element_size=element_size, directory=directory, tp=tp)
+                                           element_size=element_size, directory=directory, tp=tp,
+                                           inherit=inherit)
                  for t in self.trainers]
                 + [engine.open_ring.remote(self.key, self.plan, engine_index=e, broadcast=broadcast)
                    for e, engine in enumerate(self.engines)])
@@ -271,32 +272,64 @@ class WeightSync:
                 loads[e].append(engine.load_bucket.remote(key, index, *[writes[r] for r in feeders[e]]))
         return loads, pending
 
-    def _schedule_broadcast(self) -> tuple[list[list], list]:
+    def _schedule_broadcast(self, write: str = "broadcast_write",
+                            load_into: list[int] | None = None) -> tuple[list[list], list]:
         """The broadcast protocol's Ray graph for one sync (see the module docstring): the loads per engine, and
-        the calls no load waits for (non-feeding ranks' writes, the receives): awaited for their errors."""
+        the calls no load waits for (non-feeding ranks' writes, the receives): awaited for their errors. `write`:
+        the trainers' method (replay_bucket: from the weight stores); `load_into`: the engines that load (every
+        engine receives, since the broadcast is a collective of them all); default all."""
         from colocate.sync.broadcast import feeder_of
 
         plan, key = self.plan, self.key
         feeders = sorted({feeder_of(t, len(self.trainers)) for t in range(self.tp_size)})
+        loading = range(len(self.engines)) if load_into is None else load_into
         pending = []
-        loads: list[list] = [[] for _ in self.engines]
+        loads: list[list] = [[] for _ in loading]
         for index in range(len(plan.buckets)):
-            writes = [trainer.broadcast_write.remote(key, index) for trainer in self.trainers]
+            writes = [getattr(trainer, write).remote(key, index) for trainer in self.trainers]
             pending += [w for r, w in enumerate(writes) if r not in feeders]
             for e, engine in enumerate(self.engines):
                 pending.append(engine.receive_bucket.remote(key, index))  # no dependency: it meets the writes
-                loads[e].append(engine.load_bucket.remote(key, index, *[writes[r] for r in feeders]))
+            for i, e in enumerate(loading):
+                loads[i].append(self.engines[e].load_bucket.remote(key, index, *[writes[r] for r in feeders]))
         return loads, pending
 
-    def verify_full(self, engine_dtype: str) -> list[str]:
-        """Compare every engine worker's parameters with the trainer's, cast to the engine dtype, through the
-        independent layout oracle (plan.engine_tensor). Returns the mismatched "engine/worker/param" names."""
+    def rejoin(self, replaced: list[int]) -> dict:
+        """After engines `replaced` were restarted (fault.engine_restarts, job/engine_restarts.py): every feeder and
+        engine joins new groups under a new key (the old ones hold the dead processes), the feeders keeping their
+        weight stores; then the stores are broadcast whole and loaded into the replaced engines, with no gather:
+        the version every other engine holds, without reading the trainers' shards. The others receive it into
+        their own stores (a broadcast is every member's collective), so the next sync is a delta for all.
+        Returns {"reload_s", "reload_bytes", "store_version"}."""
+        assert self.method == "broadcast" and self.delta, "a replaced engine reloads from sync.delta's weight stores"
+        started = time.perf_counter()
+        old, self.key = self.key, uuid.uuid4().hex[:8]
+        self._open_broadcast(self.checksum, inherit=old)
+        for e, engine in enumerate(self.engines):
+            if e not in replaced:
+                ray.get(engine.close_ring.remote(old))
+        version = ray.get(self.trainers[0].store_version.remote(self.key))
+        reloaded = 0
+        if version >= 0:  # nothing synced yet: every engine holds model.path's weights, as the replaced one loaded
+            loads, pending = self._schedule_broadcast("replay_bucket", load_into=replaced)
+            ray.get([ref for refs in loads for ref in refs])
+            ray.get(pending)
+            ray.get([self.engines[e].finish_sync.remote() for e in replaced])
+            reloaded = self.plan.num_bytes
+        return {"reload_s": time.perf_counter() - started, "reload_bytes": reloaded, "store_version": version}
+
+    def verify_full(self, engine_dtype: str, engines: list[int] | None = None) -> list[str]:
+        """Compare every engine worker's parameters (of `engines`, default all) with the trainer's, cast to the
+        engine dtype, through the independent layout oracle (plan.engine_tensor). Returns the mismatched
+        "engine/worker/param" names."""
         from colocate.sync.tp_layout import compare_engine_state
 
         # a collective on every rank; only rank 0 ships the result
         trainer_state = ray.get([t.full_state_dict.remote(engine_dtype, rank0_only=True) for t in self.trainers])[0]
         mismatched = []
         for e, engine in enumerate(self.engines):
+            if engines is not None and e not in engines:
+                continue
             layouts = ray.get(engine.param_layouts.remote())
             for layout, state in zip(layouts, ray.get(engine.state_dicts.remote())):
                 tp = worker_layout(layout, self._layout_of)

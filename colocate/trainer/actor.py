@@ -287,6 +287,12 @@ class TrainerActor(ScoringPasses):
     def take_delta_stats(self, key: str) -> dict | None:
         return self.sync_end.take_delta_stats(key)
 
+    def replay_bucket(self, key: str, index: int) -> Checksums:
+        return self.sync_end.replay_bucket(key, index)
+
+    def store_version(self, key: str) -> int:
+        return self.sync_end.store_version(key)
+
     def broadcast_write(self, key: str, index: int) -> Checksums:
         return self.sync_end.broadcast_write(key, index, self._resident_shards())
 

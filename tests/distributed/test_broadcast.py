@@ -236,3 +236,120 @@ def test_feeders_spread_over_the_ranks_and_cover_every_tp_rank():
     for index, bucket in enumerate(plan.buckets):  # what is broadcast lies in the bucket's slot
         start, end = slot_extent(plan, index, 1)
         assert bucket.slot * plan.slot_bytes <= start < end <= (bucket.slot + 1) * plan.slot_bytes
+
+
+def _replacing_an_engine(rank: int, world_size: int, port: int):
+    """fault.engine_restarts' reload (WeightSync.rejoin): rank 0 feeds two TP=1 engines (ranks 1 and 2) a full sync
+    and a delta sync; then engine 1's worker is gone and a new process (rank 3) takes its place. The feeder joins
+    new groups with the survivor and the newcomer, keeping its weight store (BroadcastFeeder.adopt), and replays
+    the store whole without a gather: the newcomer loads exactly the version the survivor holds, the survivor
+    loads nothing, and the next sync is a delta (against that version) that leaves both bit-equal to the
+    trainer's weights, every store at the sync's version."""
+    import torch.distributed as dist
+    from torch.distributed import PrefixStore, TCPStore
+
+    from colocate.sync.broadcast import BroadcastChannel, BroadcastFeeder, StoreAddress, open_store, receive
+    from colocate.sync.delta_channel import DeltaReceiver
+    from colocate.sync.load import verify_then_load
+
+    board = TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
+                     timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    full = hf_state(VOCAB, tied=False, num_layers=2)
+    plan, specs, layouts = _plan(full, 1, False, 0, True)
+    cpu = torch.device("cpu")
+
+    def feeder_for(name: str, old: BroadcastFeeder | None = None) -> BroadcastFeeder:
+        store, address = open_store("127.0.0.1", name, size=3, timeout_s=TIMEOUT_S)
+        board.set(f"port/{name}", str(address.port))
+        channel = BroadcastChannel.join(address, rank=0, size=3, device=cpu, timeout_s=TIMEOUT_S, store=store)
+        feeder = BroadcastFeeder.create(plan, plan_gather(plan, specs, world_size=1), rank=0, world_size=1,
+                                        device=cpu, channels={0: channel}, checksum=True, delta=True)
+        if old is not None:
+            feeder.adopt(old)
+        return feeder
+
+    if rank == 0:
+        from colocate.sync.gather import plan_gather
+        from colocate.sync.shards import local_shards
+        from tests.distributed.test_shards import _sharded
+
+        dist.init_process_group("gloo", store=PrefixStore("fsdp", board), rank=0, world_size=1)
+        params, specs = _sharded(full, 1)
+        feeder = feeder_for("first")
+        for sync in range(3):
+            if sync == 2:  # engine 1 replaced: new groups, the same stores, the store's version replayed
+                board.wait(["replaced"])
+                feeder = feeder_for("second", old=feeder)
+                for index in range(len(plan.buckets)):
+                    board.set(f"replay/{index}", repr(feeder.replay(index)))
+                assert feeder.senders[0].store.version == 1
+            _change(params, sync, True)
+            for index in range(len(plan.buckets)):
+                board.set(f"sums{sync}/{index}", repr(feeder.write(index, local_shards(params))))
+            stats = feeder.take_delta_stats()
+            assert stats["store_version"] == sync
+            if sync == 2:  # a delta against the replayed version, not the whole model again
+                assert stats["full_slices"] == 0 and stats["changed"] < stats["elements"], stats
+            current = {n: p.full_tensor() for n, p in params.items()}
+            board.set(f"expected{sync}", repr({n: v.float().tolist() for n, v in
+                                               _expected(current, layouts[0], False).items()}))
+        dist.destroy_process_group()
+        board.wait(["done"])
+        return
+
+    engine = 0 if rank == 1 else 1
+    ring = torch.zeros(plan.ring_bytes, dtype=torch.uint8)
+    weights = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s, _ in layouts[0]["params"]}
+
+    def join(name: str) -> DeltaReceiver:
+        board.wait([f"port/{name}"])
+        address = StoreAddress("127.0.0.1", int(board.get(f"port/{name}")), name)
+        return DeltaReceiver(BroadcastChannel.join(address, rank=1 + engine, size=3, device=cpu,
+                                                   timeout_s=TIMEOUT_S), element_size=2)
+
+    def receive_sync(receiver: DeltaReceiver, sums_key: str, *, load: bool = True) -> None:
+        for index in range(len(plan.buckets)):
+            receive(plan, index, ring, receiver.channel, 0, receiver)
+            if load:
+                board.wait([f"{sums_key}/{index}"])
+                sums = eval(board.get(f"{sums_key}/{index}").decode())  # noqa: S307 (the test's own repr)
+                _, _, error = verify_then_load(plan, index, ring, sums, worker=0, params=weights, engine=engine,
+                                               load_weights=None)
+                assert error is None, error
+
+    def assert_holds(sync: int) -> None:
+        board.wait([f"expected{sync}"])
+        for name, values in eval(board.get(f"expected{sync}").decode()).items():  # noqa: S307
+            want = torch.tensor(values).to(torch.bfloat16)
+            assert torch.equal(weights[name][:want.shape[0]], want), (sync, rank, name)
+
+    if rank in (1, 2):
+        receiver = join("first")
+        for sync in range(2):
+            receive_sync(receiver, f"sums{sync}")
+            assert_holds(sync)
+            assert receiver.store.version == sync
+        if rank == 2:  # gone: its sockets close as a killed worker's do
+            board.set("gone", "1")
+            return
+        board.wait(["gone"])
+        held = {n: v.clone() for n, v in weights.items()}
+        receiver = join("second")
+        receive_sync(receiver, "replay", load=False)  # a collective of every member; nothing loaded here
+        assert all(torch.equal(held[n], weights[n]) for n in held) and receiver.store.version == 1
+    else:  # rank 3: the new engine 1, from model.path's weights (zeros here), nothing stored
+        board.wait(["gone"])
+        board.set("replaced", "1")
+        receiver = join("second")
+        receive_sync(receiver, "replay")
+        assert_holds(1)  # the version the survivor holds, from the store alone
+        assert receiver.store.version == 1
+    receive_sync(receiver, "sums2")
+    assert_holds(2)
+    assert receiver.store.version == 2
+    if board.add("finished", 1) == 2:
+        board.set("done", "1")
+
+
+def test_a_replaced_engine_reloads_the_store_and_the_next_sync_is_a_delta_for_all():
+    run_distributed(_replacing_an_engine, world_size=4, init=False)
