@@ -60,6 +60,15 @@ class JobFault(ColocateError, RuntimeError):
     """A member of the job died or stopped answering. One line: who, where, in which phase, why."""
 
 
+class EngineFault(JobFault):
+    """A JobFault of one rollout engine's process (its actor or a TP worker): fault.engine_restarts can replace that
+    engine alone (job/engine_restarts.py) while the job goes on."""
+
+    def __init__(self, message: str, *, engine: int, member: str = ""):
+        super().__init__(message)
+        self.engine, self.member = engine, member
+
+
 class DeviceMemoryShortfall(JobFault):
     """The device has too little free memory to map the paused state back (another process holds it)."""
 

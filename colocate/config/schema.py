@@ -591,11 +591,17 @@ class FaultConfig:
     max_restarts: int = 0
     """After a fault (a member died or hung), start the job again from its newest checkpoint (resume=auto) up to this
     many times; 0: stop with the fault."""
+    engine_restarts: int = 0
+    """A rollout engine whose TP worker or actor dies or stops during a rollout or an evaluation is replaced alone, up
+    to this many times in the job: a new engine on its slots loads the weights the others hold from the trainers'
+    weight store (sync.delta), is verified in full, and the phase's requests are generated again; the job goes on
+    without a restart (docs/faults.md). Needs a split placement in algo.mode=sync with the delta's store; 0: a
+    fault ends the job (or fault.max_restarts restarts it whole), as it always did."""
 
     def check(self) -> None:
         positive(self, "fault", "heartbeat_s")
         non_negative(self, "fault", "sync_timeout_s", "checkpoint_timeout_s", "rollout_timeout_s", "train_timeout_s",
-                      "max_restarts")
+                      "max_restarts", "engine_restarts")
 
 
 AUTO = "auto"  # placement.engine_slots=auto: decided once, before anything reads the slots (job/split.py)

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from colocate.checkpoint.checkpointer import Checkpointer
 from colocate.config import JobConfig
+from colocate.job.engine_restarts import EngineRestarts
 from colocate.job.faults import Watchdog
 from colocate.job.groups import memory_record
 from colocate.job.rollout_dump import RolloutDump
@@ -76,6 +77,9 @@ class Controller:
                                          prompts or make_prompt_source(cfg, runtime.tokenizer, self.task),
                                          env_workers=runtime.env_workers)
         self.rollout = make_rollout(cfg, self.passes, self.trace, runtime.switch)
+        # fault.engine_restarts: the phases where the engines work, run again once a failed engine is replaced
+        self.restarts = EngineRestarts(cfg, runtime, self.trace, metrics=metrics,
+                                       in_flight=lambda: self.passes.num_unfinished())
         self.update = PolicyUpdate(runtime, cfg)  # mini-batches, epochs, the proximal policy
         self.dump = RolloutDump(cfg.logging)  # logging.rollouts
         self.sampling = make_sampling(cfg, self.rollout, lambda groups: self.score(groups), self.trace)
@@ -130,8 +134,7 @@ class Controller:
     def step(self, step: int, *, num_steps: int | None = None) -> dict:
         num_steps = num_steps or self.cfg.algo.num_steps
         phase, times = self.trace.phase, self.trace.new_step()
-        with phase("rollout", step):
-            groups, rollout_stats = self.rollout.take(step)
+        groups, rollout_stats = self.restarts.run("rollout", step, lambda: self.rollout.take(step))
         with phase("score", step):
             scored_groups = self.score(groups)
         scored_groups, rollout_stats = self.sampling.refill(step, scored_groups, rollout_stats)
@@ -154,8 +157,7 @@ class Controller:
             self.switch_to_rollout()
         evaluation = None
         if self.evaluator and should_evaluate(self.cfg.eval, step + 1, num_steps):
-            with phase("eval", step):
-                evaluation = self.evaluate(step + 1)
+            evaluation = self.restarts.run("eval", step, lambda: self.evaluate(step + 1))
         with phase("metrics", step, timed=False):  # asks every actor: a node lost now is a member lost, named
             memory = memory_record(self.rt.engines, self.rt.trainers, self.rt.reward_model)
         self.rollout.after_sync(step, num_steps)  # async: the passes go on under the weights just synced
@@ -287,6 +289,8 @@ class Controller:
             record["reward_model"] = self.rt.reward_model.take_stats()
         if evaluation is not None:
             record["eval"] = evaluation
+        if restarts := self.restarts.take_events():  # fault.engine_restarts: the engines replaced this step
+            record["engine_restarts"] = restarts
         self.history.append(record)
         self.first_record = self.first_record or record
         self.num_done += 1

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import ray
 
-from colocate.errors import JobFault
+from colocate.errors import EngineFault, JobFault
 from colocate.host.procfs import process_state
 
 # The watchdog's interrupt: `_thread.interrupt_main(signum)` runs signum's Python handler in the main thread (the OS
@@ -76,6 +76,14 @@ class Member:
         slots = f"slot {self.slots[0]}" if len(self.slots) == 1 else f"slots {self.slots[0]}-{self.slots[-1]}"
         node = "this node" if self.node == local_node else f"node {self.node[:8]}"
         return f"{self.name} ({slots}, {node}, pid {self.pid})"
+
+
+def member_fault(member: Member, text: str) -> JobFault:
+    """The fault naming `member`: an EngineFault for a policy engine's process (its actor or a TP worker), which
+    fault.engine_restarts may recover, a JobFault for any other."""
+    if member.engine is not None:
+        return EngineFault(text, engine=member.engine, member=member.name)
+    return JobFault(text)
 
 
 def job_members(runtime) -> list[Member]:
@@ -217,7 +225,7 @@ class Watchdog:
 
     def _inject(self, phase: str, step: int | None) -> None:
         for i in self.injections:
-            if (i.phase, i.step) != (phase, step):
+            if (i.phase, i.step) != (phase, step) or i in self.fired:  # a phase run again (an engine restarted)
                 continue
             member = next((m for m in self.members if m.name == i.member), None)
             if member is None:
@@ -227,12 +235,31 @@ class Watchdog:
             self.fired.append(i)
             os.kill(member.pid, i.signal)
 
+    # ------------------------------------------------------------- fault.engine_restarts (job/engine_restarts.py)
+
+    def forget_engine(self, engine: int) -> list[Member]:
+        """Stop watching engine `engine`'s processes (it is being replaced) and drop the fault found in it, so the
+        job can go on; returns its members, whose processes the runtime kills. Called between phases: the
+        thread interrupts only inside one."""
+        with self._lock:
+            gone = [m for m in self.members if m.engine == engine]
+            self.members = [m for m in self.members if m.engine != engine]
+            self.fault = None
+        return gone
+
+    def watch_again(self) -> None:
+        """Every member read afresh (a replaced engine's new actor and workers among them)."""
+        members = job_members(self.runtime)
+        with self._lock:
+            self.members = members
+
     def timeout_s(self, phase: str) -> float:
         bounded = self.cfg.sync_timeout_s  # sync, switch, metrics: work of a known size, on the node's own memory
         # a save's time is the storage's (a network file system can take many minutes for a 7B model's 91 GB)
         return {"rollout": self.cfg.rollout_timeout_s, "rollout_wait": self.cfg.rollout_timeout_s,
                 "train": self.cfg.train_timeout_s, "sync": bounded,
-                "switch": bounded, "metrics": bounded, "checkpoint": self.cfg.checkpoint_timeout_s}.get(phase, 0.0)
+                "switch": bounded, "metrics": bounded, "engine_restart": bounded,
+                "checkpoint": self.cfg.checkpoint_timeout_s}.get(phase, 0.0)
 
     # ------------------------------------------------------------------------------------ the thread
 
@@ -260,15 +287,16 @@ class Watchdog:
                 if m.engine is not None and m.actor_id is None:  # a vLLM worker: its engine recorded how
                     first = self._first_death(m.engine, seen_dead=True)
                 m, cause = first or (m, self._cause(m))
-                return JobFault(f"{m.describe(self.local_node)} died during {_where(phase, step)}: {cause}")
+                return member_fault(m, f"{m.describe(self.local_node)} died during {_where(phase, step)}: {cause}")
             if state in ("T", "t"):
-                return JobFault(f"{m.describe(self.local_node)} is stopped (SIGSTOP or a debugger) during "
-                                f"{_where(phase, step)}: the job cannot go on without it")
+                return member_fault(m, f"{m.describe(self.local_node)} is stopped (SIGSTOP or a debugger) during "
+                                    f"{_where(phase, step)}: the job cannot go on without it")
         return None
 
     def _overdue(self, phase: str, step: int | None) -> JobFault:
         timeout = self.timeout_s(phase)
-        key = {"switch": "sync", "metrics": "sync", "rollout_wait": "rollout"}.get(phase, phase)
+        key = {"switch": "sync", "metrics": "sync", "engine_restart": "sync",
+               "rollout_wait": "rollout"}.get(phase, phase)
         return JobFault(f"{_where(phase, step)} did not finish within {timeout:g} s (fault.{key}_timeout_s): every "
                         f"process of the job is alive, so one of them hangs (a deadlock, a stuck device or "
                         f"network); members: {', '.join(m.describe(self.local_node) for m in self.members)}")
@@ -306,12 +334,13 @@ class Watchdog:
         if isinstance(error, (RayActorError, ActorDiedError, ActorUnavailableError)) and member is not None:
             cause = "its node was lost" if "node" in str(error).lower() and "died" in str(error).lower() \
                 and member.node != self.local_node else self._cause(member)
-            return JobFault(f"{member.describe(self.local_node)} died during {_where(phase, step)}: {cause}")
+            return member_fault(member, f"{member.describe(self.local_node)} died during {_where(phase, step)}: "
+                                f"{cause}")
         if isinstance(error, RayTaskError) and member is not None and member.engine is not None:
             first = self._first_death(member.engine, seen_dead=False)  # an engine's error: did a worker die?
             if first is not None:
                 m, cause = first
-                return JobFault(f"{m.describe(self.local_node)} died during {_where(phase, step)}: {cause}")
+                return member_fault(m, f"{m.describe(self.local_node)} died during {_where(phase, step)}: {cause}")
         return error
 
     def _lost_member(self, phase: str, step: int | None) -> JobFault | None:
@@ -331,11 +360,12 @@ class Watchdog:
                     ray.get(ref)
                 except ray.exceptions.RayError:
                     cause = "its node was lost" if member.node in dead_nodes else self._cause(member)
-                    return JobFault(f"{member.describe(self.local_node)} died during {_where(phase, step)}: {cause}")
+                    return member_fault(member, f"{member.describe(self.local_node)} died during "
+                                        f"{_where(phase, step)}: {cause}")
             lost = [m for m in pending.values() if m.node in dead_nodes]
             if lost:
-                return JobFault(f"{lost[0].describe(self.local_node)} died during {_where(phase, step)}: its node "
-                                "was lost")
+                return member_fault(lost[0], f"{lost[0].describe(self.local_node)} died during "
+                                    f"{_where(phase, step)}: its node was lost")
             timeout = 1.0
         return None
 

@@ -18,7 +18,11 @@ free memory for its KV cache at start), then the ring is opened and sealed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
+import time
 
 import ray
 
@@ -83,6 +87,7 @@ class Runtime:
         self._engines_prepared: list = []  # the engines' prepare() calls in flight
         self._adapter_shapes: dict | None = None  # a LoRA job's adapter ({} otherwise), asked of the trainers once
         self._engine_generation = 0  # actor names must be new: a killed actor's name is freed asynchronously
+        self._engine_names: list[str] = []  # each engine's actor name (a replaced engine's is new)
 
     def __enter__(self) -> Runtime:
         try:
@@ -157,7 +162,7 @@ class Runtime:
 
     def _actor_names(self) -> list[str]:
         return [self._trainer_name(r) for r in range(len(self.trainers))] + \
-            [self._engine_name(e) for e in range(len(self.engines))] + \
+            list(self._engine_names) + \
             [self._reward_model_name() for _ in self._reward_model_actors()] + \
             [self._env_worker_name(w) for w in range(len(self.env_workers))]
 
@@ -201,22 +206,26 @@ class Runtime:
 
     def _create_engines(self) -> None:
         """The engine actors, each preparing (vLLM's import) at once; _start_engines builds the engines."""
-        cfg = self.cfg
-        actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(EngineActor)  # rollout.update_in_pass
         self.engines = EngineGroup(sleeps_with=self.engines.sleeps_with)
         self._engine_generation += 1
-        for e in range(self.plan.num_engines):
-            where = engine_placement(self.plan, e)
-            env_vars = {**engine_env(cfg.engine, self.device, where.env), JOB_ENV: self.job}
-            options = actor_options(self.group, where.bundle, cpu_share=where.cpu_share, env=env_vars,
-                                    gpu_share=where.driver_share if self.device == "cuda" else 0.0)
-            self.engines.append(actor.options(name=self._engine_name(e), **options).remote(
-                cfg.engine, self.model_path, device=self.device, sleep_backend=self.resolved.sleep_backend,
-                eos_token_id=self.tokenizer.eos_token_id, placement_env=where.env,
-                speculative=speculative_config(cfg.rollout),
-                update_in_pass=cfg.algo.mode == "async" and cfg.rollout.update_in_pass != "never",
-                capture_routing=cfg.algo.router_replay))
+        self._engine_names = [self._engine_name(e) for e in range(self.plan.num_engines)]
+        self.engines += [self._engine_actor(e) for e in range(self.plan.num_engines)]
         self._engines_prepared = [e.prepare.remote() for e in self.engines]
+
+    def _engine_actor(self, e: int):
+        """Engine `e`'s actor, named self._engine_names[e], in its bundle of the placement group (not started)."""
+        cfg = self.cfg
+        actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(EngineActor)  # rollout.update_in_pass
+        where = engine_placement(self.plan, e)
+        env_vars = {**engine_env(cfg.engine, self.device, where.env), JOB_ENV: self.job}
+        options = actor_options(self.group, where.bundle, cpu_share=where.cpu_share, env=env_vars,
+                                gpu_share=where.driver_share if self.device == "cuda" else 0.0)
+        return actor.options(name=self._engine_names[e], **options).remote(
+            cfg.engine, self.model_path, device=self.device, sleep_backend=self.resolved.sleep_backend,
+            eos_token_id=self.tokenizer.eos_token_id, placement_env=where.env,
+            speculative=speculative_config(cfg.rollout),
+            update_in_pass=cfg.algo.mode == "async" and cfg.rollout.update_in_pass != "never",
+            capture_routing=cfg.algo.router_replay)
 
     def _create_reward_model(self) -> None:
         """rollout.rewards=model:PATH or judge:PATH: the reward model's engine actor, on the policy engines' first
@@ -285,6 +294,34 @@ class Runtime:
                                  "trainer_nodes": ray.get([t.node_id.remote() for t in self.trainers]),
                                  "engine_nodes": ray.get([e.node_id.remote() for e in self.engines])}
         return pairs
+
+    def replace_engine(self, e: int, pids: list[int]) -> dict:
+        """Engine `e` alone replaced by a fresh one on its slots (fault.engine_restarts, job/engine_restarts.py):
+        its actor and its processes `pids` (the workers too: a stopped one follows no signal but SIGKILL, and a
+        live one would hold its device) killed and awaited, then a new actor in the same bundle, started. The
+        caller rejoins the sync (WeightSync.rejoin). Returns the new engine's start figures."""
+        from colocate.host.procfs import process_state
+
+        old = self.engines[e]
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(old, no_restart=True)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30  # on a GPU the new engine measures the memory its slot has free
+        while any(process_state(pid) not in (None, "Z") for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self._engine_generation += 1
+        self._engine_names[e] = self._engine_name(e)
+        self.engines[e] = self._engine_actor(e)
+        ray.get(self.engines[e].prepare.remote())
+        info = ray.get(self.engines[e].start.remote(self._adapter_shapes))
+        self.engine_info[e] = info
+        report = self.placement_report
+        report["engine_worker_devices"][e] = ray.get(self.engines[e].device_names.remote())
+        report["engine_nodes"][e] = ray.get(self.engines[e].node_id.remote())
+        self._record_job()
+        return info
 
     def restart_engines(self) -> None:
         """Replace every engine with a fresh one (after a crash, or to change engine settings) and rebuild the

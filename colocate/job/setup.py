@@ -23,6 +23,7 @@ from typing import Any
 
 from colocate.config import JobConfig
 from colocate.job.checks import GpuNode, check_devices, check_experts, check_lora, check_sources
+from colocate.job.engine_restarts import check_engine_restarts
 from colocate.job.placement import SlotPlan, local_device_count, plan_slots, resolve_device
 from colocate.job.preflight import Prediction, plan_switch
 from colocate.job.resolve import Decision, ResolvedJob, place_engines, resolve_job
@@ -61,6 +62,7 @@ def check_job(cfg: JobConfig, *, node: GpuNode | None = None,
     device = "cuda" if node is not None else None if cfg.placement.ray_address else \
         resolve_device(cfg.placement.device)
     cfg, placed = place_engines(cfg, device=device, predictor=predictor)
+    check_engine_restarts(cfg)  # where an engine can come back depends on the split just decided
     slots, prediction = check_devices(cfg, dims, node=node)
     resolved = None if prediction is None else \
         resolve_job(cfg, switch=prediction.plan, device="cuda" if node is not None else None, placed=placed)

@@ -101,6 +101,10 @@ class Passes:
         rollouts = [_as_rollout(g) for g in groups]
         return rollouts, self._stats(groups, rollouts, trained_version, self.seconds)
 
+    def num_unfinished(self) -> int:
+        """Answers in flight that are not finished: what the next pass asks of the engines."""
+        return sum(not a.done for g in self.pool.groups for a in g.answers)
+
     def state(self) -> dict:
         """Where the prompts are and what is in flight, for a checkpoint (JSON)."""
         return {"prompts": self.prompts.state(), "pool": self.pool.state()}

@@ -23,6 +23,7 @@ from colocate.job.setup import check_job
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN = ROOT / "tests" / "data" / "model_configs" / "Qwen2.5-0.5B-Instruct"  # a config.json, no weights
+SPLIT_HERE = ["placement.num_slots=2", "placement.engine_slots=1", "engine.tp=1"]
 MOE_LORA = ["model.preset=tiny-moe", "trainer.lora.rank=8", "trainer.lora.target_modules=q_proj,up_proj"]
 NO_CUDA_HERE = not torch.cuda.is_available()  # placement.device=cuda is refused only where CUDA is missing
 
@@ -134,6 +135,11 @@ HINTED = [
     (["sync.delta=true", "placement.num_slots=2", "placement.engine_slots=1", "engine.tp=1", "trainer.lora.rank=8"],
      validate(), None),
     (["critic.model_path=policy"], validate(), None),
+    (["fault.engine_restarts=2"], validate(), None),
+    (["fault.engine_restarts=2", *SPLIT_HERE, "algo.mode=one_step_off"], validate(), None),
+    (["fault.engine_restarts=2", *SPLIT_HERE, "sync.carrier=directory", "sync.carrier_dir=/tmp/colocate-carrier"],
+     validate(), None),
+    (["fault.engine_restarts=2", *SPLIT_HERE, "sync.delta=false"], validate(), None),
     (["algo.lam=0.9"], validate(), None),
     (["algo.advantage=gae", "critic.model_path=policy", "trainer.lora.rank=8"], validate(), None),
     (["algo.advantage=gae", "critic.model_path=/nowhere/at/all"], validate(), None),

@@ -1,0 +1,205 @@
+"""fault.engine_restarts (job/engine_restarts.py): where an engine can come back, refused in one line elsewhere; the
+phase run again after a replaced engine, bounded, with every other fault raised as it was. The runtime and the
+watchdog are stand-ins here, at the actor boundary the unit isolates; the real recovery (a TP worker SIGKILLed
+and another SIGSTOPped in a split job's rollouts) is tests/e2e/test_split.py's, the store's reload on gloo
+tests/distributed/test_broadcast.py's."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from colocate.bench.restart import fault_costs
+from colocate.config.loading import load_config
+from colocate.errors import ConfigError, EngineFault, JobFault
+from colocate.job.engine_restarts import EngineRestarts, check_engine_restarts
+from colocate.job.faults import Member, member_fault
+from colocate.telemetry.trace import Trace
+
+SPLIT = ["placement.num_slots=2", "placement.engine_slots=1", "engine.tp=1"]
+
+
+@pytest.mark.parametrize("overrides, says", [
+    ([], "co-located (placement.engine_slots=0) an engine's devices are the trainers' between phases"),
+    ([*SPLIT, "algo.mode=one_step_off"], "needs algo.mode=sync: with algo.mode=one_step_off the engines generate"),
+    ([*SPLIT, "sync.carrier=directory", "sync.carrier_dir=/tmp/x"], "sync.carrier=directory has none"),
+    ([*SPLIT, "sync.delta=false"], "which this job does not keep (sync.delta=false)"),
+    ([*SPLIT, "trainer.lora.rank=8"], "(a LoRA job (trainer.lora.rank=8) syncs its adapters alone)"),
+])
+def test_restarts_where_an_engine_cannot_come_back_are_one_line(overrides, says):
+    with pytest.raises(ConfigError) as e:
+        check_engine_restarts(load_config(None, [*overrides, "fault.engine_restarts=2"]))
+    line = str(e.value)
+    assert line.startswith("fault.engine_restarts=2 is invalid: ") and says in line and "\n" not in line
+    assert e.value.fix == {"fault.engine_restarts": 0}
+
+
+def test_a_split_in_sync_mode_with_the_store_may_restart_and_none_asked_is_never_refused():
+    check_engine_restarts(load_config(None, [*SPLIT, "fault.engine_restarts=2"]))
+    check_engine_restarts(load_config(None, ["algo.mode=one_step_off"]))  # 0: nothing asked, nothing checked
+
+
+def test_the_refusal_comes_before_any_actor(tmp_path):
+    from colocate.job.setup import check_job
+
+    with pytest.raises(ConfigError, match="fault.engine_restarts=1 is invalid"):
+        check_job(load_config(None, ["fault.engine_restarts=1", f"logging.output_dir={tmp_path}"]))
+
+
+def test_an_engine_process_fault_is_an_engine_fault_and_others_are_not():
+    worker = Member("engine 1 TP worker 0", 42, (3,), "n", engine=1)
+    fault = member_fault(worker, "engine 1 TP worker 0 (...) died during rollout of step 2: killed by SIGKILL")
+    assert isinstance(fault, EngineFault) and fault.engine == 1 and fault.member == "engine 1 TP worker 0"
+    trainer = member_fault(Member("trainer rank 0", 7, (0,), "n", "a1"), "trainer rank 0 (...) died")
+    assert isinstance(trainer, JobFault) and not isinstance(trainer, EngineFault)
+
+
+# ----------------------------------------------------------------------------------- the phase, run again
+
+
+class Watchdog:
+    """The controller's watchdog, as EngineRestarts uses it."""
+
+    local_node = "here"
+
+    def __init__(self):
+        self.fault, self.forgotten, self.watched_again = None, [], 0
+
+    @contextlib.contextmanager
+    def phase(self, name, step):
+        yield
+
+    def forget_engine(self, engine):
+        self.forgotten.append(engine)
+        return [Member(f"engine {engine} TP worker 0", 101, (1,), "here", engine=engine),
+                Member(f"engine {engine} TP worker 1", 102, (2,), "elsewhere", engine=engine)]
+
+    def watch_again(self):
+        self.watched_again += 1
+
+
+class Sync:
+    def __init__(self, mismatched=()):
+        self.mismatched, self.rejoined = list(mismatched), []
+
+    def rejoin(self, replaced):
+        self.rejoined.append(replaced)
+        return {"reload_s": 0.5, "reload_bytes": 1000, "store_version": 3}
+
+    def verify_full(self, dtype, engines=None):
+        return self.mismatched
+
+
+class Runtime:
+    def __init__(self, sync, fails: Exception | None = None):
+        self.sync, self.fails, self.replaced = sync, fails, []
+
+    def replace_engine(self, e, pids):
+        if self.fails:
+            raise self.fails
+        self.replaced.append((e, pids))
+        return {"start_s": 2.0}
+
+
+def _restarts(n: int, runtime: Runtime, metrics=None) -> tuple[EngineRestarts, Watchdog]:
+    trace = Trace()
+    trace.watchdog = watchdog = Watchdog()
+    restarts = EngineRestarts(load_config(None, [*SPLIT, f"fault.engine_restarts={n}"]), runtime, trace,
+                              metrics=metrics, in_flight=lambda: 16)
+    return restarts, watchdog
+
+
+def _failing(*faults):
+    """A phase's work that raises each of `faults` in turn, then returns "done"."""
+    left = list(faults)
+
+    def work():
+        if left:
+            raise left.pop(0)
+        return "done"
+    return work
+
+
+def _fault(engine: int = 0, step: int = 2) -> EngineFault:
+    return EngineFault(f"engine {engine} TP worker 1 (...) died during rollout of step {step}: killed by SIGKILL",
+                       engine=engine, member=f"engine {engine} TP worker 1")
+
+
+class Metrics:
+    def __init__(self):
+        self.written = []
+
+    def write(self, record):
+        self.written.append(record)
+
+
+def test_a_replaced_engine_runs_the_phase_again_and_names_the_event(capsys):
+    runtime, metrics = Runtime(Sync()), Metrics()
+    restarts, watchdog = _restarts(2, runtime, metrics)
+    assert restarts.run("rollout", 2, _failing(_fault(engine=1))) == "done"
+    assert watchdog.forgotten == [1] and watchdog.watched_again == 1
+    assert runtime.replaced == [(1, [101])]  # this node's processes: another node's go with their actor
+    assert runtime.sync.rejoined == [[1]]
+    [event] = restarts.take_events()
+    assert event["member"] == "engine 1 TP worker 1" and event["step"] == 2 and event["phase"] == "rollout"
+    assert event["verified"] == "full" and event["store_version"] == 3 and event["answers_regenerated"] == 16
+    assert event["restarts_left"] == 1 and event["recovery_s"] >= 0 and metrics.written == [event]
+    assert restarts.take_events() == []  # taken once, by the step's record
+    err = capsys.readouterr().err
+    assert "died during rollout of step 2" in err and "engine 1 replaced on its slots" in err
+
+
+def test_restarts_are_bounded_then_the_fault_ends_the_job():
+    restarts, _ = _restarts(1, Runtime(Sync()))
+    with pytest.raises(JobFault, match=r"killed by SIGKILL \(fault.engine_restarts=1 spent\)"):
+        restarts.run("rollout", 2, _failing(_fault(), _fault()))
+
+
+def test_faults_it_does_not_recover_are_raised_as_they_were():
+    restarts, _ = _restarts(2, Runtime(Sync()))
+    in_sync = _fault()  # a sync's fault leaves the stores at different versions: the whole-job path
+    with pytest.raises(EngineFault) as e:
+        restarts.run("sync", 2, _failing(in_sync))
+    assert e.value is in_sync
+    trainer = JobFault("trainer rank 0 (...) died during rollout of step 2: killed by SIGKILL")
+    with pytest.raises(JobFault) as e:
+        restarts.run("rollout", 2, _failing(trainer))
+    assert e.value is trainer and restarts.left == 2
+    off, _ = _restarts(0, Runtime(Sync()))  # none asked: exactly as before
+    fault = _fault()
+    with pytest.raises(EngineFault) as e:
+        off.run("rollout", 2, _failing(fault))
+    assert e.value is fault
+
+
+def test_an_engine_that_cannot_come_back_or_reloads_wrong_ends_the_job_in_one_line():
+    restarts, _ = _restarts(2, Runtime(Sync(), fails=RuntimeError("Traceback ...\nEngineStartError: out of memory")))
+    with pytest.raises(JobFault, match=r"killed by SIGKILL; engine 0 could not be replaced: EngineStartError: out "
+                                       r"of memory$"):
+        restarts.run("rollout", 2, _failing(_fault()))
+    restarts, _ = _restarts(2, Runtime(Sync(mismatched=["engine0/tp0/qkv_proj.weight"])))
+    with pytest.raises(JobFault, match=r"1 of its tensors differ .* e.g. engine0/tp0/qkv_proj.weight"):
+        restarts.run("rollout", 2, _failing(_fault()))
+
+
+# ----------------------------------------------------------------------------------- bench restart's figures
+
+
+def test_the_bench_reads_a_faulted_steps_cost_against_the_steps_without_one():
+    def step(n, t):
+        return {"step": n, "time": t}
+
+    ours = [{"event": "startup", "time": 0.0}, step(0, 5.0), step(1, 6.0),
+            {"event": "engine_restart", "time": 14.0, "step": 2, "member": "engine 0", "recovery_s": 7.5,
+             "reload_s": 0.1, "verify_s": 0.2, "store_version": 1, "answers_regenerated": 16},
+            step(2, 15.0), step(3, 16.0), step(4, 17.2)]
+    costs = fault_costs(ours, [2])
+    assert costs["faulted_step_s"] == 9.0 and costs["floor_step_s"] == 1.0 and costs["recovery_s"] == 7.5
+    assert costs["whole_job_restarts"] == 0 and costs["engine_restarts"][0]["member"] == "engine 0"
+    whole = [{"event": "startup", "time": 0.0}, step(0, 5.0), step(1, 6.0), {"event": "restart", "time": 9.0},
+             {"event": "startup", "time": 15.0}, {"event": "resume", "time": 20.0}, step(2, 21.0), step(3, 22.0)]
+    costs = fault_costs(whole, [2])
+    assert costs["faulted_step_s"] == 15.0 and costs["recovery_s"] == 11.0 and costs["whole_job_restarts"] == 1
+    with pytest.raises(AssertionError, match="every step ran once"):
+        fault_costs([*whole, step(2, 30.0)], [2])
