@@ -4,7 +4,7 @@
     colocate validate [CONFIG] [key=value ...]   print the resolved config and its placement; starts nothing
     colocate submit [CONFIG] [key=value ...]     run the job on a Ray cluster through the Job Submission API
     colocate jobs | logs JOB [-f] | stop JOB     list, read or follow, and stop the jobs on a Ray cluster
-    colocate bench {sync,switch,mismatch,consistency,routing,delta,rollout,async,soak,train,train-memory}  benchmarks
+    colocate bench {sync,switch,mismatch,consistency,routing,delta,rollout,async,soak,train,train-memory,restart}
     colocate plot RUN_DIR                        draw a run's metrics as a PNG
     colocate export CKPT OUT [--dtype D] [--merged]  a checkpoint as a Hugging Face model (LoRA: its PEFT adapter)
     colocate clean [RUN_DIR ...] [--dry-run]     remove what a killed job left (its segments, processes, actors)
@@ -204,6 +204,16 @@ def cmd_bench(args) -> int:
 
         cfg = check_job(load_config(paths, SOAK_DEFAULTS + overrides)).config
         run_soak_bench(cfg, out_dir=args.out, name=args.name or "soak")
+        return 0
+    if args.which == "restart":  # two `colocate launch` runs; each variant checked here first, one line if refused
+        from colocate.bench.restart import DEFAULT_FAULT, RESTART_DEFAULTS, VARIANTS, restart_overrides, \
+            run_restart_bench
+
+        fault = args.fault or DEFAULT_FAULT
+        for adds in VARIANTS.values():
+            check_job(load_config(paths, ([] if paths else RESTART_DEFAULTS) + overrides + restart_overrides(fault)
+                                  + adds(1)))
+        run_restart_bench(paths, overrides, fault=fault, out_dir=args.out, name=args.name or "restart")
         return 0
     # the bench's own arguments first: a bad one is named before the job's checks (and its memory preflight,
     # which depends on what the machine has free) can speak
@@ -423,12 +433,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "weights change from sync to sync, and what sending only that would cost), "
                            "rollout (long tail), async (sync against one_step_off and async), soak, train (tokens/s "
                            "and memory of each long-answer feature), train-memory (the preflight against a train "
-                           "step's peak)",
+                           "step's peak), restart (an engine's fault: the engine replaced alone against the whole "
+                           "job restarted)",
                            description="Benchmark against the floor measured in the same run; writes JSON and a PNG "
                            "plot. Without a CONFIG, the bench preset (24 layers, >= 0.4 GB bf16, TP=2); rollout and "
                            "async: the tiny model with long-tailed answer lengths.")
     bench.add_argument("which", choices=["sync", "switch", "mismatch", "consistency", "routing", "delta", "rollout",
-                                         "async", "soak", "train", "train-memory"])
+                                         "async", "soak", "train", "train-memory", "restart"])
     bench.add_argument("items", nargs="*", metavar="[CONFIG] [key=value]", help=items_help)
     bench.add_argument("--repeats", type=int, default=5,
                        help="timed syncs per method / switch cycles / rollout steps per mode / async: steps per "
@@ -449,6 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--updates", type=int, default=0,
                        help="train: instead of the answer lengths, one step of this many optimizer steps, with and "
                        "without PPO's critic: their cost, and the critic's share of time and memory")
+    bench.add_argument("--fault", default="",
+                       help="restart: the faults both runs meet, as fault.inject (default SIGKILL:engine0:rollout:2)")
     bench.set_defaults(func=cmd_bench, command="bench")
 
     plot = sub.add_parser("plot", help="draw a run's metrics (reward, mismatch, phase times, memory) as a PNG",

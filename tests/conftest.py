@@ -20,7 +20,7 @@ FILE_SECONDS = {
     "tests/e2e/test_faults.py": 282, "tests/e2e/test_failures.py": 232, "tests/e2e/test_resume.py": 136,
     "tests/e2e/test_algorithms.py": 133, "tests/e2e/test_reward_model.py": 126, "tests/e2e/test_runtime.py": 121,
     "tests/e2e/test_architectures.py": 120, "tests/e2e/test_multinode.py": 140, "tests/e2e/test_cluster.py": 112,
-    "tests/e2e/test_split.py": 190, "tests/e2e/test_gpu_placement.py": 83, "tests/e2e/test_lora.py": 104,
+    "tests/e2e/test_split.py": 310, "tests/e2e/test_gpu_placement.py": 83, "tests/e2e/test_lora.py": 104,
     "tests/e2e/test_isolation.py": 78, "tests/e2e/test_long_answers.py": 77, "tests/e2e/test_jobs.py": 61,
     "tests/distributed/test_bench_train.py": 58, "tests/e2e/test_rollout.py": 80, "tests/e2e/test_soak_bench.py": 47,
     "tests/e2e/test_calculator.py": 47, "tests/e2e/test_gather_job.py": 46, "tests/e2e/test_multiturn.py": 46,

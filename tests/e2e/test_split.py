@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -129,6 +130,56 @@ def test_bench_sync_times_the_broadcast_with_and_without_the_delta(four_slots, t
     assert all(0 < s["density"] <= 1 and s["full_sync_s"] > 0 and s["delta_sync_s"] > 0 for s in steps[1:])
     assert [s["store_version"] for s in steps] == [0, 1, 2]
     assert "after the first sync the delta sends at most" in done.stdout
+
+
+def test_an_engine_killed_or_stopped_mid_rollout_is_replaced_and_the_job_goes_on(four_slots, tmp_path):
+    """fault.engine_restarts (job/engine_restarts.py) through `colocate bench restart`, which runs the job twice, as
+    `colocate launch` does, with the same faults: a TP worker SIGKILLed as step 1's rollout begins and the other
+    one SIGSTOPped as step 3's does. With engine restarts the job finishes every step without a restart: each
+    fault found (the stopped worker within the heartbeat), named, the engine replaced on its slots, reloaded
+    from the weight store and verified in full (sync.verify=full after every step too), no group lost or taken
+    twice, and the sync after it a delta for the new engine. Without them (fault.max_restarts) the whole job
+    restarts from its newest checkpoint, as it always did; the bench sets the two side by side."""
+    cli = Path(sys.executable).parent / "colocate"
+    faults = "SIGKILL:engine0.worker1:rollout:1,SIGSTOP:engine0.worker0:rollout:3"
+    done = subprocess.run([str(cli), "bench", "restart", "configs/default.yaml", f"placement.ray_address={four_slots}",
+                           "placement.num_slots=3", "placement.engine_slots=2", "engine.tp=2", "rollout.num_prompts=4",
+                           "rollout.num_samples=4", "rollout.max_tokens=4", "engine.kv_cache_gib=0.125",
+                           "algo.num_steps=5", "sync.verify=full", "logging.progress=false", "checkpoint.at_end=false",
+                           f"model.cache_dir={ROOT / '.cache' / 'models'}", "--fault", faults, "--out", str(tmp_path),
+                           "--name", "restart"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "restart.json").read_text())
+    ours, whole = result["variants"]["engine_restarts"], result["variants"]["whole_job"]
+    assert ours["num_steps"] == whole["num_steps"] == 5
+    assert ours["whole_job_restarts"] == 0 and whole["whole_job_restarts"] == 2 and not whole["engine_restarts"]
+    assert "a faulted step costs" in done.stdout
+    run = records(tmp_path / "restart_engine_restarts")
+    steps = [r for r in run if "event" not in r]
+    # every group drawn was trained once, none lost to the failed passes
+    assert [g for r in steps for g in r["rollout"]["group_ids"]] == list(range(20))
+    events = [r for r in run if r.get("event") == "engine_restart"]
+    assert [(e["step"], e["member"], e["phase"]) for e in events] == \
+        [(1, "engine 0 TP worker 1", "rollout"), (3, "engine 0 TP worker 0", "rollout")]
+    assert [[e["member"] for e in r.get("engine_restarts", [])] for r in steps] == \
+        [[], ["engine 0 TP worker 1"], [], ["engine 0 TP worker 0"], []]
+    for event in events:
+        assert event["verified"] == "full" and event["reload_bytes"] > 0 and event["answers_regenerated"] == 16
+        # the version the engines held: that of the sync before the fault
+        assert event["store_version"] == steps[event["step"] - 1]["sync_delta"]["store_version"]
+    assert events[1]["found_after_s"] < 5  # a stopped worker: its state read every fault.heartbeat_s (1 s)
+    assert [e["restarts_left"] for e in events] == [1, 0]
+    # the new engine's store was filled by the reload: the next sync is a delta, no slice sent whole
+    assert all(steps[e["step"]]["sync_delta"]["full_slices"] == 0 for e in events)
+    assert [r["sync_delta"]["store_version"] for r in steps] == list(range(5))
+    said = (tmp_path / "restart_engine_restarts" / "stderr.log").read_text()
+    assert re.search(r"colocate: engine 0 TP worker 1 \(slot 2, this node, pid \d+\) died during rollout of step 1: "
+                     r"killed by SIGKILL\ncolocate: engine 0 replaced on its slots and reloaded from the weight store "
+                     r"\(version 0\) in [\d.]+ s, verified in full; the rollout goes on \(1 engine restart\(s\) left\)",
+                     said), said[-3000:]
+    assert re.search(r"engine 0 TP worker 0 \(slot 1, this node, pid \d+\) is stopped \(SIGSTOP or a debugger\) "
+                     r"during rollout of step 3", said), said[-3000:]
+    assert "restart 2/2 from" in (tmp_path / "restart_whole_job" / "stderr.log").read_text()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["passes", "streamed"])
