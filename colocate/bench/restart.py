@@ -16,6 +16,7 @@ steps again). From each run's metrics:
   the whole job, from its restart event to its resume event (every actor started again, the checkpoint loaded
   and synced);
 - each run's wall time, and that both ran every step.
+Each run's metrics.jsonl and stderr.log stay in <out>/<name>_<variant>/ (its checkpoints are removed).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def run_restart_bench(paths: list[str], overrides: list[str], *, fault: str, out
         if done.returncode != 0:
             raise RuntimeError(f"bench restart: the {variant} run failed (exit {done.returncode}): "
                                f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}")
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the bench's scratch: a model's state a step
         result["variants"][variant] = {"wall_s": wall, "run_dir": str(run_dir), "command": " ".join(args),
                                        **fault_costs(read_records(run_dir / "metrics.jsonl"), steps)}
     ours, whole = result["variants"]["engine_restarts"], result["variants"]["whole_job"]
