@@ -82,7 +82,8 @@ class Controller:
                                        in_flight=lambda: self.passes.num_unfinished())
         self.update = PolicyUpdate(runtime, cfg)  # mini-batches, epochs, the proximal policy
         self.dump = RolloutDump(cfg.logging)  # logging.rollouts
-        self.sampling = make_sampling(cfg, self.rollout, lambda groups: self.score(groups), self.trace)
+        self.sampling = make_sampling(cfg, self.rollout, lambda groups: self.score(groups), self.trace,
+                                      run_phase=self.restarts.run)
         self.evaluator = make_evaluator(cfg, runtime.engines, runtime.tokenizer, self.reward_fn, self.task)
         self.checkpointer = Checkpointer(cfg, runtime.model_path)
         self.resume_from = resume_from

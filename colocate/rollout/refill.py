@@ -31,9 +31,16 @@ class KeepAll:
 
 
 class DynamicSampling:
-    def __init__(self, cfg: JobConfig, rollout, score: ScoreFn, trace):
+    def __init__(self, cfg: JobConfig, rollout, score: ScoreFn, trace, run_phase=None):
+        """`run_phase(name, step, work)`: runs a refill's rollout as the controller runs the step's (under
+        fault.engine_restarts, again after a replaced engine); default: once, under the trace's phase."""
         self.wanted, self.max_passes = cfg.rollout.num_prompts, cfg.rollout.max_refill_passes
         self.rollout, self.score, self.trace = rollout, score, trace
+        self.run_phase = run_phase or self._phase
+
+    def _phase(self, name: str, step: int, work):
+        with self.trace.phase(name, step):
+            return work()
 
     def refill(self, step: int, scored: list[ScoredGroup], rollout_stats: dict) -> tuple[list[ScoredGroup], dict]:
         """Each refill asks the pool for the missing groups over the fraction informative so far (the groups in
@@ -49,8 +56,7 @@ class DynamicSampling:
             num_refills += 1
             rate = num_kept / num_sampled
             ask = min(pool.num_in_flight, math.ceil((self.wanted - num_kept) / rate) if rate else pool.num_in_flight)
-            with self.trace.phase("rollout", step):
-                groups, more = self.rollout.take_more(step, ask)
+            groups, more = self.run_phase("rollout", step, lambda: self.rollout.take_more(step, ask))
             with self.trace.phase("score", step):
                 scored = scored + self.score(groups)
             num_sampled = len(scored)
@@ -72,6 +78,7 @@ class DynamicSampling:
         return scored, stats
 
 
-def make_sampling(cfg: JobConfig, rollout, score: ScoreFn, trace) -> KeepAll | DynamicSampling:
-    """`rollout`: the mode's driver (rollout/modes.py), whose `take_more` gives the refills' groups."""
-    return DynamicSampling(cfg, rollout, score, trace) if cfg.algo.dynamic_sampling else KeepAll()
+def make_sampling(cfg: JobConfig, rollout, score: ScoreFn, trace, run_phase=None) -> KeepAll | DynamicSampling:
+    """`rollout`: the mode's driver (rollout/modes.py), whose `take_more` gives the refills' groups; `run_phase`:
+    DynamicSampling's."""
+    return DynamicSampling(cfg, rollout, score, trace, run_phase) if cfg.algo.dynamic_sampling else KeepAll()
