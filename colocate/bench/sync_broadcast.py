@@ -49,7 +49,8 @@ def run_broadcast_bench(cfg: JobConfig, *, num_steps: int, out_dir: str, name: s
                           **delta})
             print(f"step {step}: density {delta['density']:.2%}, sends {delta['sent_fraction']:.2%} of "
                   f"{delta['full_bytes'] / 2**20:.1f} MiB; sync {timed['delta']['sync_s']:.2f} s with the delta, "
-                  f"{timed['full']['sync_s']:.2f} s without (encode {delta['encode_s']:.2f} s)", flush=True)
+                  f"{timed['full']['sync_s']:.2f} s without (encode {delta['encode_s']:.2f} s, apply "
+                  f"{delta['apply_s']:.2f} s)", flush=True)
     timed_steps = steps[1:]  # the first delta sync sends everything: the warmup
     result = {"bench": "sync_broadcast", "machine": machine(),
               "config": {"model": cfg.model.preset or cfg.model.path, "lr": cfg.trainer.lr,

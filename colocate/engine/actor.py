@@ -416,10 +416,10 @@ class EngineActor:
             return self.sync_end.open_ring(key, plan, shared=shared, engine_index=engine_index, broadcast=broadcast)
 
     @ray.method(concurrency_group=CONTROL)
-    def receive_bucket(self, key: str, index: int) -> float:
+    def receive_bucket(self, key: str, index: int) -> dict:
         """Broadcast sync: every worker receives its slice of bucket `index` into its ring slot (a collective with
         the feeders' broadcast_write of it). The load that follows checks it. Returns the slowest worker's
-        seconds."""
+        seconds, and of applying a delta (EngineEnd.receive_bucket)."""
         with self._gate.exclusive():  # a pass in flight parks meanwhile
             return self.sync_end.receive_bucket(key, index)
 

@@ -152,6 +152,7 @@ class DeltaReceiver:
     def __init__(self, channel, *, element_size: int, pinned: bool = False):
         self.channel, self.element_size = channel, element_size
         self.store = WeightStore(pinned)
+        self.apply_s = 0.0  # the last receive's time applying what arrived: the overwrite and the copies
 
     def receive(self, index: int, data: torch.Tensor) -> None:
         """Slice `index` into `data` (uint8, this worker's ring slot): whole, or the store's copy with the delta
@@ -161,7 +162,9 @@ class DeltaReceiver:
         kind, base, version, nbytes, count, num_large, compressed = header.tolist()
         if kind == FULL:
             self.channel.broadcast(data)
+            started = time.perf_counter()
             self.store.put(index, data.cpu(), version)
+            self.apply_s = time.perf_counter() - started
             return
         held = self.store.versions.get(index, -1)
         payload = torch.empty(nbytes, dtype=torch.uint8, device=data.device)
@@ -169,6 +172,7 @@ class DeltaReceiver:
         if held != base:
             raise DeltaMismatch(f"bucket {index}: a delta against version {base} reached a store holding version "
                                 f"{held}; nothing applied")
+        started = time.perf_counter()
         stored = self.store.slices[index]
         target = element_view(stored, self.element_size)
         delta = Delta(numel=target.numel(), element_size=target.element_size(), count=count,
@@ -177,3 +181,4 @@ class DeltaReceiver:
         apply(target, delta)
         self.store.versions[index] = version
         data.copy_(stored)
+        self.apply_s = time.perf_counter() - started

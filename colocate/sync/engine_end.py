@@ -128,8 +128,9 @@ class WorkerEnd:
         return verify_then_load(s.plan, index, s.ring, checksums, worker=self.tp_rank, params=self.params,
                                 load_weights=load_weights, engine=s.engine, shared=s.shared)
 
-    def receive(self, key: str, index: int) -> tuple[float, str | None]:
-        """Broadcast: receive bucket `index` into this worker's ring slot. Returns (seconds, error or None)."""
+    def receive(self, key: str, index: int) -> tuple[float, float, str | None]:
+        """Broadcast: receive bucket `index` into this worker's ring slot. Returns (seconds, of which applying a
+        delta's changes: sync.delta, error or None)."""
         from colocate.sync.broadcast import receive
 
         started = time.perf_counter()
@@ -137,8 +138,8 @@ class WorkerEnd:
         try:
             receive(s.plan, index, s.ring, s.channel, self.tp_rank, s.receiver)
         except RuntimeError as e:  # gloo/NCCL: a member died or the group's timeout passed
-            return time.perf_counter() - started, f"the broadcast of bucket {index} failed: {e}"
-        return time.perf_counter() - started, None
+            return time.perf_counter() - started, 0.0, f"the broadcast of bucket {index} failed: {e}"
+        return time.perf_counter() - started, s.receiver.apply_s if s.receiver is not None else 0.0, None
 
     def verify_in_place(self, key: str, checksums: list[tuple[int, int, int, int]]) -> tuple[float, str | None]:
         """After an in-place sync: every parameter still lives where the trainers wrote (always checked: it costs
@@ -195,11 +196,12 @@ class EngineEnd:
     def close_ring(self, key: str) -> None:
         self.rpc("colocate_close_ring", args=(key,))
 
-    def receive_bucket(self, key: str, index: int) -> float:
-        """Every worker's receive of bucket `index`; the slowest worker's seconds."""
+    def receive_bucket(self, key: str, index: int) -> dict:
+        """Every worker's receive of bucket `index`: the slowest worker's seconds, and its applying's (sync.delta)."""
         per_worker = self.rpc("colocate_receive", args=(key, index))
         raise_first_error(per_worker)
-        return max(seconds for seconds, _ in per_worker)
+        return {"receive_s": max(seconds for seconds, _, _ in per_worker),
+                "apply_s": max(applying for _, applying, _ in per_worker)}
 
     def load_bucket(self, key: str, index: int, per_rank_checksums: tuple) -> dict:
         """Every worker's load of bucket `index`, checked against all the trainer ranks' checksums."""

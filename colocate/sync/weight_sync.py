@@ -90,6 +90,7 @@ class WeightSync:
         self.timeout_s = timeout_s or DEFAULT_BROADCAST_TIMEOUT_S
         self.key = uuid.uuid4().hex[:8]
         self.plan: SyncPlan | None = None
+        self._receives: list[list] = []  # broadcast: the last sync's receive calls, per engine
 
     def open(self) -> SyncPlan:
         """Build the plan from the engines' real parameter layout (ask the workers) and share the rings. Call it
@@ -218,8 +219,10 @@ class WeightSync:
         return uses_delta(self.cfg.delta, method=self.method, adapter_only=all(is_adapter(s.name) for s in self.specs))
 
     def _delta_record(self) -> dict:
-        """sync.delta: the sync's density, bytes sent against the full sync's, encode seconds, the stores' bytes
-        and version, every feeding rank's together (sync/delta_channel.py)."""
+        """sync.delta: the sync's density, bytes sent against the full sync's, encode seconds (the slowest feeder's)
+        and apply seconds (the slowest engine's: its workers apply in parallel, bucket after bucket), the stores'
+        bytes and version, every feeding rank's together (sync/delta_channel.py)."""
+        applying = max((sum(r["apply_s"] for r in ray.get(refs)) for refs in self._receives), default=0.0)
         parts = [p for p in ray.get([t.take_delta_stats.remote(self.key) for t in self.trainers]) if p]
         total = {k: sum(p[k] for p in parts) for k in ("changed", "elements", "sent_bytes", "full_bytes",
                                                         "full_slices", "store_bytes")}
@@ -227,7 +230,7 @@ class WeightSync:
         assert len(versions) == 1, f"the feeders' stores disagree on the version: {sorted(versions)}"
         return {**total, "density": total["changed"] / max(total["elements"], 1),
                 "sent_fraction": total["sent_bytes"] / max(total["full_bytes"], 1),
-                "encode_s": max(p["encode_s"] for p in parts), "store_version": versions.pop()}
+                "encode_s": max(p["encode_s"] for p in parts), "apply_s": applying, "store_version": versions.pop()}
 
     def _schedule_in_place(self) -> list[list]:
         """Engine e's check (and its post-load step) overlaps the writes into engine e + 1."""
@@ -284,12 +287,14 @@ class WeightSync:
         feeders = sorted({feeder_of(t, len(self.trainers)) for t in range(self.tp_size)})
         loading = range(len(self.engines)) if load_into is None else load_into
         pending = []
+        self._receives: list[list] = [[] for _ in self.engines]  # per engine: each bucket's receive, for its times
         loads: list[list] = [[] for _ in loading]
         for index in range(len(plan.buckets)):
             writes = [getattr(trainer, write).remote(key, index) for trainer in self.trainers]
             pending += [w for r, w in enumerate(writes) if r not in feeders]
             for e, engine in enumerate(self.engines):
-                pending.append(engine.receive_bucket.remote(key, index))  # no dependency: it meets the writes
+                self._receives[e].append(engine.receive_bucket.remote(key, index))  # no dependency: meets the writes
+                pending.append(self._receives[e][-1])
             for i, e in enumerate(loading):
                 loads[i].append(self.engines[e].load_bucket.remote(key, index, *[writes[r] for r in feeders]))
         return loads, pending

@@ -101,7 +101,7 @@ def _sync_rank(rank: int, world_size: int, method: str):
             for index in range(len(plan.buckets)):
                 written = _write(method, trainer, index, shards)
                 if method == "broadcast" and params is not None:
-                    _, error = worker.receive("k", index)  # after this rank's part of the gather
+                    _, _, error = worker.receive("k", index)  # after this rank's part of the gather
                     assert error is None, error
                 checksums = [c for rank_sums in _gathered(written) for c in rank_sums]
                 if params is not None:

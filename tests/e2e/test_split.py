@@ -78,6 +78,7 @@ def test_split_sync_is_bit_exact_after_every_step(four_slots, tmp_path, num_slot
     assert [d["store_version"] for d in deltas] == [0, 1]
     assert deltas[0]["sent_fraction"] >= 1.0 and deltas[0]["density"] == 1.0
     assert 0 < deltas[1]["density"] <= 1.0 and deltas[1]["sent_bytes"] > 0 and deltas[1]["encode_s"] > 0
+    assert deltas[1]["apply_s"] > 0  # the engine's side of it: the overwrite and its copies
 
 
 def test_the_default_task_learns_on_a_split_with_the_delta_verified_every_step(four_slots, tmp_path):
