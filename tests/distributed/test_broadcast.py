@@ -37,8 +37,30 @@ def _change(params: dict, sync: int, delta: bool) -> None:
             local.add_(torch.where(mask < DENSITIES[sync - 1], 0.125 * sync, 0.0))
 
 
+def _model(tp: int, sliced: bool, ep: bool):
+    """(full HF state, plan, specs, each worker's layout dict, expected(current state, worker) -> its tensors): the
+    dense model of test_gather, or with `ep` the MoE of test_experts_sync whose 7 experts are split 4/3 over two
+    workers by expert parallelism (EP=2: whole experts per worker, vLLM's block)."""
+    if not ep:
+        full = hf_state(VOCAB, tied=False, num_layers=2)
+        plan, specs, layouts = _plan(full, tp, False, 0, sliced)
+        return full, plan, specs, layouts, lambda current, t: _expected(current, layouts[t], False)
+    from colocate.sync.tp_layout import engine_tensor
+    from tests.distributed.test_experts_sync import _layouts, _state
+    from tests.distributed.test_experts_sync import _plan as experts_plan
+
+    full = _state()
+    layouts = _layouts(full, True)
+    plan, specs = experts_plan(full, layouts)
+
+    def expected(current, t):
+        hf = {n: v.to(torch.bfloat16) for n, v in current.items()}
+        return {n: engine_tensor(n, hf, layouts[t]["layout"]) for n, _, _ in layouts[t]["params"]}
+    return full, plan, specs, layouts, expected
+
+
 def _member(rank: int, world_size: int, port: int, num_trainers: int, tp: int, num_engines: int, sliced: bool,
-            delta: bool = False):
+            delta: bool = False, ep: bool = False):
     """Processes 0 .. num_trainers - 1: trainer ranks; the rest: engine e's worker t, in engine-major order."""
     import torch.distributed as dist
     from torch.distributed import PrefixStore, TCPStore
@@ -49,8 +71,7 @@ def _member(rank: int, world_size: int, port: int, num_trainers: int, tp: int, n
     # the test's own rendezvous, where each feeder publishes its group's store (Ray carries it in a job)
     board = TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
                      timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    full = hf_state(VOCAB, tied=False, num_layers=2)
-    plan, specs, layouts = _plan(full, tp, False, 0, sliced)
+    full, plan, specs, layouts, expected_of = _model(tp, sliced, ep)
     size = 1 + num_engines
     num_syncs = 1 + len(DENSITIES) if delta else 2
     if rank < num_trainers:
@@ -89,7 +110,7 @@ def _member(rank: int, world_size: int, port: int, num_trainers: int, tp: int, n
             if rank == 0:
                 for t in range(tp):
                     board.set(f"expected{sync}/{t}", repr({n: v.float().tolist() for n, v in
-                                                          _expected(current, layouts[t], False).items()}))
+                                                          expected_of(current, t).items()}))
         dist.destroy_process_group()
         board.wait(["done"])  # the workers have read everything
         return
@@ -149,16 +170,18 @@ def test_broadcast_sync_is_bit_exact_after_every_sync(num_trainers, tp, num_engi
                     init=False)
 
 
-@pytest.mark.parametrize("num_trainers, tp, num_engines", [
-    pytest.param(1, 1, 1, id="tp1"),
-    pytest.param(2, 2, 1, id="tp2_engine_two_feeders"),
-    pytest.param(2, 1, 2, id="tp1_two_engines_one_broadcast"),
+@pytest.mark.parametrize("num_trainers, tp, num_engines, ep", [
+    pytest.param(1, 1, 1, False, id="tp1"),
+    pytest.param(2, 2, 1, False, id="tp2_engine_two_feeders"),
+    pytest.param(2, 1, 2, False, id="tp1_two_engines_one_broadcast"),
+    pytest.param(2, 2, 1, True, id="moe_ep2_uneven_experts"),
 ])
-def test_a_delta_sync_reproduces_the_full_sync_bit_for_bit(num_trainers, tp, num_engines):
+def test_a_delta_sync_reproduces_the_full_sync_bit_for_bit(num_trainers, tp, num_engines, ep):
     """sync.delta over the broadcast: after a first sync of everything, syncs that change none, 1%, 30% and all of
     the elements (seeded random masks) leave every worker bit-equal to the trainer's weights, the checksums of the
-    staged bytes holding against the ring's, and both stores at the sync's version."""
-    run_distributed(_member, num_trainers, tp, num_engines, True, True, world_size=num_trainers + tp * num_engines,
+    staged bytes holding against the ring's, and both stores at the sync's version; on dense TP layouts and on a
+    MoE's expert-parallel one (each worker its own whole experts, cut across the FSDP2 shards)."""
+    run_distributed(_member, num_trainers, tp, num_engines, True, True, ep, world_size=num_trainers + tp * num_engines,
                     init=False)
 
 
