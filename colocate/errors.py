@@ -68,6 +68,13 @@ class EngineFault(JobFault):
         super().__init__(message)
         self.engine, self.member = engine, member
 
+    def __reduce__(self):  # keyword arguments: pickled (across Ray, a process pool) as they were given
+        return _engine_fault, (str(self), self.engine, self.member)
+
+
+def _engine_fault(message: str, engine: int, member: str) -> EngineFault:
+    return EngineFault(message, engine=engine, member=member)
+
 
 class DeviceMemoryShortfall(JobFault):
     """The device has too little free memory to map the paused state back (another process holds it)."""

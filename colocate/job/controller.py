@@ -80,6 +80,7 @@ class Controller:
         # fault.engine_restarts: the phases where the engines work, run again once a failed engine is replaced
         self.restarts = EngineRestarts(cfg, runtime, self.trace, metrics=metrics,
                                        in_flight=lambda: self.passes.num_unfinished())
+        self.passes.engine_wait = self.restarts.engine_wait  # where a fault may cut a rollout short
         self.update = PolicyUpdate(runtime, cfg)  # mini-batches, epochs, the proximal policy
         self.dump = RolloutDump(cfg.logging)  # logging.rollouts
         self.sampling = make_sampling(cfg, self.rollout, lambda groups: self.score(groups), self.trace,
@@ -120,8 +121,7 @@ class Controller:
     def run_steps(self, num_steps: int, *, first: int = 0) -> list[dict]:
         """Steps first .. num_steps - 1 (a resumed run starts after its checkpoint's step)."""
         if first == 0 and self.evaluator and should_evaluate(self.cfg.eval, 0, num_steps):
-            with self.trace.phase("eval", timed=False):
-                result = self.evaluate(0)
+            result = self.restarts.run("eval", None, lambda: self.evaluate(0), timed=False)
             if self.metrics:
                 self.metrics.evaluation(result, num_done=0)
         if self.rt.switch.trainer_offload:

@@ -32,6 +32,7 @@ the trainers' between phases and no store holds its weights (sync.delta runs on 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -84,45 +85,70 @@ class EngineRestarts:
         self.left = cfg.fault.engine_restarts
         self.events: list[dict] = []  # since the last take_events
 
-    def run(self, name: str, step: int, work: Callable):
+    def run(self, name: str, step: int, work: Callable, *, timed: bool = True):
         """`work()` as the watched phase `name` of `step`; an engine's fault in it, with restarts left, replaces
-        that engine and runs `work()` again. Any other fault, and one past the bound, is raised as it was."""
+        that engine and runs `work()` again. In a rollout the fault may cut the phase short only while it waits on
+        the engines (Watchdog.deferring, Passes.engine_wait): one found while the rollout pool takes a pass's
+        answers or hands groups over is kept until then, and found after the phase's work ended, it replaces the
+        engine without running the work again. Any other fault, and one past the bound, is raised as it was."""
+        watchdog = self.trace.watchdog
         while True:
-            started = time.perf_counter()
+            started, finished, result = time.perf_counter(), False, None
             try:
-                with self.trace.phase(name, step):
-                    return work()
+                with self.trace.phase(name, step, timed=timed), self._deferring(name):
+                    result = work()
+                fault, finished = watchdog.fault if watchdog is not None else None, True
             except WatchdogInterrupt:  # the watchdog's interrupt, landed as its phase raised (not a Ctrl-C)
-                fault = self.trace.watchdog.fault if self.trace.watchdog is not None else None
+                fault = watchdog.fault if watchdog is not None else None
                 if fault is None:
                     raise
-                self._recover_or_raise(fault, name, step, time.perf_counter() - started)
-            except EngineFault as fault:
-                self._recover_or_raise(fault, name, step, time.perf_counter() - started)
+            except EngineFault as raised:
+                fault = raised
+            if fault is None:
+                return result
+            self._check(fault, name)
+            self.recover(fault, name, step, time.perf_counter() - started, again=not finished)
+            if finished:
+                return result
 
     def take_events(self) -> list[dict]:
         events, self.events = self.events, []
         return events
 
-    def _recover_or_raise(self, fault: JobFault, phase: str, step: int, found_after_s: float) -> None:
+    def engine_wait(self):
+        """Passes.engine_wait: where a rollout may be cut short by a fault (Watchdog.waiting)."""
+        watchdog = self.trace.watchdog
+        return watchdog.waiting() if watchdog is not None else contextlib.nullcontext()
+
+    def _deferring(self, phase: str):
+        """The rollout's faults kept outside its waits on the engines, when restarts are asked for: a job that asks
+        none is interrupted wherever a fault is found, as always."""
+        watchdog = self.trace.watchdog
+        if phase != "rollout" or not self.cfg.fault.engine_restarts or watchdog is None:
+            return contextlib.nullcontext()
+        return watchdog.deferring()
+
+    def _check(self, fault: JobFault, phase: str) -> None:
+        """Raise `fault` unless this recovers it: an engine's, in a phase where the engines work, restarts left."""
         if not isinstance(fault, EngineFault) or phase not in RECOVERED_PHASES or self.trace.watchdog is None:
             raise fault
         if not self.left:
             if self.cfg.fault.engine_restarts:
                 raise JobFault(f"{fault} (fault.engine_restarts={self.cfg.fault.engine_restarts} spent)") from None
             raise fault
-        self.recover(fault, phase, step)
 
-    def recover(self, fault: EngineFault, phase: str, step: int, found_after_s: float = 0.0) -> dict:
+    def recover(self, fault: EngineFault, phase: str, step: int, found_after_s: float = 0.0, *,
+                again: bool = True) -> dict:
         """Replace the engine `fault` names, reload it from the weight stores, verify it in full (the module's
         steps); returns the event, also written to the metrics and printed. `found_after_s`: how long the phase
-        ran before the fault was found (for a fault injected as the phase began, the time to find it). Raises a
+        ran before the fault was found (for a fault injected as the phase began, the time to find it); `again`:
+        the phase runs again (else its work had ended: nothing is generated again). Raises a
         JobFault naming the first failure when the engine cannot come back (its slot out of memory, a trainer
         gone): the job ends."""
         started = time.perf_counter()
         _take_late_interrupt()
         e, watchdog = fault.engine, self.trace.watchdog
-        regenerated = self.in_flight() if phase == "rollout" else 0
+        regenerated = self.in_flight() if phase == "rollout" and again else 0
         gone = watchdog.forget_engine(e)
         try:
             with self.trace.phase("engine_restart", step):
@@ -142,6 +168,7 @@ class EngineRestarts:
             raise JobFault(f"{fault}; engine {e} was replaced, but {len(mismatched)} of its tensors differ from the "
                            f"trainers' after the reload from the weight store, e.g. {mismatched[0]}")
         watchdog.watch_again()
+        self.rt.record_job()  # the new actor's name, for `colocate clean` (after the phase: it waits on the engines)
         self.left -= 1
         event = {"event": "engine_restart", "step": step, "phase": phase, "engine": e, "member": fault.member,
                  "cause": str(fault), "found_after_s": found_after_s, "start_s": info["start_s"],
@@ -151,8 +178,9 @@ class EngineRestarts:
                  "answers_regenerated": regenerated, "recovery_s": time.perf_counter() - started,
                  "restarts_left": self.left}
         print(f"colocate: {fault}\ncolocate: engine {e} replaced on its slots and reloaded from the weight store "
-              f"(version {reload['store_version']}) in {event['recovery_s']:.1f} s, verified in full; the {phase} "
-              f"goes on ({self.left} engine restart(s) left)", file=sys.stderr, flush=True)
+              f"(version {reload['store_version']}) in {event['recovery_s']:.1f} s, verified in full; "
+              f"{f'the {phase} goes on' if again else 'the step goes on'} ({self.left} engine restart(s) left)",
+              file=sys.stderr, flush=True)
         if self.metrics:
             self.metrics.write(event)
         self.events.append(event)

@@ -185,6 +185,8 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._signum = signal.SIGINT  # __enter__ installs INTERRUPT_SIGNAL's handler when it can (main thread)
         self._previous_handler = None
+        self._deferring = False  # fault.engine_restarts: interrupt only inside a wait on the engines (deferring)
+        self._waiting = False  # ... which is now
 
     # ------------------------------------------------------------------------------------------- life
 
@@ -247,6 +249,37 @@ class Watchdog:
             self.fault = None
         return gone
 
+    @contextlib.contextmanager
+    def deferring(self):
+        """Inside, a finding is kept (`fault`) and interrupts the main thread only inside `waiting()`: a phase that
+        fault.engine_restarts runs again must not be cut where it changes its state (the rollout pool applies a
+        pass's answers and hands groups over between the engines' answers; an interrupt there would leave it half
+        done). The caller raises a fault kept past the block's end (job/engine_restarts.py)."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+
+    @contextlib.contextmanager
+    def waiting(self):
+        """A wait on the engines inside `deferring()`, where the interrupt may land; a fault kept before it is
+        raised at once. Hazard: the thread interrupts under the lock, so an interrupt sent just before the wait
+        ended is pending before this block's exit takes the lock, and lands at the exit's first signal check,
+        before the caller's next statement: never inside the state change that follows."""
+        if not self._deferring or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        with self._lock:
+            if self.fault is not None:
+                raise self.fault
+            self._waiting = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiting = False
+
     def watch_again(self) -> None:
         """Every member read afresh (a replaced engine's new actor and workers among them)."""
         members = job_members(self.runtime)
@@ -275,7 +308,8 @@ class Watchdog:
             with self._lock:
                 if finding is not None and self._phase is current:
                     self.fault = finding
-                    _thread.interrupt_main(self._signum)  # Ray's get returns at its next signal check
+                    if not self._deferring or self._waiting:
+                        _thread.interrupt_main(self._signum)  # Ray's get returns at its next signal check
 
     def _dead_member(self, phase: str, step: int | None) -> JobFault | None:
         for m in self.members:

@@ -299,7 +299,9 @@ class Runtime:
         """Engine `e` alone replaced by a fresh one on its slots (fault.engine_restarts, job/engine_restarts.py):
         its actor and its processes `pids` (the workers too: a stopped one follows no signal but SIGKILL, and a
         live one would hold its device) killed and awaited, then a new actor in the same bundle, started. The
-        caller rejoins the sync (WeightSync.rejoin). Returns the new engine's start figures."""
+        caller rejoins the sync (WeightSync.rejoin) and records the job (record_job). Returns the new engine's
+        start figures. Hazard: another node's processes are not awaited (they die with their actor, Ray's fate
+        sharing): on a GPU a worker still exiting there can hold memory the new engine's start measures."""
         from colocate.host.procfs import process_state
 
         old = self.engines[e]
@@ -320,8 +322,13 @@ class Runtime:
         report = self.placement_report
         report["engine_worker_devices"][e] = ray.get(self.engines[e].device_names.remote())
         report["engine_nodes"][e] = ray.get(self.engines[e].node_id.remote())
-        self._record_job()
         return info
+
+    def record_job(self) -> None:
+        """job.json again, after an engine was replaced (its actor's name is new). It asks every actor in its
+        default concurrency group, so it waits for the passes the other engines still run: call it outside a phase
+        with a deadline."""
+        self._record_job()
 
     def restart_engines(self) -> None:
         """Replace every engine with a fresh one (after a crash, or to change engine settings) and rebuild the

@@ -14,6 +14,7 @@ flight and stops at exactly num_prompts.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections import Counter
@@ -63,6 +64,8 @@ class Passes:
         self.stream_steps: list[list[tuple[float, int]]] = []
         self.num_stream_passes = 0
         self.seconds = 0.0  # last generate's wall time
+        # a wait on the engines' passes (fault.engine_restarts sets the watchdog's: job/engine_restarts.py)
+        self.engine_wait: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def collect(self, version: int, *, num_groups: int | None = None,
                 refill: bool = False) -> tuple[list[Group], dict]:
@@ -150,8 +153,10 @@ class Passes:
         pool.top_up([(s, p, self.budgets(s, pool.rollout.num_samples)) for s, p in zip(samples, prompt_ids)])
 
     def run_pass(self, plan: Pass) -> list[dict]:
-        return ray.get([self.engines[e].run_pass.remote(plan.per_engine[e], self.sampling, plan.quotas[e],
-                                                        plan.version) for e in plan.busy])
+        refs = [self.engines[e].run_pass.remote(plan.per_engine[e], self.sampling, plan.quotas[e], plan.version)
+                for e in plan.busy]
+        with self.engine_wait():  # fault.engine_restarts: the one place a fault may cut the rollout short
+            return ray.get(refs)
 
     def finish_pass(self, plan: Pass, outs: list[dict], seconds: float) -> None:
         self._apply(plan, outs)

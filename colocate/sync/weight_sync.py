@@ -309,10 +309,9 @@ class WeightSync:
         assert self.method == "broadcast" and self.delta, "a replaced engine reloads from sync.delta's weight stores"
         started = time.perf_counter()
         old, self.key = self.key, uuid.uuid4().hex[:8]
+        # the old rings go first: on a GPU vLLM has taken what it may of the device, and a second ring would not fit
+        ray.get([engine.close_ring.remote(old) for e, engine in enumerate(self.engines) if e not in replaced])
         self._open_broadcast(self.checksum, inherit=old)
-        for e, engine in enumerate(self.engines):
-            if e not in replaced:
-                ray.get(engine.close_ring.remote(old))
         version = ray.get(self.trainers[0].store_version.remote(self.key))
         reloaded = 0
         if version >= 0:  # nothing synced yet: every engine holds model.path's weights, as the replaced one loaded

@@ -70,8 +70,17 @@ class Watchdog:
     def phase(self, name, step):
         yield
 
+    @contextlib.contextmanager
+    def deferring(self):
+        self.deferred = True
+        yield
+
+    def waiting(self):
+        return contextlib.nullcontext()
+
     def forget_engine(self, engine):
         self.forgotten.append(engine)
+        self.fault = None
         return [Member(f"engine {engine} TP worker 0", 101, (1,), "here", engine=engine),
                 Member(f"engine {engine} TP worker 1", 102, (2,), "elsewhere", engine=engine)]
 
@@ -100,6 +109,9 @@ class Runtime:
             raise self.fails
         self.replaced.append((e, pids))
         return {"start_s": 2.0}
+
+    def record_job(self):
+        self.recorded = True
 
 
 def _restarts(n: int, runtime: Runtime, metrics=None) -> tuple[EngineRestarts, Watchdog]:
@@ -148,6 +160,36 @@ def test_a_replaced_engine_runs_the_phase_again_and_names_the_event(capsys):
     assert restarts.take_events() == []  # taken once, by the step's record
     err = capsys.readouterr().err
     assert "died during rollout of step 2" in err and "engine 1 replaced on its slots" in err
+    assert watchdog.deferred and runtime.recorded  # the rollout's faults were kept outside its waits
+
+
+def test_a_fault_kept_until_the_rollout_ended_replaces_the_engine_without_running_it_again():
+    runtime = Runtime(Sync())
+    restarts, watchdog = _restarts(2, runtime)
+    runs = []
+
+    def work():  # the rollout took its groups; the engine's fault was found meanwhile, kept (Watchdog.deferring)
+        runs.append(1)
+        watchdog.fault = _fault(engine=0)
+        return "groups"
+    assert restarts.run("rollout", 2, work) == "groups" and runs == [1]
+    [event] = restarts.take_events()
+    assert event["answers_regenerated"] == 0 and runtime.replaced == [(0, [101])]
+    trainer = JobFault("trainer rank 0 (...) died during rollout of step 2: killed by SIGKILL")
+
+    def trainer_lost():
+        watchdog.fault = trainer
+        return "groups"
+    with pytest.raises(JobFault) as e:
+        restarts.run("rollout", 3, trainer_lost)
+    assert e.value is trainer
+
+
+def test_an_engine_fault_pickles_with_its_engine():
+    import pickle
+
+    fault = pickle.loads(pickle.dumps(_fault(engine=3)))
+    assert isinstance(fault, EngineFault) and fault.engine == 3 and fault.member == "engine 3 TP worker 1"
 
 
 def test_restarts_are_bounded_then_the_fault_ends_the_job():

@@ -309,10 +309,14 @@ def test_the_reward_model_sleeps_with_the_engines(level, offload, monkeypatch, t
 
 
 class PhaseWatch:
-    """The watchdog's phase() at its boundary: records which phase, if any, is open."""
+    """The watchdog's phase() at its boundary: records which phase, if any, is open; it finds no fault."""
 
     def __init__(self):
         self.open: list[tuple[str, int | None]] = []
+        self.fault = None
+
+    def waiting(self):  # a rollout's wait on the engines (fault.engine_restarts), a phase's part
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def phase(self, name, step=None):
