@@ -17,7 +17,7 @@ from colocate.host.shm import mapped_by
 # files last, where one worker ran them alone for minutes while the other had nothing left). Unlisted files
 # weigh by their directory.
 FILE_SECONDS = {
-    "tests/e2e/test_faults.py": 282, "tests/e2e/test_failures.py": 232, "tests/e2e/test_resume.py": 136,
+    "tests/e2e/test_faults.py": 325, "tests/e2e/test_failures.py": 232, "tests/e2e/test_resume.py": 136,
     "tests/e2e/test_algorithms.py": 133, "tests/e2e/test_reward_model.py": 126, "tests/e2e/test_runtime.py": 121,
     "tests/e2e/test_architectures.py": 120, "tests/e2e/test_multinode.py": 140, "tests/e2e/test_cluster.py": 112,
     "tests/e2e/test_split.py": 310, "tests/e2e/test_gpu_placement.py": 83, "tests/e2e/test_lora.py": 104,

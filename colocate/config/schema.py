@@ -581,6 +581,10 @@ class FaultConfig:
     rate (docs/checkpoints.md). 0: no limit."""
     rollout_timeout_s: float = 0.0
     """The same bound for a rollout phase; 0: no limit (a rollout's length is the model's to decide)."""
+    engine_timeout_s: float = 0.0
+    """The engines' heartbeat: an engine whose rollout pass has not finished an engine step for this many seconds, with
+    every process alive (a hung worker, a stuck device call or collective), is named in a rollout; with
+    fault.engine_restarts it is replaced, else the job stops. Longer than the slowest step (a long prefill); 0: off."""
     train_timeout_s: float = 0.0
     """The same bound for a training phase; 0: no limit."""
     inject: str = ""
@@ -601,7 +605,7 @@ class FaultConfig:
     def check(self) -> None:
         positive(self, "fault", "heartbeat_s")
         non_negative(self, "fault", "sync_timeout_s", "checkpoint_timeout_s", "rollout_timeout_s", "train_timeout_s",
-                      "max_restarts", "engine_restarts")
+                      "max_restarts", "engine_restarts", "engine_timeout_s")
 
 
 AUTO = "auto"  # placement.engine_slots=auto: decided once, before anything reads the slots (job/split.py)

@@ -524,6 +524,12 @@ class EngineActor:
     def pid(self) -> int:
         return os.getpid()
 
+    @ray.method(concurrency_group=PROBE)
+    def stalled_s(self) -> float | None:
+        """Seconds since this engine's rollout pass last stepped: the controller's engine heartbeat
+        (fault.engine_timeout_s); None when no pass runs. Answered from the probe thread while a step hangs."""
+        return self._gate.stalled_s()
+
     def _workers(self) -> list:
         """vLLM's worker process handles (the multiprocessing executor, TP > 1 on the CPU; empty at TP=1, whose
         worker runs in this process, and for the Ray executor, whose workers are Ray actors).

@@ -49,10 +49,19 @@ class PassGate:
         self.parked_s = 0.0  # the pass in flight's seconds parked for updates
         self.ending = False  # the pass in flight must end at its next boundary (the rollout is closing)
         self.steps = 0  # the pass in flight's engine steps so far
+        self.stepped_at = 0.0  # when it last stepped (or began): time.monotonic()
         self.request_steps = self.tokens = 0  # its requests' steps that produced tokens, and those tokens: more
         # tokens than steps when speculative decoding's drafts are accepted (rollout.speculative)
 
     # ------------------------------------------------------------------------------------------ the pass
+
+    def stalled_s(self) -> float | None:
+        """Seconds since the pass in flight last stepped (or began): its heartbeat (fault.engine_timeout_s); None
+        with no pass in flight, or one parked for a weight update (its wait is the update's)."""
+        with self._cond:
+            if not self._in_pass or self._held:
+                return None
+            return time.monotonic() - self.stepped_at
 
     @contextmanager
     def running(self, version: int):
@@ -62,6 +71,7 @@ class PassGate:
             assert not self._in_pass, "two passes at once on one engine"
             self._in_pass, self.updated_in_pass, self.parked_s, self.added = True, False, 0.0, False
             self.steps = self.request_steps = self.tokens = 0
+            self.stepped_at = time.monotonic()
             self.ending, self._end_next = self._end_next, False  # a rollout that ended before this pass started
             self.version = version if self._pending is None else max(version, self._pending)
             self._pending = None

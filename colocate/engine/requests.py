@@ -155,7 +155,7 @@ def _run_pass(llm, requests: list[EngineRequest], sampling: dict, *, num_groups_
             if not unfinished:
                 continue  # fed as the pass was about to end: added at the next look
             outputs, version = engine.step(), gate.version
-            gate.steps += 1
+            gate.steps, gate.stepped_at = gate.steps + 1, time.monotonic()
             request_steps, tokens = _decoded(outputs)
             gate.request_steps, gate.tokens = gate.request_steps + request_steps, gate.tokens + tokens
             busy = (time.perf_counter() - started, request_steps)  # the sequences that produced a token

@@ -303,6 +303,8 @@ class Watchdog:
                 continue
             name, step, deadline = current
             finding = self._dead_member(name, step)
+            if finding is None and name == "rollout" and self.cfg.engine_timeout_s:
+                finding = self._hung_engine(name, step)
             if finding is None and deadline is not None and time.monotonic() > deadline:
                 finding = self._overdue(name, step)
             with self._lock:
@@ -325,6 +327,28 @@ class Watchdog:
             if state in ("T", "t"):
                 return member_fault(m, f"{m.describe(self.local_node)} is stopped (SIGSTOP or a debugger) during "
                                     f"{_where(phase, step)}: the job cannot go on without it")
+        return None
+
+    def _hung_engine(self, phase: str, step: int | None) -> JobFault | None:
+        """The engines' heartbeat (fault.engine_timeout_s): each engine says, from its probe thread, how long its
+        pass has gone without an engine step; one past the bound hangs with every process alive. An engine whose
+        probe does not answer within PROBE_TIMEOUT_S is left to the next look (a dead one is the state check's)."""
+        engines = list(self.runtime.engines)
+        refs = [engine.stalled_s.remote() for engine in engines]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
+        for e, ref in enumerate(refs):
+            if ref not in ready:
+                continue
+            try:
+                stalled = ray.get(ref)
+            except ray.exceptions.RayError:
+                continue
+            member = next((m for m in self.members if m.name == f"engine {e}"), None)
+            if stalled is not None and stalled > self.cfg.engine_timeout_s and member is not None:
+                return member_fault(member, f"{member.describe(self.local_node)} made no engine step for "
+                                    f"{stalled:.1f} s during {_where(phase, step)} (fault.engine_timeout_s="
+                                    f"{self.cfg.engine_timeout_s:g}): a worker or a device call hangs with every "
+                                    "process alive")
         return None
 
     def _overdue(self, phase: str, step: int | None) -> JobFault:

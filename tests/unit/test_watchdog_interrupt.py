@@ -88,3 +88,41 @@ def test_inside_a_deferred_phase_the_engines_wait_is_interrupted(monkeypatch):
         worker.kill()
         worker.wait()
     assert time.monotonic() - started < 5
+
+
+def test_an_engine_whose_pass_stops_stepping_is_named_by_its_heartbeat(monkeypatch):
+    """fault.engine_timeout_s: every process alive and running, but the engine's pass has made no engine step for
+    longer than the bound (a hung worker or device call). Its probe (EngineActor.stalled_s, the pass gate's
+    heartbeat, answered from the probe thread) says how long; the engine is named as an EngineFault, which
+    fault.engine_restarts recovers. Ray's calls are the boundary stood in for here."""
+    from colocate.engine.pass_gate import PassGate
+    from colocate.errors import EngineFault
+
+    gate = PassGate()
+    assert gate.stalled_s() is None  # no pass: nothing to be late for
+    with gate.running(0):
+        time.sleep(0.05)
+        assert gate.stalled_s() >= 0.05
+        gate.stepped_at = time.monotonic()  # a step (engine/requests.py run_pass)
+        assert gate.stalled_s() < 0.05
+    actor = subprocess.Popen(["sleep", "60"])  # alive, never stopped: only the heartbeat can find it
+    monkeypatch.setattr(faults.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node"))
+    monkeypatch.setattr(faults, "job_members", lambda runtime: [Member("engine 0", actor.pid, (1,), "node", "a0",
+                                                                       engine=0)])
+    stalled = {"engine 0": 0.5}
+    engine = SimpleNamespace(stalled_s=SimpleNamespace(remote=lambda: "engine 0"))
+    monkeypatch.setattr(faults.ray, "wait", lambda refs, num_returns, timeout: (refs, []))
+    monkeypatch.setattr(faults.ray, "get", lambda ref: stalled[ref])
+    cfg = FaultConfig(heartbeat_s=0.05, engine_timeout_s=2.0)
+    try:
+        with Watchdog(cfg, runtime=SimpleNamespace(engines=[engine])) as watchdog:
+            with watchdog.phase("rollout", 1):
+                time.sleep(0.5)  # stepping: under the bound, nothing found
+            with pytest.raises(EngineFault, match=r"engine 0 \(slot 1, this node, pid \d+\) made no engine step for "
+                                                  r"9.0 s during rollout of step 1 \(fault.engine_timeout_s=2\)"):
+                with watchdog.phase("rollout", 1):
+                    stalled["engine 0"] = 9.0
+                    _blocking_get()
+    finally:
+        actor.kill()
+        actor.wait()
