@@ -79,7 +79,7 @@ class Controller:
         self.rollout = make_rollout(cfg, self.passes, self.trace, runtime.switch)
         # fault.engine_restarts: the phases where the engines work, run again once a failed engine is replaced
         self.restarts = EngineRestarts(cfg, runtime, self.trace, metrics=metrics,
-                                       in_flight=lambda: self.passes.num_unfinished())
+                                       in_flight=lambda engine: self.passes.regenerated(engine))
         self.passes.engine_wait = self.restarts.engine_wait  # where a fault may cut a rollout short
         self.update = PolicyUpdate(runtime, cfg)  # mini-batches, epochs, the proximal policy
         self.dump = RolloutDump(cfg.logging)  # logging.rollouts

@@ -1,6 +1,6 @@
 """fault.engine_restarts: a rollout engine that dies or stops is replaced alone, and the job goes on.
 
-    restarts = EngineRestarts(cfg, runtime, trace, metrics=metrics, in_flight=passes.num_unfinished)
+    restarts = EngineRestarts(cfg, runtime, trace, metrics=metrics, in_flight=passes.regenerated)
     groups, stats = restarts.run("rollout", step, lambda: rollout.take(step))  # a watched phase, run again once
                                                                               # a failed engine is replaced
     events = restarts.take_events()                                           # the step's record names them
@@ -21,7 +21,8 @@ How an engine comes back (`EngineRestarts.recover`):
 5. The watchdog watches the new processes and the phase runs again. A pass's results reach the rollout pool
    only once every engine of the pass answered (rollout/passes.py), so the failed pass changed nothing there:
    its requests are generated again with the same seeds, no group is lost or taken twice, and every token keeps
-   the version of the weights that sampled it.
+   the version of the weights that sampled it. The other engines' answers of that pass are kept: applied when
+   the rollout runs again (Passes._apply_cut_short).
 
 Why only there. A fault in the sync (a member lost mid-broadcast) leaves the stores of the feeders and the
 engines at different versions, slice by slice; one in training, or with algo.mode=one_step_off or async, meets
@@ -78,9 +79,10 @@ def check_engine_restarts(cfg: JobConfig) -> None:
 class EngineRestarts:
     """fault.engine_restarts for one controller: the phases it runs, the budget, the events (the module's steps)."""
 
-    def __init__(self, cfg: JobConfig, runtime, trace, *, metrics=None, in_flight: Callable[[], int] = lambda: 0):
-        """`in_flight`: the unfinished answers of the rollout pool, which a replaced engine's rollout generates
-        again (Passes.num_unfinished)."""
+    def __init__(self, cfg: JobConfig, runtime, trace, *, metrics=None,
+                 in_flight: Callable[[int], int] = lambda engine: 0):
+        """`in_flight(engine)`: the answers a rollout run again after `engine` was replaced generates again
+        (Passes.regenerated)."""
         self.cfg, self.rt, self.trace, self.metrics, self.in_flight = cfg, runtime, trace, metrics, in_flight
         self.left = cfg.fault.engine_restarts
         self.events: list[dict] = []  # since the last take_events
@@ -148,7 +150,7 @@ class EngineRestarts:
         started = time.perf_counter()
         _take_late_interrupt()
         e, watchdog = fault.engine, self.trace.watchdog
-        regenerated = self.in_flight() if phase == "rollout" and again else 0
+        regenerated = self.in_flight(e) if phase == "rollout" and again else 0
         gone = watchdog.forget_engine(e)
         try:
             with self.trace.phase("engine_restart", step):

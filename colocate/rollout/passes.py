@@ -66,6 +66,7 @@ class Passes:
         self.seconds = 0.0  # last generate's wall time
         # a wait on the engines' passes (fault.engine_restarts sets the watchdog's: job/engine_restarts.py)
         self.engine_wait: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        self._cut_short: tuple[Pass, list] | None = None  # the pass an engine's fault cut short, and its calls
 
     def collect(self, version: int, *, num_groups: int | None = None,
                 refill: bool = False) -> tuple[list[Group], dict]:
@@ -90,6 +91,8 @@ class Passes:
             pool.expire(version if trained_version is None else trained_version)
         self.timelines, self.decoded = [], [0, 0]
         started = time.perf_counter()
+        if self._cut_short is not None:  # this rollout runs again after a replaced engine (fault.engine_restarts)
+            self._apply_cut_short()
         while pool.num_complete() < wanted:
             self._fill()  # multi-turn: the places of groups dropped for their environment's failure
             self.timelines.append(self._pass(version, wanted))
@@ -155,8 +158,40 @@ class Passes:
     def run_pass(self, plan: Pass) -> list[dict]:
         refs = [self.engines[e].run_pass.remote(plan.per_engine[e], self.sampling, plan.quotas[e], plan.version)
                 for e in plan.busy]
-        with self.engine_wait():  # fault.engine_restarts: the one place a fault may cut the rollout short
-            return ray.get(refs)
+        try:
+            with self.engine_wait():  # fault.engine_restarts: the one place a fault may cut the rollout short
+                return ray.get(refs)
+        except BaseException:
+            self._cut_short = (plan, refs)  # the other engines' passes run on: their answers are kept
+            raise
+
+    def regenerated(self, engine: int) -> int:
+        """The answers a rollout run again after engine `engine` was replaced generates again: that engine's
+        requests of the pass cut short (the others' answers are kept), or every unfinished answer."""
+        if self._cut_short is None:
+            return self.num_unfinished()
+        plan, _ = self._cut_short
+        return len(plan.per_engine[engine]) if engine in plan.busy else 0
+
+    def _apply_cut_short(self) -> None:
+        """A pass cut short by an engine's fault, when fault.engine_restarts runs the rollout again after replacing
+        that engine: the answers of the engines that finished it are applied as a pass's are (the pool has not
+        changed since: it was planned from the same state), so only the failed engine's requests are generated
+        again. The failed engine's call fails: its actor is gone."""
+        plan, refs = self._cut_short
+        self._cut_short = None
+        with self.engine_wait():
+            ray.wait(refs, num_returns=len(refs))
+        for e, ref in zip(plan.busy, refs):
+            try:
+                out = ray.get(ref)
+            except Exception:  # the failed engine's (Ray's error for its killed actor)
+                continue
+            self.pool.apply(plan.per_engine[e], out["results"], plan.version)
+            self.timelines.append([out["timeline"]])
+            decode = out.get("decode", {})
+            self.decoded[0] += decode.get("request_steps", 0)
+            self.decoded[1] += decode.get("tokens", 0)
 
     def finish_pass(self, plan: Pass, outs: list[dict], seconds: float) -> None:
         self._apply(plan, outs)

@@ -118,7 +118,7 @@ def _restarts(n: int, runtime: Runtime, metrics=None) -> tuple[EngineRestarts, W
     trace = Trace()
     trace.watchdog = watchdog = Watchdog()
     restarts = EngineRestarts(load_config(None, [*SPLIT, f"fault.engine_restarts={n}"]), runtime, trace,
-                              metrics=metrics, in_flight=lambda: 16)
+                              metrics=metrics, in_flight=lambda engine: 16)
     return restarts, watchdog
 
 
@@ -245,3 +245,56 @@ def test_the_bench_reads_a_faulted_steps_cost_against_the_steps_without_one():
     assert costs["faulted_step_s"] == 15.0 and costs["recovery_s"] == 11.0 and costs["whole_job_restarts"] == 1
     with pytest.raises(AssertionError, match="every step ran once"):
         fault_costs([*whole, step(2, 30.0)], [2])
+
+
+# ---------------------------------------------------------------------- the pass cut short, and run again
+
+
+class _Dead(Exception):
+    """Ray's error for a call to an engine whose actor is gone."""
+
+
+def test_a_rollout_run_again_keeps_the_other_engines_answers_and_generates_only_the_failed_engines(monkeypatch):
+    """The real Passes and rollout pool over two engines faked at their actor boundary (ray.get, run_pass): engine
+    1 dies in the pass. Run again after engine 1 was replaced, the rollout applies engine 0's answers of the pass
+    that was cut short (engine 0 is not asked again) and asks only engine 1's groups of the new engine; the step
+    takes every group once, complete."""
+    import ray
+
+    from colocate.rl.tasks import PromptStream, make_task
+    from colocate.rollout.passes import Passes
+    from tests.unit.test_one_step_off_resume import FakeGeneratingEngine, _Tokenizer
+    from tests.unit.test_switching_order import Ref  # noqa: F401 -- what .remote() returns, unwrapped below
+
+    asked = []  # (engine, the groups of its requests) per run_pass
+
+    class Engine(FakeGeneratingEngine):
+        def do_run_pass(self, requests, *args, **kwargs):
+            asked.append((self.name, sorted({r.group for r in requests})))
+            if self.name == "engine 1":
+                return _Dead("engine 1's actor died")
+            return super().do_run_pass(requests, *args, **kwargs)
+
+    def get(refs, **kwargs):
+        values = [r.value for r in refs] if isinstance(refs, list) else [refs.value]
+        failed = next((v for v in values if isinstance(v, Exception)), None)
+        if failed is not None:
+            raise failed
+        return values if isinstance(refs, list) else values[0]
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns: (refs, []))
+    cfg = load_config(None, ["rollout.num_prompts=4", "rollout.num_samples=2"])
+    engines = [Engine("engine 0", [], {}), Engine("engine 1", [], {})]
+    passes = Passes(cfg, engines, _Tokenizer(), PromptStream(make_task(cfg.rollout.task,
+                                                                       length=cfg.rollout.task_length), seed=0))
+    with pytest.raises(_Dead):
+        passes.collect(version=0)
+    assert passes.pool.num_complete() == 0  # nothing of the pass applied while it failed
+    assert asked == [("engine 0", [0, 2]), ("engine 1", [1, 3])]
+    assert passes.regenerated(1) == 4  # engine 1's 2 groups x 2 answers: engine 0's are kept
+    engines[1] = Engine("engine 1 (new)", [], {})  # Runtime.replace_engine, in place
+    groups, stats = passes.collect(version=0)
+    assert asked[2:] == [("engine 1 (new)", [1, 3])]  # engine 0 is not asked again
+    assert sorted(stats["group_ids"]) == [0, 1, 2, 3] and stats["num_groups_drawn"] == 4
+    assert all(a.done for g in groups for a in g.completions)
