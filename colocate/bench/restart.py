@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from colocate.bench.common import write_result
-from colocate.job.faults import parse_injections
+from colocate.job.injections import parse_injections
 from colocate.telemetry.metrics import read_records
 
 # Without a CONFIG: the default job on a split of this machine's two slots (one trainer rank, one TP=1 engine,

@@ -28,7 +28,7 @@ from colocate.config import JobConfig
 from colocate.config.fields import bad
 from colocate.config.reward_model import RewardModelSpec, reward_models_in
 from colocate.errors import ConfigError
-from colocate.job.faults import parse_injections
+from colocate.job.injections import parse_injections
 from colocate.job.placement import SlotPlan, local_device_count, plan_slots, resolve_device
 from colocate.job.preflight import DTYPE_BYTES, GIB, Prediction, host_available_bytes, preflight
 from colocate.models import sources as models

@@ -33,12 +33,13 @@ import re
 import signal
 import threading
 import time
-from dataclasses import dataclass
 
 import ray
 
-from colocate.errors import EngineFault, JobFault
+from colocate.errors import JobFault
 from colocate.host.procfs import process_state
+from colocate.job.injections import Injection, parse_injections
+from colocate.job.members import Member, job_members, member_fault
 
 # The watchdog's interrupt: `_thread.interrupt_main(signum)` runs signum's Python handler in the main thread (the OS
 # never sends it). Not SIGINT: interrupt_main does nothing for a signal Python does not handle, and a job started
@@ -61,100 +62,6 @@ class WatchdogInterrupt(KeyboardInterrupt):
 
 def _raise_watchdog_interrupt(signum, frame):
     raise WatchdogInterrupt()
-
-
-@dataclass(frozen=True)
-class Member:
-    name: str  # "trainer rank 1", "engine 0", "engine 0 TP worker 1", "reward model"
-    pid: int
-    slots: tuple[int, ...]
-    node: str  # Ray node id
-    actor_id: str | None = None  # the Ray actor (None for vLLM's worker processes)
-    engine: int | None = None  # the engine a worker belongs to
-
-    def describe(self, local_node: str) -> str:
-        slots = f"slot {self.slots[0]}" if len(self.slots) == 1 else f"slots {self.slots[0]}-{self.slots[-1]}"
-        node = "this node" if self.node == local_node else f"node {self.node[:8]}"
-        return f"{self.name} ({slots}, {node}, pid {self.pid})"
-
-
-def member_fault(member: Member, text: str) -> JobFault:
-    """The fault naming `member`: an EngineFault for a policy engine's process (its actor or a TP worker), which
-    fault.engine_restarts may recover, a JobFault for any other."""
-    if member.engine is not None:
-        return EngineFault(text, engine=member.engine, member=member.name)
-    return JobFault(text)
-
-
-def job_members(runtime) -> list[Member]:
-    """Every process of the job that does its work: trainer ranks, engine actors and their vLLM workers."""
-    report = runtime.placement_report
-    trainer_pids = ray.get([t.pid.remote() for t in runtime.trainers])
-    engine_pids = ray.get([e.pid.remote() for e in runtime.engines])
-    worker_pids = ray.get([e.worker_pids.remote() for e in runtime.engines])
-    members = [Member(f"trainer rank {r}", pid, (r,), report["trainer_nodes"][r], t._actor_id.hex())
-               for r, (t, pid) in enumerate(zip(runtime.trainers, trainer_pids))]
-    for e, (engine, pid, workers) in enumerate(zip(runtime.engines, engine_pids, worker_pids)):
-        slots = tuple(runtime.plan.engine_slots(e))  # after the trainers' slots on a split placement
-        node = report["engine_nodes"][e]
-        members.append(Member(f"engine {e}", pid, slots, node, engine._actor_id.hex(), engine=e))
-        members += [Member(f"engine {e} TP worker {rank}", wpid, (slots[rank],), node, engine=e)
-                    for rank, wpid in workers]
-    if runtime.reward_model is not None:  # on the first slots of the policy's engines (placement)
-        actor = runtime.reward_model.actor
-        pid, workers, node = ray.get([actor.pid.remote(), actor.worker_pids.remote(), actor.node_id.remote()])
-        slots = tuple(runtime.plan.reward_model_slots())
-        members.append(Member("reward model", pid, slots, node, actor._actor_id.hex()))
-        members += [Member(f"reward model TP worker {rank}", wpid, (slots[rank],), node) for rank, wpid in workers]
-    return members
-
-
-@dataclass(frozen=True)
-class Injection:
-    """fault.inject: a signal for one member as a phase of a step begins (chaos testing, the fault tests)."""
-    signal: signal.Signals
-    member: str  # as Member.name: "trainer rank 1", "engine 0", "engine 0 TP worker 1"
-    phase: str
-    step: int
-    spec: str = ""  # as given: a restart drops the injections that fired and keeps the others (job/run.py)
-
-
-_PHASES = ("rollout", "score", "switch", "train", "rollout_wait", "sync", "checkpoint", "eval", "metrics")
-_INJECT_FORMAT = "SIGNAL:MEMBER:PHASE:STEP, e.g. SIGKILL:engine0.worker1:rollout:2 (members: trainerR, engineE, " \
-                 f"engineE.workerK; phases: {', '.join(_PHASES)})"
-
-
-def parse_injections(spec: str) -> tuple[Injection, ...]:
-    """fault.inject: one injection, or several separated by commas (each fires once in the job's life: a restart
-    does not repeat the ones that fired, so one job can meet a fault, restart, and meet the next)."""
-    return tuple(parse_injection(part.strip(), whole=spec) for part in spec.split(",") if part.strip())
-
-
-def parse_injection(spec: str, *, whole: str | None = None) -> Injection:
-    from colocate.errors import ConfigError
-
-    def bad(why: str) -> ConfigError:
-        return ConfigError(f"fault.inject={whole or spec!r} is invalid: {why}; expected {_INJECT_FORMAT}")
-
-    parts = spec.split(":")
-    if len(parts) != 4:
-        raise bad("four fields separated by ':'")
-    sig, member, phase, step = parts
-    try:
-        signum = signal.Signals[sig.upper() if sig.upper().startswith("SIG") else "SIG" + sig.upper()]
-    except KeyError:
-        raise bad(f"unknown signal {sig!r}") from None
-    match = re.fullmatch(r"trainer(\d+)|engine(\d+)(?:\.worker(\d+))?", member)
-    if not match:
-        raise bad(f"unknown member {member!r}")
-    if phase not in _PHASES:
-        raise bad(f"unknown phase {phase!r}")
-    if not step.isdigit():
-        raise bad(f"step {step!r} is not a step number")
-    trainer, engine, worker = match.groups()
-    name = f"trainer rank {trainer}" if trainer is not None else \
-        f"engine {engine}" + (f" TP worker {worker}" if worker is not None else "")
-    return Injection(signum, name, phase, int(step), spec)
 
 
 def signal_name(exit_code: int | None) -> str:

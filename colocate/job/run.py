@@ -19,7 +19,7 @@ from colocate.errors import EXIT_FAILED, EnvError, JobFault, RewardError, UserEr
 from colocate.host.signals import Terminated, catch_stop_signals, stop_outcome, stop_received
 from colocate.job.checks import read_inputs
 from colocate.job.controller import Controller
-from colocate.job.faults import parse_injections
+from colocate.job.injections import parse_injections
 from colocate.job.placement import plan_line
 from colocate.job.runtime import Runtime
 from colocate.job.setup import CheckedJob, JobSetup, check_job, set_up_job

@@ -14,7 +14,7 @@ from colocate.bench.restart import fault_costs
 from colocate.config.loading import load_config
 from colocate.errors import ConfigError, EngineFault, JobFault
 from colocate.job.engine_restarts import EngineRestarts, check_engine_restarts
-from colocate.job.faults import Member, member_fault
+from colocate.job.members import Member, member_fault
 from colocate.telemetry.trace import Trace
 
 SPLIT = ["placement.num_slots=2", "placement.engine_slots=1", "engine.tp=1"]

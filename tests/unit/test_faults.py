@@ -10,7 +10,9 @@ import time
 
 import pytest
 
-from colocate.job.faults import Member, parse_injection, process_state, recorded_deaths, signal_name
+from colocate.job.faults import process_state, recorded_deaths, signal_name
+from colocate.job.injections import parse_injection
+from colocate.job.members import Member
 
 
 def test_exit_codes_read_as_causes():

@@ -12,7 +12,8 @@ import pytest
 from colocate.config import FaultConfig
 from colocate.errors import JobFault
 from colocate.job import faults
-from colocate.job.faults import Member, Watchdog
+from colocate.job.faults import Watchdog
+from colocate.job.members import Member
 
 
 def _blocking_get(limit_s: float = 15.0) -> None:
